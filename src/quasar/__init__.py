@@ -1,0 +1,3 @@
+"""quasar: speculative decoding with a quantized (W8A8) verifier."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from quasar.cli import main
+
+sys.exit(main())

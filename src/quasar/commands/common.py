@@ -1,0 +1,54 @@
+"""Options shared by the subcommands that take a model and sampling settings."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from quasar.sampling import SamplingParams
+
+
+def add_model_args(parser: argparse.ArgumentParser, verifier_default: str = "fp32") -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--model", default="default",
+        help="'default' (the embedded SmolLM2-135M-Instruct), a .gguf file, a Hugging Face model directory "
+        "or a quantized directory made by `quasar quantize` (default: %(default)s)",
+    )
+    group.add_argument(
+        "--verifier", default=verifier_default,
+        help="precision of the target/verifier model: fp32, bf16, w8a8, w8a16, pruned:N (default: %(default)s)",
+    )
+    group.add_argument("--dtype", choices=("fp32", "bf16"), help="shorthand for --verifier fp32|bf16")
+    group.add_argument("--cache-dir", help="where converted GGUF and quantized models are cached "
+                       "(default: $XDG_CACHE_HOME/quasar or ~/.cache/quasar)")
+    group.add_argument("--max-context", type=int, help="context window in tokens (default: the model's)")
+
+
+def verifier_name(args: argparse.Namespace) -> str:
+    return args.dtype or args.verifier
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: %(default)s)")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: %(default)s)")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all (default: %(default)s)")
+    group.add_argument("--seed", type=int, help="random seed; the same seed reproduces the same sample")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+    )
+
+
+def read_prompt(prompt: str | None) -> str:
+    """The PROMPT argument, or standard input when it is '-'."""
+    if prompt is None:
+        raise ValueError("no prompt given (pass PROMPT, or '-' to read it from standard input)")
+    return sys.stdin.read() if prompt == "-" else prompt

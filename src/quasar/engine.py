@@ -1,0 +1,153 @@
+"""Engine: prompt -> token stream -> text pieces, with timing. Plain or speculative decoding plugs in
+as a `Decoder`; the CLI, the Python API, the server and the bench all go through here."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from quasar.detokenize import IncrementalDetokenizer
+from quasar.generate import StopRule, autoregressive
+from quasar.kv_cache import KVCache
+from quasar.loading import LoadedModel
+from quasar.models.llama import Transformer
+from quasar.sampling import SamplingParams
+from quasar.stats import GenerationStats
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not leave room for one new token in the context window."""
+
+
+class Decoder(Protocol):
+    def __call__(
+        self,
+        model: Transformer,
+        cache: KVCache,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stop: StopRule,
+        stats: GenerationStats,
+    ) -> Iterator[list[int]]: ...
+
+
+@dataclass
+class Completion:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    @property
+    def finish_reason(self) -> str:
+        return self.stats.finish_reason
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+
+
+class Run:
+    """One request in flight: iterate it for text pieces; `completion` holds the result so far.
+
+    Closing the iterator early (a client that went away) stops generation at once."""
+
+    def __init__(self, pieces: Callable[[Completion], Iterator[str]]) -> None:
+        self.completion = Completion()
+        self._pieces = pieces(self.completion)
+
+    def __iter__(self) -> Iterator[str]:
+        return self._pieces
+
+    def close(self) -> None:
+        self._pieces.close()
+
+    def result(self) -> Completion:
+        for _ in self._pieces:
+            pass
+        return self.completion
+
+
+class Engine:
+    """A loaded target (verifier) model plus a decoder; reuses one KV cache across requests."""
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        decoder: Decoder = autoregressive,
+        max_context: int | None = None,
+        cache_slack: int = 16,
+    ) -> None:
+        self.target = target
+        self.decoder = decoder
+        limit = target.model.config.max_position_embeddings
+        self.max_context = min(max_context or limit, limit)
+        self.cache_slack = cache_slack  # room past the last token for a verify step's draft
+        self.cache: KVCache | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.target.tokenizer
+
+    def encode(self, prompt: str | list[dict[str, str]], chat: bool | None = None) -> list[int]:
+        """Text or chat messages -> prompt token ids. chat=None: use the chat template if there is one."""
+        tokenizer = self.tokenizer
+        if isinstance(prompt, list) or (chat if chat is not None else bool(tokenizer.chat_template)):
+            if not tokenizer.chat_template:
+                raise ValueError("this model's tokenizer has no chat template; use a plain prompt")
+            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(prompt)
+
+    def fresh_cache(self, needed: int) -> KVCache:
+        if self.cache is None or self.cache.max_len < needed:
+            self.cache = self.target.model.new_cache(needed)
+        self.cache.reset()
+        return self.cache
+
+    def run(self, prompt_ids: list[int], params: SamplingParams) -> Run:
+        """Start a request; nothing is computed until the Run is iterated."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        room = self.max_context - len(prompt_ids)
+        if room < 1:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_ids)} tokens; the context window holds {self.max_context}"
+            )
+        budget = min(params.max_new_tokens, room)
+        cache_len = min(len(prompt_ids) + budget + self.cache_slack, self.max_context + self.cache_slack)
+
+        def pieces(completion: Completion) -> Iterator[str]:
+            stats = completion.stats
+            stats.prompt_tokens = len(prompt_ids)
+            detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+            start = time.perf_counter()
+            cache = self.fresh_cache(cache_len)
+            stream = self.decoder(self.target.model, cache, prompt_ids, params, StopRule(params, self.eos, budget), stats)
+            try:
+                for tokens in stream:
+                    completion.token_ids.extend(tokens)
+                    piece = detok.add(tokens)
+                    if piece:
+                        yield piece
+                    if detok.done:
+                        stats.finish_reason = "stop"
+                        break
+                tail = detok.finish()
+                if tail:
+                    yield tail
+            finally:
+                stream.close()
+                stats.new_tokens = len(completion.token_ids)
+                stats.decode_s = time.perf_counter() - start - stats.prefill_s
+                completion.text = detok.text
+
+        return Run(pieces)
+
+    @property
+    def eos(self) -> tuple[int, ...]:
+        return self.target.eos_token_ids
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+        return self.run(prompt_ids, params).result()

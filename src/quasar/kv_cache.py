@@ -1,0 +1,60 @@
+"""Static key/value cache: preallocated buffers, rollback is a counter move."""
+
+from __future__ import annotations
+
+import torch
+
+from quasar.models.config import ModelConfig
+
+
+class ContextOverflowError(ValueError):
+    """More tokens than the cache (context window) holds."""
+
+
+class KVCache:
+    """K/V buffers of shape [L, B, H_kv, S, D]; `length` tokens of them are valid.
+
+    The model writes new keys at [length, length + T) in every layer, then calls
+    `advance(T)`. Speculative decoding drops rejected positions with `trim(n)`.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_len: int,
+        batch: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (config.num_hidden_layers, batch, config.num_key_value_heads, max_len, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S, D]
+        self.max_len = max_len
+        self.length = 0
+
+    def positions(self, n: int) -> torch.Tensor:
+        """Positions of the next n tokens: [n]."""
+        if self.length + n > self.max_len:
+            raise ContextOverflowError(
+                f"{self.length + n} tokens do not fit the context window of {self.max_len}"
+            )
+        return torch.arange(self.length, self.length + n, device=self.k.device)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, H_kv, T, D] at the next T positions; return the valid keys/values [B, H_kv, length+T, D]."""
+        end = self.length + k.shape[2]
+        self.k[layer, :, :, self.length : end] = k
+        self.v[layer, :, :, self.length : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def trim(self, n: int) -> None:
+        """Forget the last n positions (they are overwritten by the next write)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot trim {n} of {self.length} cached positions")
+        self.length -= n
+
+    def reset(self) -> None:
+        self.length = 0

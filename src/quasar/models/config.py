@@ -1,0 +1,66 @@
+"""ModelConfig: the hyper-parameters of a Llama-family model, read from a Hugging Face config.json."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's model_type is not one quasar implements."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Build from a config.json dict (transformers 4.x and 5.x spellings)."""
+        model_type = hf.get("model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported model_type {model_type!r}; quasar supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        rope = hf.get("rope_parameters") or {}
+        rope_scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        n_heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=n_heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or n_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=hf.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=hf.get("attention_bias", model_type == "qwen2"),
+            qk_norm=model_type == "qwen3",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
