@@ -1,0 +1,88 @@
+"""Shared fixtures: tiny random Llama-family models (written as HF directories) and the real default model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from quasar.loading import LoadedModel, load
+
+TINY = {
+    "vocab_size": 49152,  # the default model's tokenizer, so tiny models can run the whole engine
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def tiny_hf_model(model_type: str, seed: int = 0, **overrides):
+    """A transformers model with random weights (the reference implementation)."""
+    import transformers
+
+    cfg = dict(TINY, model_type=model_type, **overrides)
+    if model_type == "qwen3":
+        cfg.setdefault("head_dim", 32)
+    config = transformers.AutoConfig.for_model(**cfg)
+    torch.manual_seed(seed)
+    model = getattr(transformers, HF_CLASSES[model_type])(config).eval()
+    with torch.no_grad():  # make norms non-trivial so their weights matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="session")
+def default_model() -> LoadedModel:
+    """The real embedded default model, fp32 (converted and cached on first use)."""
+    return load("default", "fp32")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(default_model: LoadedModel, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tokenizer")
+    for f in default_model.directory.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def write_hf_dir(hf_model, out: Path, tokenizer_dir: Path) -> Path:
+    """Save a transformers model as config.json + model.safetensors (+ tokenizer files)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    if hf_model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(hf_model.config.to_dict()))
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """A tiny random llama as a Hugging Face directory (uses the default model's tokenizer)."""
+    return write_hf_dir(tiny_hf_model("llama"), tmp_path_factory.mktemp("tiny-llama"), tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir) -> LoadedModel:
+    return load(tiny_model_dir, "fp32")
