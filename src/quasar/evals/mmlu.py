@@ -1,0 +1,67 @@
+"""MMLU accuracy by one forward pass: after the question and its four choices, the answer is the letter
+A/B/C/D whose token the model scores highest at the next position. Nothing is generated."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from quasar.engine import Engine
+from quasar.evals import data
+from quasar.evals.task import ItemResult, TaskOptions, register
+from quasar.generate import prefill
+
+
+def prompt_text(item: data.MMLUItem) -> str:
+    """The zero-shot MMLU format of Hendrycks et al., with an instruction for chat models."""
+    choices = "\n".join(f"{letter}. {choice}" for letter, choice in zip(data.LETTERS, item.choices))
+    return (
+        f"The following is a multiple choice question about {item.topic}. "
+        f"Reply with the letter of the correct answer only.\n\n{item.question}\n{choices}"
+    )
+
+
+def letter_token_ids(tokenizer: Any) -> dict[str, tuple[int, ...]]:
+    """Each letter's single-token spellings ('A' and ' A'), the ways the next token can state it."""
+    ids: dict[str, tuple[int, ...]] = {}
+    for letter in data.LETTERS:
+        spellings = [tokenizer.encode(s, add_special_tokens=False) for s in (letter, f" {letter}")]
+        ids[letter] = tuple(sorted({t[0] for t in spellings if len(t) == 1}))
+        if not ids[letter]:
+            raise ValueError(f"the tokenizer has no single token for the answer letter {letter!r}")
+    return ids
+
+
+def choose(logits: torch.Tensor, letter_ids: dict[str, tuple[int, ...]]) -> str:
+    """logits [V] at the answer position -> the letter whose best spelling scores highest."""
+    scores = {letter: float(logits[list(ids)].max()) for letter, ids in letter_ids.items()}
+    return max(scores, key=scores.__getitem__)
+
+
+def encode(engine: Engine, item: data.MMLUItem) -> list[int]:
+    """Chat models answer in the assistant turn; plain models after 'Answer:'."""
+    if engine.tokenizer.chat_template:
+        return engine.encode([{"role": "user", "content": prompt_text(item)}])
+    return engine.encode(prompt_text(item) + "\nAnswer:", chat=False)
+
+
+def answer_logits(engine: Engine, prompt_ids: list[int]) -> torch.Tensor:
+    """One forward over the prompt -> logits [V] of the next token."""
+    if len(prompt_ids) >= engine.max_context:
+        raise ValueError(f"an MMLU prompt has {len(prompt_ids)} tokens; the context window holds {engine.max_context}")
+    return prefill(engine.target.model, engine.fresh_cache(len(prompt_ids) + 1), prompt_ids)
+
+
+class MMLU:
+    name = "mmlu"
+
+    def load(self, limit: int | None) -> list[data.MMLUItem]:
+        return data.mmlu(limit)
+
+    def score(self, engine: Engine, item: data.MMLUItem, options: TaskOptions) -> ItemResult:
+        letter = choose(answer_logits(engine, encode(engine, item)), letter_token_ids(engine.tokenizer))
+        return ItemResult(item.id, letter == item.answer, letter)
+
+
+register(MMLU())
