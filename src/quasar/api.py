@@ -1,0 +1,122 @@
+"""The Python API, shaped like vLLM's offline `LLM`:
+
+    from quasar import LLM, SamplingParams
+    llm = LLM("default", verifier="w8a8", drafter="ngram", k=5)
+    outputs = llm.generate(["The capital of France is"], SamplingParams(max_new_tokens=32))
+    print(outputs[0].text, outputs[0].stats.mean_accepted_tokens)
+
+One LLM holds one model and one KV cache: it serves one request at a time (not thread-safe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from quasar.engine import Completion, Decoder, Engine
+from quasar.generate import autoregressive
+from quasar.loading import LoadedModel
+from quasar.sampling import SamplingParams
+from quasar.stats import GenerationStats
+from quasar.verifiers import load_verifier
+
+Messages = list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Which drafter proposes tokens and how many: drafter 'none' is plain autoregressive decoding."""
+
+    drafter: str = "none"
+    k: int | str = 5  # draft length, or 'auto'
+    ngram_min: int = 1
+    ngram_max: int = 3
+
+
+def build_decoder(target: LoadedModel, config: DecodeConfig, cache_dir: str | Path | None = None) -> Decoder:
+    """The Decoder for `config`: the plain loop, or speculative decoding with the named drafter."""
+    if config.drafter == "none":
+        return autoregressive
+    from quasar.drafters import DrafterOptions, build_drafter
+    from quasar.speculative import Speculative
+
+    options = DrafterOptions(ngram_min=config.ngram_min, ngram_max=config.ngram_max, cache_dir=cache_dir)
+    return Speculative(build_drafter(config.drafter, target, options), config.k)
+
+
+def build_engine(
+    model: str | Path = "default",
+    verifier: str = "fp32",
+    decode: DecodeConfig = DecodeConfig(),
+    max_context: int | None = None,
+    cache_dir: str | Path | None = None,
+) -> Engine:
+    target = load_verifier(model, verifier, cache_dir)
+    return Engine(target, build_decoder(target, decode, cache_dir), max_context=max_context)
+
+
+@dataclass
+class RequestOutput:
+    """One finished request: the prompt as given, the generated text and token ids, and its statistics."""
+
+    prompt: str | Messages
+    text: str
+    token_ids: list[int]
+    stats: GenerationStats
+
+    @property
+    def finish_reason(self) -> str:
+        return self.stats.finish_reason
+
+    @classmethod
+    def of(cls, prompt: str | Messages, completion: Completion) -> RequestOutput:
+        return cls(prompt, completion.text, completion.token_ids, completion.stats)
+
+
+class LLM:
+    """A model loaded once for generation: `generate` (batch of prompts), `stream` (pieces), `chat`."""
+
+    def __init__(
+        self,
+        model: str | Path = "default",
+        verifier: str = "fp32",
+        drafter: str = "none",
+        k: int | str = 5,
+        ngram_min: int = 1,
+        ngram_max: int = 3,
+        max_context: int | None = None,
+        cache_dir: str | Path | None = None,
+    ) -> None:
+        decode = DecodeConfig(drafter, k, ngram_min, ngram_max)
+        self.engine = build_engine(model, verifier, decode, max_context, cache_dir)
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+        return self.engine.tokenizer
+
+    def generate(
+        self, prompts: str | Sequence[str], params: SamplingParams | None = None, chat: bool = False
+    ) -> list[RequestOutput]:
+        """Complete each prompt (raw text unless chat=True), one after another, in order."""
+        params = params or SamplingParams()
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        return [RequestOutput.of(p, self.engine.generate(self.engine.encode(p, chat), params)) for p in prompts]
+
+    def stream(self, prompt: str | Messages, params: SamplingParams | None = None, chat: bool | None = None) -> Iterator[str]:
+        """Text pieces as they are generated; stopping the iteration early stops the generation.
+        A string prompt is raw text unless chat=True; a list of messages always uses the chat template."""
+        run = self.engine.run(self.engine.encode(prompt, False if chat is None and isinstance(prompt, str) else chat),
+                              params or SamplingParams())
+        try:
+            yield from run
+        finally:
+            run.close()
+
+    def chat(self, messages: Messages | Sequence[Messages], params: SamplingParams | None = None
+             ) -> RequestOutput | list[RequestOutput]:
+        """Answer one conversation (a list of {'role', 'content'} dicts), or each of several."""
+        params = params or SamplingParams()
+        if messages and isinstance(messages[0], dict):
+            return RequestOutput.of(messages, self.engine.generate(self.engine.encode(list(messages)), params))
+        return [self.chat(conversation, params) for conversation in messages]  # type: ignore[misc]

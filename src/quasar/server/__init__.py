@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: a thin adapter over Engine.run(); no generation logic lives here."""

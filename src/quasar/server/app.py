@@ -1,0 +1,185 @@
+"""The FastAPI app: OpenAI routes over Engine.run(), a bounded request queue, metrics, API-key check."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from quasar.engine import Completion, Engine
+from quasar.server.metrics import Metrics
+from quasar.server.protocol import BadRequest, ChatRequest, CompletionRequest, Envelope, budget, error_body, parse
+from quasar.server.scheduler import Job, QueueFullError, Scheduler
+
+log = logging.getLogger("quasar")
+
+
+class Guard:
+    """ASGI middleware: bearer-token check on /v1/* and a request counter by route and status.
+
+    Plain ASGI (not BaseHTTPMiddleware) so that a client disconnect reaches the streaming response."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: Metrics) -> None:
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.count_request(path, message["status"])
+            await send(message)
+
+        if self.api_key and path.startswith("/v1") and not self._authorized(scope):
+            body = error_body("missing or invalid API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
+            return await JSONResponse(body, status_code=401)(scope, receive, counting_send)
+        await self.app(scope, receive, counting_send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"").decode("latin-1")
+        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+
+
+def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = 64) -> FastAPI:
+    metrics = Metrics()
+
+    def finished(job: Job, completion: Completion, cancelled: bool) -> None:
+        first = None if job.first_piece is None else job.first_piece - job.submitted
+        metrics.record(completion.stats, time.perf_counter() - job.submitted, first, cancelled)
+
+    scheduler = Scheduler(max_queue, on_finish=finished)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        scheduler.stop()
+
+    app = FastAPI(title="quasar", version="1", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.scheduler, app.state.metrics = scheduler, metrics
+    app.add_middleware(Guard, api_key=api_key, metrics=metrics)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_: Request, e: BadRequest) -> JSONResponse:
+        return JSONResponse(error_body(str(e), e.kind, e.param, e.code), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(e.detail)), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, e: Exception) -> JSONResponse:
+        log.exception("request failed")
+        return JSONResponse(error_body(f"internal error: {e}", "server_error"), status_code=500)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": model_name, "queue_length": scheduler.waiting}
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        text = metrics.render(scheduler.waiting, scheduler.running)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "quasar",
+                "max_model_len": engine.max_context}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        req = parse(CompletionRequest, await read_json(request))
+        check_model(req.model)
+        return await serve(req, completion_ids(req), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        req = parse(ChatRequest, await read_json(request))
+        check_model(req.model)
+        try:
+            ids = engine.encode([m.text() for m in req.messages])
+        except ValueError as e:
+            raise BadRequest(str(e), param="messages") from None
+        return await serve(req, ids, chat=True)
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise BadRequest(f"the model {name!r} does not exist; this server serves {model_name!r}",
+                             param="model", code="model_not_found")
+
+    def completion_ids(req: CompletionRequest) -> list[int]:
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            if not all(0 <= t < engine.target.model.config.vocab_size for t in prompt):
+                raise BadRequest("prompt token id out of range", param="prompt")
+            return list(prompt)  # type: ignore[arg-type]
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise BadRequest("exactly one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise BadRequest("the prompt is empty", param="prompt")
+        return engine.encode(str(prompt), chat=False)
+
+    async def serve(req: CompletionRequest | ChatRequest, ids: list[int], chat: bool) -> Any:
+        requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        params = req.sampling(budget(requested, len(ids), engine.max_context))
+        try:
+            run = engine.run(ids, params)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+        try:
+            job = scheduler.submit(run)
+        except QueueFullError as e:
+            raise BadRequest(str(e), status=429, kind="rate_limit_exceeded", code="queue_full") from None
+        envelope = Envelope(model_name, chat)
+        if req.stream:
+            return StreamingResponse(sse(job, envelope, req.include_usage), media_type="text/event-stream")
+        try:
+            completion = await job.completion()
+        finally:
+            scheduler.cancel(job)  # no-op once finished; frees the place if this handler was cancelled
+        return JSONResponse(envelope.full(completion))
+
+    async def sse(job: Job, envelope: Envelope, include_usage: bool) -> AsyncIterator[str]:
+        try:
+            if envelope.chat:
+                yield event(envelope.chunk(None, role=True))
+            try:
+                async for piece in job.pieces():
+                    yield event(envelope.chunk(piece))
+            except Exception as e:  # generation failed after the 200 went out: say so in the stream
+                yield event(error_body(f"generation failed: {e}", "server_error"))
+                return
+            completion = job.run.completion
+            yield event(envelope.chunk(None, finish_reason=completion.finish_reason))
+            if include_usage:
+                yield event(envelope.usage_chunk(completion))
+            yield "data: [DONE]\n\n"
+        finally:
+            scheduler.cancel(job)  # the client went away mid-stream: stop generating, free the place
+
+    return app
+
+
+def event(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def read_json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not valid JSON: {e}") from None
