@@ -1,0 +1,1 @@
+"""Benchmarks: suites, methods, an interleaved runner, metrics, reports and plots (`quasar bench`)."""

@@ -1,0 +1,121 @@
+"""Peers run side by side with quasar: transformers (plain and prompt lookup) and llama.cpp.
+
+Peers get the same prompt token ids and token budget as quasar's methods. Their verify steps are
+counted from outside: a forward pre-hook records where each transformers forward starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quasar.bench.methods import Messages, Output, PeerMissingError, encode
+from quasar.loading import load_tokenizer
+from quasar.sampling import SamplingParams
+from quasar.stats import GenerationStats
+
+
+def forward_starts(model: torch.nn.Module) -> tuple[list[tuple[int, int]], Any]:
+    """Record (first position, input length) of every forward of a transformers model; returns the list and
+    the hook handle (remove it when done)."""
+    starts: list[tuple[int, int]] = []
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
+        if ids is not None and positions is not None:
+            starts.append((int(positions[0, 0]), ids.shape[1]))
+
+    return starts, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def step_lengths(starts: list[tuple[int, int]], prompt_len: int, total_len: int) -> list[int]:
+    """Tokens emitted by each verify step, from where each forward started. The first forward is the
+    prefill (a step only when it also scored a draft); the last token emitted is never fed back."""
+    bounds = [s for s, _ in starts[1:]] + [total_len - 1]
+    lengths = [b - a for (a, _), b in zip(starts[1:], bounds[1:])]
+    if starts and starts[0][1] > prompt_len:
+        lengths.insert(0, bounds[0] - prompt_len + 1)
+    return lengths
+
+
+class HFMethod:
+    """transformers' `generate` in bf16, plain or with prompt lookup decoding (`prompt_lookup_num_tokens`)."""
+
+    def __init__(self, name: str, directory: Path, pld_tokens: int | None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.name, self.pld_tokens = name, pld_tokens
+        self.tokenizer = load_tokenizer(directory)
+        self.model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.bfloat16).eval()
+        eos = self.model.generation_config.eos_token_id
+        self.eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in self.eos:
+            self.eos.append(self.tokenizer.eos_token_id)
+
+    def sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        if params.greedy:
+            return {"do_sample": False}
+        return {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
+
+    @torch.inference_mode()
+    def generate(self, messages: Messages, params: SamplingParams) -> Output:
+        ids = encode(self.tokenizer, messages)
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        starts, handle = forward_starts(self.model)
+        start = time.perf_counter()
+        try:
+            out = self.model.generate(
+                torch.tensor([ids]), max_new_tokens=params.max_new_tokens, eos_token_id=self.eos or None,
+                pad_token_id=self.eos[0] if self.eos else 0, prompt_lookup_num_tokens=self.pld_tokens,
+                **self.sampling_kwargs(params),
+            )
+        finally:
+            handle.remove()
+        wall = time.perf_counter() - start
+        new = out[0, len(ids):].tolist()
+        stats = GenerationStats(prompt_tokens=len(ids), new_tokens=len(new), decode_s=wall)
+        for emitted in step_lengths(starts, len(ids), len(ids) + len(new)):
+            stats.record_step(proposed=0, accepted=0, emitted=emitted)  # drafts are not visible from outside
+        return Output(self.tokenizer.decode(new, skip_special_tokens=True), new, stats, wall)
+
+
+class LlamaCppMethod:
+    """llama-cpp-python on an F16 or Q8_0 GGUF of the same model, plain or with LlamaPromptLookupDecoding."""
+
+    INSTALL = "llama-cpp-python is not installed; install it with: pip install llama-cpp-python"
+
+    def __init__(self, name: str, pool: Any, precision: str, pld_tokens: int | None) -> None:
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise PeerMissingError(self.INSTALL)
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        from quasar.bench.gguf_export import exported_gguf
+
+        self.name = name
+        self.tokenizer = load_tokenizer(pool.directory())
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=pld_tokens) if pld_tokens else None
+        path = exported_gguf(pool.options.model, precision, pool.options.cache_dir)
+        n_ctx = pool.options.max_context or 4096
+        self.llm = Llama(str(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(), draft_model=draft, verbose=False)
+
+    def generate(self, messages: Messages, params: SamplingParams) -> Output:
+        ids = encode(self.tokenizer, messages)
+        eos = {self.llm.token_eos()}
+        new: list[int] = []
+        if params.seed is not None:
+            self.llm.set_seed(params.seed)
+        start = time.perf_counter()
+        tokens = self.llm.generate(ids, temp=params.temperature, top_p=params.top_p, top_k=params.top_k, reset=True)
+        for token in tokens:
+            new.append(token)
+            if (token in eos and not params.ignore_eos) or len(new) >= params.max_new_tokens:
+                break
+        wall = time.perf_counter() - start
+        stats = GenerationStats(prompt_tokens=len(ids), new_tokens=len(new), decode_s=wall)
+        return Output(self.tokenizer.decode(new, skip_special_tokens=True), new, stats, wall)

