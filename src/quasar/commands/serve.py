@@ -1,0 +1,109 @@
+"""`quasar serve`: the OpenAI-compatible HTTP server, or the equivalent `vllm serve` command (--engine vllm)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+from quasar.api import DecodeConfig, build_engine
+from quasar.commands.common import add_model_args, verifier_name
+
+log = logging.getLogger("quasar")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "serve", help="serve a model behind an OpenAI-compatible HTTP API",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. Requests "
+        "wait in a bounded queue and are generated one at a time, in order.",
+    )
+    add_model_args(parser)
+    add_decode_args(parser)
+    net = parser.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    net.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    net.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* requests")
+    net.add_argument("--max-queue", type=int, default=64,
+                     help="requests that may wait while one is generated; more get HTTP 429 (default: %(default)s)")
+    net.add_argument("--served-model-name", help="the model id clients send (default: the --model value)")
+    hand = parser.add_argument_group("vLLM hand-off")
+    hand.add_argument("--engine", choices=("quasar", "vllm"), default="quasar",
+                      help="'vllm' starts `vllm serve` with the same model and drafter settings (default: %(default)s)")
+    hand.add_argument("--dry-run", action="store_true", help="with --engine vllm: print the command, do not start it")
+    hand.add_argument("--vllm", default="vllm", help="the vllm executable, e.g. in its own virtualenv (default: %(default)s)")
+    hand.add_argument("--export-dir", help="with --engine vllm and a quantized verifier: where to write the "
+                      "compressed-tensors export (default: in the cache directory)")
+    parser.set_defaults(run=run)
+
+
+def add_decode_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument("--drafter", default="none", help="none, ngram, suffix, model:PATH, layerskip:N (default: %(default)s)")
+    group.add_argument("--k", default="5", help="draft tokens per verify step, or 'auto' (default: %(default)s)")
+    group.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram the ngram drafter matches (default: %(default)s)")
+    group.add_argument("--ngram-max", type=int, default=3, help="longest n-gram the ngram drafter matches (default: %(default)s)")
+
+
+def decode_config(args: argparse.Namespace) -> DecodeConfig:
+    if args.k != "auto" and (not args.k.isdigit() or int(args.k) < 1):
+        raise ValueError(f"--k must be a positive integer or 'auto', got {args.k!r}")
+    k: int | str = args.k if args.k == "auto" else int(args.k)
+    return DecodeConfig(args.drafter, k, args.ngram_min, args.ngram_max)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_queue < 1:
+        raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    name = args.served_model_name or str(args.model)
+    if args.engine == "vllm":
+        return hand_off(args, name)
+    import uvicorn
+
+    from quasar.server.app import create_app
+
+    engine = build_engine(args.model, verifier_name(args), decode_config(args), args.max_context, args.cache_dir)
+    app = create_app(engine, name, api_key=args.api_key, max_queue=args.max_queue)
+    print(f"quasar: serving {name!r} on http://{args.host}:{args.port}/v1 (pid {os.getpid()})", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def hand_off(args: argparse.Namespace, name: str) -> int:
+    """Build the `vllm serve` command for the same model; print it (--dry-run) or replace this process by it."""
+    from quasar.server.vllm import VllmServe, vllm_command
+
+    verifier = verifier_name(args)
+    decode = decode_config(args)
+    model_dir, dtype = vllm_model(args.model, verifier, args.cache_dir, args.export_dir)
+    serve = VllmServe(model_dir, name, dtype, args.host, args.port, args.api_key, args.max_context, args.vllm)
+    argv = vllm_command(serve, decode)
+    if args.dry_run:
+        print(shlex.join(argv))
+        return 0
+    if shutil.which(args.vllm) is None:
+        raise ValueError(f"{args.vllm!r} not found; install vLLM in its own environment and pass --vllm PATH")
+    os.execvp(argv[0], argv)
+    return 0  # not reached
+
+
+def vllm_model(model: str, verifier: str, cache_dir: str | None, export_dir: str | None) -> tuple[Path, str]:
+    """The directory vLLM should load and the dtype of its float parts."""
+    from quasar.verifiers import load_verifier
+
+    if verifier in ("fp32", "bf16"):
+        return load_verifier(model, verifier, cache_dir).directory, {"fp32": "float32", "bf16": "bfloat16"}[verifier]
+    if verifier != "w8a8":
+        raise ValueError(f"the vLLM hand-off supports --verifier fp32, bf16 or w8a8, not {verifier!r}")
+    from quasar.export import export
+    from quasar.loading import cache_root
+
+    target = load_verifier(model, verifier, cache_dir)
+    out = Path(export_dir) if export_dir else cache_root(cache_dir) / "exports" / f"{target.source_sha256}-w8a8-ct"
+    if not (out / "config.json").exists():
+        export(target, out)
+    return out, "float32" if str(target.model.dtype) == "torch.float32" else "bfloat16"

@@ -1,0 +1,52 @@
+"""The vLLM hand-off: the `vllm serve` command line equivalent to a quasar server's settings.
+
+vLLM is never imported: it lives in its own environment and is started as a separate program."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from quasar.api import DecodeConfig
+
+
+@dataclass(frozen=True)
+class VllmServe:
+    model_dir: Path  # a Hugging Face directory: float weights, or a compressed-tensors export for w8a8
+    served_name: str
+    dtype: str  # vLLM --dtype for the non-quantized parts: float32 | bfloat16
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_context: int | None = None
+    executable: str = "vllm"
+
+
+def speculative_config(decode: DecodeConfig) -> dict[str, object] | None:
+    """quasar's drafter settings as vLLM's --speculative-config (prompt lookup = vLLM's 'ngram' method)."""
+    if decode.drafter == "none":
+        return None
+    if decode.drafter != "ngram":
+        raise ValueError(f"the vLLM hand-off supports --drafter none or ngram, not {decode.drafter!r}")
+    if not isinstance(decode.k, int):
+        raise ValueError("vLLM needs a fixed draft length: pass --k N, not 'auto'")
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": decode.k,
+        "prompt_lookup_min": decode.ngram_min,
+        "prompt_lookup_max": decode.ngram_max,
+    }
+
+
+def vllm_command(serve: VllmServe, decode: DecodeConfig) -> list[str]:
+    argv = [serve.executable, "serve", str(serve.model_dir), "--served-model-name", serve.served_name,
+            "--dtype", serve.dtype, "--host", serve.host, "--port", str(serve.port)]
+    if serve.max_context:
+        argv += ["--max-model-len", str(serve.max_context)]
+    if serve.api_key:
+        argv += ["--api-key", serve.api_key]
+    spec = speculative_config(decode)
+    if spec is not None:
+        argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    return argv
