@@ -38,7 +38,7 @@ def available() -> list[str]:
     return sorted(VERIFIERS)
 
 
-PLUGINS: tuple[str, ...] = ()  # modules that register more verifiers, imported on first use (heavier)
+PLUGINS: tuple[str, ...] = ("quasar.pruning", "quasar.quant.verifiers")  # modules that register more verifiers, imported on first use (heavier)
 
 
 def _import_plugins() -> None:

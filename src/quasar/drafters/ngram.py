@@ -1,0 +1,79 @@
+"""'ngram': prompt lookup decoding (Saxena 2023; the Spec-Bench PLD and vLLM 'ngram' proposer).
+
+The drafter matches the last n committed tokens, n from ngram_max down to ngram_min, against the
+earlier prompt + generated text; at the first (longest) n that matches, it proposes up to k tokens
+that followed the earliest occurrence of that n-gram. An index from n-gram to its first occurrence,
+updated as tokens are committed, makes each step O(ngram_max) instead of a scan of the context.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quasar.drafters import Draft, DrafterOptions
+from quasar.loading import LoadedModel
+from quasar.sampling import SamplingParams
+
+
+class NgramIndex:
+    """n-gram (ngram_min <= n <= ngram_max) -> (document, position of the token that followed it).
+
+    An n-gram is indexed only once a token follows it, so the current suffix never matches itself.
+    keep='first' remembers the earliest occurrence (prompt lookup), 'last' the most recent one.
+    """
+
+    def __init__(self, ngram_min: int, ngram_max: int, keep: str = "first") -> None:
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.keep_last = keep == "last"
+        self.where: dict[tuple[int, ...], tuple[int, int]] = {}
+
+    def add(self, doc_id: int, tokens: list[int], start: int) -> None:
+        """Index the n-grams that end just before each of tokens[start:]."""
+        for end in range(max(start, 1), len(tokens)):
+            for n in range(self.ngram_min, min(self.ngram_max, end) + 1):
+                gram = tuple(tokens[end - n : end])
+                if self.keep_last:
+                    self.where[gram] = (doc_id, end)
+                else:
+                    self.where.setdefault(gram, (doc_id, end))
+
+    def lookup(self, tokens: list[int]) -> tuple[int, int] | None:
+        """Where the longest indexed suffix of tokens occurred: (document, continuation start)."""
+        for n in range(min(self.ngram_max, len(tokens)), self.ngram_min - 1, -1):
+            found = self.where.get(tuple(tokens[-n:]))
+            if found is not None:
+                return found
+        return None
+
+    def clear(self) -> None:
+        self.where.clear()
+
+
+class NgramDrafter:
+    """Prompt lookup over the current request's prompt + generated tokens."""
+
+    def __init__(self, ngram_min: int = 1, ngram_max: int = 3) -> None:
+        self.index = NgramIndex(ngram_min, ngram_max, keep="first")
+        self.tokens: list[int] = []
+
+    def reset(self) -> None:
+        self.index.clear()
+        self.tokens = []
+
+    def commit(self, tokens: list[int]) -> None:
+        start = len(self.tokens)
+        self.tokens.extend(tokens)
+        self.index.add(0, self.tokens, start)
+
+    def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+        found = self.index.lookup(self.tokens) if k > 0 else None
+        if found is None:
+            return Draft([])
+        _, start = found
+        return Draft(self.tokens[start : start + k])
+
+
+def build(arg: str | None, target: LoadedModel, options: DrafterOptions) -> NgramDrafter:
+    if arg:
+        raise ValueError(f"the ngram drafter takes no argument (got 'ngram:{arg}'); use --ngram-min/--ngram-max")
+    return NgramDrafter(options.ngram_min, options.ngram_max)

@@ -1,0 +1,100 @@
+"""Speculative decoding: propose -> one verifier forward over [last, *draft] -> rejection sample -> trim.
+
+The output follows the verifier's distribution exactly, whatever the drafter (see quasar.verify);
+with greedy sampling it is the verifier's greedy output token for token.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from quasar.drafters import Drafter
+from quasar.generate import StopRule, next_token, prefill
+from quasar.kv_cache import KVCache
+from quasar.models.llama import Transformer
+from quasar.sampling import SamplingParams, logits_to_probs
+from quasar.stats import GenerationStats
+from quasar.verify import rejection_sample
+
+AUTO = "auto"
+
+
+class DraftLength:
+    """How many tokens to draft. Fixed k, or adaptive ('auto'): start at 4 and after each non-empty
+    draft set k = clamp(ceil(ema) + 1, 1, 8), where ema is an exponential moving average (weight 0.5)
+    of the accepted draft tokens per step. Drafting one more than recently accepted keeps a cheap
+    chance to accept longer runs while short acceptance keeps wasted verify rows few."""
+
+    K_MIN, K_MAX, K_START, WEIGHT = 1, 8, 4, 0.5
+
+    def __init__(self, k: int | str) -> None:
+        self.adaptive = k == AUTO
+        self.k = self.K_START if self.adaptive else int(k)
+        self.ema = float(self.k - 1)
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if not self.adaptive or proposed == 0:
+            return
+        self.ema = self.WEIGHT * accepted + (1 - self.WEIGHT) * self.ema
+        self.k = min(self.K_MAX, max(self.K_MIN, math.ceil(self.ema) + 1))
+
+
+def parse_k(text: str) -> int | str:
+    """'auto' or a positive integer."""
+    if text == AUTO:
+        return AUTO
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"--k must be a positive integer or 'auto', got {text!r}")
+    return int(text)
+
+
+@dataclass
+class Speculative:
+    """A Decoder (see quasar.engine) that drafts with `drafter` and verifies with the engine's model."""
+
+    drafter: Drafter
+    k: int | str = 5
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        model: Transformer,
+        cache: KVCache,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stop: StopRule,
+        stats: GenerationStats,
+    ) -> Iterator[list[int]]:
+        generator, length = params.generator(), DraftLength(self.k)
+        start = time.perf_counter()
+        self.drafter.reset()
+        self.drafter.commit(prompt_ids)
+        pending = [next_token(prefill(model, cache, prompt_ids), params, generator)]
+        stats.prefill_s = time.perf_counter() - start
+        tokens, reason = stop.cut(pending)
+        while True:
+            yield tokens
+            if reason:
+                stats.finish_reason = reason
+                return
+            self.drafter.commit(pending)
+            k = min(length.k, cache.max_len - cache.length - 1, stop.budget - stop.emitted - 1)
+            start = time.perf_counter()
+            draft = self.drafter.propose(k, params, generator)
+            verifying = time.perf_counter()
+            ids = torch.tensor([[pending[-1], *draft.tokens]], device=model.device)  # [1, k+1]
+            target_probs = logits_to_probs(model(ids, cache)[0], params)  # [k+1, V]
+            draft_probs = None if draft.probs is None else draft.probs.cpu()  # [k, V]
+            verdict = rejection_sample(ids[0, 1:].cpu(), draft_probs, target_probs.cpu(), generator)
+            cache.trim(len(draft) - verdict.accepted)
+            stats.draft_s += verifying - start
+            stats.verify_s += time.perf_counter() - verifying
+            pending = draft.tokens[: verdict.accepted] + [verdict.token]
+            tokens, reason = stop.cut(pending)
+            stats.record_step(proposed=len(draft), accepted=min(verdict.accepted, len(tokens)), emitted=len(tokens))
+            length.update(len(draft), verdict.accepted)
