@@ -1,0 +1,263 @@
+"""`quasar serve` as a real process on a loopback port, driven by the official openai client."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_hf_model, write_hf_dir
+
+openai = pytest.importorskip("openai")
+
+KEY = "test-key"
+MODEL = "tiny"
+LONG_CONTEXT = 4096  # room for a request long enough to still be running while the test acts
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model_dir: Path, log: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        args = [sys.executable, "-m", "quasar", "serve", "--model", str(model_dir), "--served-model-name", MODEL,
+                "--port", str(self.port), *extra]
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}: {Path(self.log.name).read_text()}"
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        raise TimeoutError("server did not become ready")
+
+    def client(self, key: str | None = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.M)}
+
+    def post(self, path: str, body: bytes, key: str = KEY) -> tuple[int, dict]:
+        req = urllib.request.Request(self.url + path, data=body, method="POST",
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def stop(self) -> None:
+        os.kill(self.proc.pid, signal.SIGTERM)  # stopped by its PID
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    hf = tiny_hf_model("llama", max_position_embeddings=LONG_CONTEXT)
+    return write_hf_dir(hf, tmp_path_factory.mktemp("tiny-serve"), tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    srv = Server(model_dir, tmp_path_factory.mktemp("logs") / "server.log", "--api-key", KEY, "--max-queue", "32")
+    yield srv
+    srv.stop()
+    assert srv.proc.returncode is not None
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    """Greedy answers computed in this process with the Python API (the server must give the same)."""
+    from quasar import LLM, SamplingParams
+
+    llm = LLM(model_dir)
+    params = SamplingParams(max_new_tokens=12)
+
+    def answer(prompt: str) -> str:
+        return llm.generate([prompt], params)[0].text
+
+    return answer
+
+
+def test_models_and_completion(server, expected):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    resp = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0)
+    assert resp.choices[0].text == expected("The quick brown fox")
+    assert resp.choices[0].finish_reason in ("length", "stop")
+    usage = resp.usage
+    assert usage.completion_tokens <= 12 and usage.prompt_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    spec = usage.model_extra["speculative"]
+    assert spec["mean_accepted_tokens"] == 1.0 and spec["proposed_tokens"] == 0  # plain decoding
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_streaming_equals_non_streaming_greedy(server, endpoint):
+    client = server.client()
+    common = dict(model=MODEL, max_tokens=20, temperature=0)
+    if endpoint == "chat":
+        messages = [{"role": "user", "content": "Name three colours."}]
+        full = client.chat.completions.create(messages=messages, **common)
+        stream = client.chat.completions.create(messages=messages, stream=True,
+                                                stream_options={"include_usage": True}, **common)
+        chunks = list(stream)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        text, reason = full.choices[0].message.content, full.choices[0].finish_reason
+    else:
+        full = client.completions.create(prompt="Once upon a time", **common)
+        stream = client.completions.create(prompt="Once upon a time", stream=True,
+                                           stream_options={"include_usage": True}, **common)
+        chunks = list(stream)
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        text, reason = full.choices[0].text, full.choices[0].finish_reason
+    assert text and streamed == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reason
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_sse_ends_with_done(server):
+    body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4, "stream": True}).encode()
+    req = urllib.request.Request(server.url + "/v1/completions", data=body, method="POST",
+                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.read().decode().split("\n\n") if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+
+
+def test_server_greedy_equals_quasar_generate(server, model_dir):
+    prompt = "Write a haiku about the sea."
+    out = subprocess.run(
+        [sys.executable, "-m", "quasar", "generate", "--model", str(model_dir), "--max-new-tokens", "16", "--json", prompt],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    cli = json.loads(out.stdout)
+    resp = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0)
+    assert resp.choices[0].message.content == cli["text"]
+    assert resp.usage.completion_tokens == len(cli["token_ids"])
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "no-such-model", "prompt": "hi"}, "model"),
+    ({"model": MODEL, "prompt": "hi", "temperature": 5}, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": LONG_CONTEXT}, "max_tokens"),  # beyond the context
+    ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+    ({"model": MODEL, "prompt": ""}, "prompt"),
+    ({"model": MODEL}, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "temperature": "warm"}, "temperature"),
+])
+def test_bad_requests_get_400_with_an_openai_error(server, body, param):
+    status, answer = server.post("/v1/completions", json.dumps(body).encode())
+    assert status == 400
+    assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["message"]
+    assert answer["error"]["param"] == param
+
+
+def test_bad_json_and_bad_messages_get_400(server):
+    assert server.post("/v1/completions", b"{not json")[0] == 400
+    assert server.post("/v1/chat/completions", b"[1, 2]")[0] == 400
+    status, answer = server.post("/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode())
+    assert status == 400 and answer["error"]["param"] == "messages"
+    with pytest.raises(openai.BadRequestError):
+        server.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_p=2)
+
+
+def test_missing_or_wrong_key_gets_401(server):
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="wrong").models.list()
+    assert server.post("/v1/completions", b"{}", key="")[0] == 401
+    with urllib.request.urlopen(server.url + "/health", timeout=10) as r:  # health stays open for probes
+        assert r.status == 200
+
+
+def test_sixteen_concurrent_clients_all_answered(server, expected):
+    prompts = [f"Request number {i} says" for i in range(16)]
+
+    def ask(i: int) -> str:
+        client = server.client()
+        if i % 2:
+            stream = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=12, temperature=0, stream=True)
+            return "".join(c.choices[0].text for c in stream if c.choices)
+        return client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=12, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, range(16)))
+    assert answers == [expected(p) for p in prompts]
+
+
+def test_metrics_in_prometheus_format(server):
+    server.client().completions.create(model=MODEL, prompt="count", max_tokens=3, temperature=0)
+    metrics = server.metrics()
+    assert metrics["quasar_generation_tokens_total"] >= 3
+    assert metrics["quasar_mean_accepted_tokens"] == 1.0
+    assert metrics["quasar_acceptance_rate"] == 0.0
+    assert metrics["quasar_queue_length"] == 0
+    assert metrics['quasar_request_latency_seconds_bucket{le="+Inf"}'] == metrics["quasar_request_latency_seconds_count"]
+    assert metrics['quasar_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
+    assert metrics['quasar_requests_total{endpoint="/v1/completions",status="400"}'] >= 1
+
+
+def test_full_queue_429_and_disconnect_frees_the_worker(model_dir, tmp_path):
+    """One request generates, one waits (--max-queue 1): a third gets 429. The streaming client then goes away:
+    its generation stops early (far fewer tokens than asked) and the waiting request is answered."""
+    server = Server(model_dir, tmp_path / "server.log", "--max-queue", "1")
+    try:
+        client = server.client()
+        long_run = client.completions.create(model=MODEL, prompt="a", max_tokens=LONG_CONTEXT - 8, temperature=0,
+                                             stream=True, extra_body={"ignore_eos": True})
+        next(iter(long_run))  # it is generating now
+        waiting: dict[str, str] = {}
+        waiter = threading.Thread(target=lambda: waiting.update(text=client.completions.create(
+            model=MODEL, prompt="b", max_tokens=4, temperature=0).choices[0].text))
+        waiter.start()
+        while server.metrics()["quasar_queue_length"] < 1:
+            time.sleep(0.01)
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=MODEL, prompt="c", max_tokens=4, temperature=0)
+        long_run.close()  # the client disconnects mid-stream
+        waiter.join(timeout=120)
+        assert "text" in waiting
+        after = client.completions.create(model=MODEL, prompt="d", max_tokens=4, temperature=0)
+        assert after.usage.completion_tokens == 4
+        metrics = server.metrics()
+        assert metrics['quasar_generations_total{reason="cancelled"}'] == 1
+        assert metrics["quasar_generation_tokens_total"] < (LONG_CONTEXT - 8) // 2
+        assert metrics['quasar_requests_total{endpoint="/v1/completions",status="429"}'] == 1
+    finally:
+        server.stop()
