@@ -1,0 +1,92 @@
+"""The real `quasar` command in a subprocess: streaming, --json, stdin, and bad input without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def quasar(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "quasar", *args], input=stdin, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def assert_clean_error(result: subprocess.CompletedProcess, match: str) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert match in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_help_explains_every_subcommand():
+    top = quasar("--help")
+    assert top.returncode == 0 and "generate" in top.stdout
+    sub = quasar("generate", "--help")
+    assert sub.returncode == 0
+    for flag in ("--model", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--json", "--no-chat"):
+        assert flag in sub.stdout
+
+
+def test_generate_json_on_default_model(default_model):
+    result = quasar("generate", "What is the capital of France?", "--max-new-tokens", "12", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert "Paris" in out["text"]
+    assert 0 < len(out["token_ids"]) <= 12
+    for key in ("prompt_tokens", "new_tokens", "prefill_s", "decode_s", "tokens_per_s", "peak_rss_mb"):
+        assert key in out["stats"]
+    assert out["stats"]["new_tokens"] == len(out["token_ids"])
+
+
+def test_streamed_text_equals_json_text_and_stdin_prompt(tiny_model_dir):
+    args = ["--model", str(tiny_model_dir), "--max-new-tokens", "16", "--no-chat", "--ignore-eos"]
+    streamed = quasar("generate", "-", *args, stdin="Once upon a time")
+    as_json = quasar("generate", "Once upon a time", *args, "--json")
+    assert streamed.returncode == 0 and as_json.returncode == 0, streamed.stderr + as_json.stderr
+    assert streamed.stdout == json.loads(as_json.stdout)["text"] + "\n"
+
+
+def test_same_seed_same_sample(tiny_model_dir):
+    args = ["generate", "Hello", "--model", str(tiny_model_dir), "--temperature", "1", "--max-new-tokens", "12",
+            "--ignore-eos", "--json"]
+    a, b = quasar(*args, "--seed", "7"), quasar(*args, "--seed", "7")
+    c = quasar(*args, "--seed", "8")
+    ids = [json.loads(r.stdout)["token_ids"] for r in (a, b, c)]
+    assert ids[0] == ids[1]
+    assert ids[0] != ids[2]
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--max-new-tokens", "0"], "max_new_tokens"),
+    ],
+)
+def test_invalid_sampling_values(args, match, tiny_model_dir):
+    assert_clean_error(quasar("generate", "hi", "--model", str(tiny_model_dir), *args), match)
+
+
+def test_bad_model_paths(tmp_path, tiny_model_dir):
+    assert_clean_error(quasar("generate", "hi", "--model", str(tmp_path / "missing")), "does not exist")
+    assert_clean_error(quasar("generate", "hi", "--model", str(tmp_path)), "without config.json")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny_model_dir.iterdir():
+        data = f.read_bytes()
+        (broken / f.name).write_bytes(data[: len(data) // 2] if f.suffix == ".safetensors" else data)
+    assert_clean_error(quasar("generate", "hi", "--model", str(broken)), "safetensors")
+    bad_gguf = tmp_path / "bad.gguf"
+    bad_gguf.write_bytes(b"GGUF" + b"\x00" * 64)
+    assert_clean_error(quasar("generate", "hi", "--model", str(bad_gguf)), "GGUF")
+
+
+def test_prompt_longer_than_context(tiny_model_dir):
+    result = quasar("generate", "word " * 100, "--model", str(tiny_model_dir), "--max-context", "32", "--no-chat")
+    assert_clean_error(result, "context window")

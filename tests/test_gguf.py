@@ -1,0 +1,135 @@
+"""GGUF loading: our tensors equal the gguf package's dequantization, logits equal transformers' GGUF loader,
+the cache round trip is bit-identical, and truncated files are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_hf_model
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader, GGUFWriter
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file
+
+from quasar.loading import ModelLoadError, default_model_path, gguf_directory, load, sha256_file, unpermute_rope
+
+TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+K_BLOCKS = {Q.Q4_K: (144, [0, 2]), Q.Q5_K: (176, [0, 2]), Q.Q6_K: (210, [208])}  # bytes/256 values, fp16 scale offsets
+GGUF_LINEARS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's convert step for q/k rows (the inverse of unpermute_rope)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def encode(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """Raw GGUF bytes for w. The gguf package cannot quantize K-quants: those get random blocks with sane scales."""
+    if qtype not in K_BLOCKS:
+        return quantize(w, qtype)
+    size, scale_offsets = K_BLOCKS[qtype]
+    blocks = rng.integers(0, 256, (w.size // 256, size), dtype=np.uint8)
+    for off in scale_offsets:
+        blocks[:, off : off + 2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+    return blocks.reshape(w.shape[0], -1)
+
+
+def write_tiny_gguf(path, tokenizer_reader: GGUFReader) -> dict[str, tuple[np.ndarray, Q]]:
+    """A 2-layer llama GGUF whose linears cycle through every supported tensor type."""
+    hf = tiny_hf_model("llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    cfg, rng, raw = hf.config, np.random.default_rng(0), {}
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_context_length(512)
+    writer.add_embedding_length(256)
+    writer.add_feed_forward_length(512)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        field = tokenizer_reader.fields[key]
+        value = field.contents()
+        vtype = field.types[0]
+        writer.add_key_value(key, value, vtype, sub_type=field.types[-1] if len(field.types) > 1 else None)
+    state = {k: v.numpy() for k, v in hf.state_dict().items()}
+    tensors = {"token_embd.weight": (state["model.embed_tokens.weight"], Q.Q8_0),
+               "output.weight": (state["lm_head.weight"], Q.F16),
+               "output_norm.weight": (state["model.norm.weight"], Q.F32)}
+    for i, (kind, qtype) in enumerate((k, TYPES[(n + 3 * layer) % len(TYPES)])
+                                      for layer in range(2) for n, k in enumerate(GGUF_LINEARS)):
+        layer = i // len(GGUF_LINEARS)
+        w = state[f"model.layers.{layer}.{'self_attn' if 'proj' in kind and kind[0] in 'qkvo' else 'mlp'}.{kind}.weight"]
+        if kind in ("q_proj", "k_proj"):
+            w = permute(w, 4 if kind == "q_proj" else 2)
+        tensors[f"blk.{layer}.{GGUF_LINEARS[kind]}.weight"] = (w, qtype)
+    for layer in range(2):
+        tensors[f"blk.{layer}.attn_norm.weight"] = (state[f"model.layers.{layer}.input_layernorm.weight"], Q.F32)
+        tensors[f"blk.{layer}.ffn_norm.weight"] = (state[f"model.layers.{layer}.post_attention_layernorm.weight"], Q.F32)
+    for name, (w, qtype) in tensors.items():
+        data = encode(w, qtype, rng)
+        raw[name] = (data, qtype)
+        writer.add_tensor(name, data, raw_shape=data.shape if qtype == Q.F32 else None, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return raw
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    raw = write_tiny_gguf(path, GGUFReader(str(default_model_path())))
+    return path, raw
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def test_cached_tensors_equal_the_gguf_package_dequantization(tiny_gguf, cache_dir):
+    """Bit-identical through dequantize -> safetensors cache -> read back, for every tensor type."""
+    path, raw = tiny_gguf
+    assert {qtype for _, qtype in raw.values()} >= set(TYPES)
+    directory = gguf_directory(path, sha256_file(path), cache_dir)
+    ours = load_file(str(directory / "model.safetensors"))
+    from quasar.loading import hf_name
+
+    for name, (data, qtype) in raw.items():
+        expected = torch.from_numpy(dequantize(data, qtype).copy()).float()
+        if "attn_q." in name or "attn_k." in name:
+            expected = unpermute_rope(expected, 4 if "attn_q." in name else 2)
+        assert torch.equal(ours[hf_name(name)], expected.reshape(ours[hf_name(name)].shape)), name
+
+
+def test_tiny_gguf_logits_match_transformers_gguf_loader(tiny_gguf, cache_dir):
+    from transformers import AutoModelForCausalLM
+
+    path, _ = tiny_gguf
+    ours = load(path, "fp32", cache_dir=cache_dir).model
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    ids = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(ids, ours.new_cache(32)) - hf(ids).logits).abs().max().item() <= 1e-4
+
+
+def test_truncated_gguf_is_refused(tiny_gguf, tmp_path):
+    path, _ = tiny_gguf
+    data = path.read_bytes()
+    for cut in (len(data) // 2, 100):
+        bad = tmp_path / f"cut{cut}.gguf"
+        bad.write_bytes(data[:cut])
+        with pytest.raises(ModelLoadError, match="truncated|not a readable GGUF"):
+            load(bad, cache_dir=tmp_path)
+    assert not (tmp_path / "gguf").exists() or not list((tmp_path / "gguf").glob("*/config.json"))
+
+
+def test_default_model_sha256_is_pinned():
+    from quasar.loading import DEFAULT_MODEL_SHA256
+
+    assert sha256_file(default_model_path()) == DEFAULT_MODEL_SHA256
