@@ -15,7 +15,7 @@ import torch
 from quasar.models.llama import Transformer
 
 PROBE_BYTES = 512 << 20  # 512 MiB, well past a 32 MB L3
-SCORED_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16)
+SCORED_TOKENS = (1, 2, 4, 6, 8, 16)
 
 
 def read_bandwidth(nbytes: int = PROBE_BYTES, repeats: int = 5) -> float:
@@ -47,7 +47,7 @@ def bytes_per_forward(model: torch.nn.Module) -> int:
 
 @torch.inference_mode()
 def verify_forward_times(
-    model: Transformer, context: int = 256, scored: Iterable[int] = SCORED_TOKENS, repeats: int = 5
+    model: Transformer, context: int = 256, scored: Iterable[int] = SCORED_TOKENS, repeats: int = 3
 ) -> dict[int, float]:
     """Median seconds of one forward scoring n tokens after `context` cached tokens, for each n."""
     sizes = list(scored)

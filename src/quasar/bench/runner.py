@@ -101,7 +101,8 @@ def run(methods: list[Method], items: list[BenchItem], config: RunConfig, answer
                     log.warning("skipping %s: %s", item.question_id, e)
                     result.skipped.append(item.question_id)
                     batch = []
-                for record in sorted(batch, key=lambda r: [m.name for m in methods].index(r["model_id"])):
+                batch.sort(key=lambda r: [m.name for m in methods].index(r["model_id"]))
+                for record in batch:
                     out.write(json.dumps(record) + "\n")
                 out.flush()
                 result.records.extend(batch)

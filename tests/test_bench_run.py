@@ -1,0 +1,127 @@
+"""The bench end to end on tiny models: the CLI smoke run, the runner's interleaving, Ctrl-C, divergence
+checks against real decoders, the memory-wall probe and the peers' step accounting."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+from quasar.bench import bandwidth
+from quasar.bench.methods import EngineMethod, MethodOptions, Output, Pool, build_method
+from quasar.bench.metrics import divergences
+from quasar.bench.peers import step_lengths
+from quasar.bench.runner import RunConfig, run
+from quasar.bench.suites import BenchItem
+from quasar.engine import Engine
+from quasar.stats import GenerationStats
+
+PLOTS = ("accept_lengths.png", "speedup_by_category.png", "speedup_vs_temperature.png", "verify_forward.png")
+
+
+def test_quick_bench_cli_on_a_tiny_model(tiny_model_dir, tmp_path):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "quasar", "bench", "--suite", "quick", "--model", str(tiny_model_dir),
+           "--methods", "ar:fp32,ar:bf16,llamacpp:ar", "--limit", "1", "--categories", "writing,long-context",
+           "--max-new-tokens", "4", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "quasar bench, temperature 0" in proc.stdout and "ar:fp32" in proc.stdout
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert "skipping llamacpp:ar" in proc.stderr and "pip install llama-cpp-python" in proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    overall = {r["method"]: r for r in summary["rows"] if r["category"] == "all"}
+    assert set(overall) == {"ar:fp32", "ar:bf16"}
+    assert overall["ar:bf16"]["speedup_vs_ar:bf16"] == pytest.approx(1.0)
+    assert overall["ar:fp32"]["mean_accepted_tokens"] == pytest.approx(1.0)
+    assert summary["skipped"] == ["long-0-0-0"]  # its passage does not fit the tiny model's 512-token window
+    assert summary["memory_wall"]["bandwidth_bytes_per_s"] > 0
+    assert set(summary["memory_wall"]["curves"]) == {"fp32", "bf16"}
+    records = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert len(records) == 2  # 1 question x 2 methods
+    writing = next(r for r in records if r["category"] == "writing")
+    assert len(writing["choices"][0]["turns"]) == 2 and writing["choices"][0]["new_tokens"] == [4, 4]
+    for key in ("question_id", "category", "model_id", "choices"):
+        assert key in writing
+    for key in ("new_tokens", "wall_time", "decoding_steps", "accept_lengths", "token_ids", "stats"):
+        assert key in writing["choices"][0]
+    assert "| all | ar:bf16 |" in (out / "summary.md").read_text()
+    for name in PLOTS:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class ScriptedMethod:
+    """A fake method: emits fixed tokens; raises KeyboardInterrupt on the question named `stop_at`."""
+
+    def __init__(self, name: str, tokens: list[int], stop_at: str | None = None) -> None:
+        self.name, self.tokens, self.stop_at, self.calls = name, tokens, stop_at, []
+
+    def generate(self, messages, params):
+        self.calls.append(messages[0]["content"])
+        if messages[0]["content"] == self.stop_at:
+            raise KeyboardInterrupt
+        stats = GenerationStats(new_tokens=len(self.tokens))
+        stats.record_step(0, 0, len(self.tokens))
+        return Output("text", list(self.tokens), stats, 0.01)
+
+
+ITEMS = [BenchItem(f"q{i}", "math", (f"question {i}",)) for i in range(3)]
+
+
+def test_runner_interleaves_methods_prompt_by_prompt(tmp_path):
+    a, b = ScriptedMethod("ar:x", [1, 2]), ScriptedMethod("ngram+x", [1, 3])
+    result = run([a, b], ITEMS, RunConfig(warmup_tokens=1), tmp_path / "answers.jsonl")
+    assert a.calls[1:] == b.calls[1:] == [f"question {i}" for i in range(3)]  # after one warm-up each
+    assert [r["model_id"] for r in result.records] == ["ar:x", "ngram+x"] * 3
+    assert divergences(result.records)[0]["position"] == 1  # the runner's records feed the divergence check
+
+
+def test_ctrl_c_keeps_finished_prompts(tmp_path):
+    answers = tmp_path / "answers.jsonl"
+    result = run([ScriptedMethod("ar:x", [1], stop_at="question 1")], ITEMS, RunConfig(), answers)
+    assert result.interrupted
+    assert [json.loads(line)["question_id"] for line in answers.read_text().splitlines()] == ["q0"]
+
+
+def test_greedy_speculative_matches_plain_decoding_through_the_bench(tiny_model, tmp_path):
+    pytest.importorskip("quasar.speculative")
+    from quasar.drafters import build_drafter
+    from quasar.speculative import Speculative
+
+    plain = EngineMethod("ar:fp32", Engine(tiny_model))
+    spec = EngineMethod("ngram+fp32", Engine(tiny_model, decoder=Speculative(build_drafter("ngram", tiny_model), 5)))
+    items = [BenchItem("r", "math", ("one two three one two three one two three",))]
+    result = run([plain, spec], items, RunConfig(max_new_tokens=24), tmp_path / "answers.jsonl")
+    assert len(result.records) == 2
+    assert divergences(result.records) == []
+
+
+def test_unknown_and_incomplete_methods_fail_clearly():
+    pool = Pool(MethodOptions())
+    with pytest.raises(ValueError, match="unknown method"):
+        build_method("turbo", pool)
+    with pytest.raises(ValueError, match="needs a verifier"):
+        build_method("ar:", pool)
+    with pytest.raises(ValueError, match="hf:ar or hf:pld"):
+        build_method("hf:beam", pool)
+
+
+def test_step_lengths_from_forward_starts():
+    # prompt of 10; plain decoding of 4 tokens: prefill emits 1, then 3 one-token steps at 10, 11, 12
+    assert step_lengths([(0, 10), (10, 1), (11, 1), (12, 1)], 10, 14) == [1, 1, 1]
+    # prompt lookup: prefill scores 3 drafts too (emits 3), then a step at 12 that emits 4, then one at 16
+    assert step_lengths([(0, 13), (12, 6), (16, 1)], 10, 18) == [3, 4, 1]
+
+
+def test_memory_wall_measurements(tiny_model):
+    model = tiny_model.model
+    embedding = model.model.embed_tokens.weight
+    expected = sum(p.numel() * 4 for p in model.parameters()) - embedding.numel() * 4
+    expected += sum(b.numel() * b.element_size() for b in model.buffers())
+    assert bandwidth.bytes_per_forward(model) == expected
+    times = bandwidth.verify_forward_times(model, context=16, scored=(1, 4), repeats=2)
+    assert set(times) == {1, 4} and all(t > 0 for t in times.values())
+    assert bandwidth.read_bandwidth(8 << 20, repeats=2) > 1e6
