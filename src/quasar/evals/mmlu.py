@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from quasar.engine import Engine
+from quasar.engine import Engine, PromptTooLongError
 from quasar.evals import data
 from quasar.evals.task import ItemResult, TaskOptions, register
 from quasar.generate import prefill
@@ -49,7 +49,7 @@ def encode(engine: Engine, item: data.MMLUItem) -> list[int]:
 def answer_logits(engine: Engine, prompt_ids: list[int]) -> torch.Tensor:
     """One forward over the prompt -> logits [V] of the next token."""
     if len(prompt_ids) >= engine.max_context:
-        raise ValueError(f"an MMLU prompt has {len(prompt_ids)} tokens; the context window holds {engine.max_context}")
+        raise PromptTooLongError(f"an MMLU prompt has {len(prompt_ids)} tokens; the context window holds {engine.max_context}")
     return prefill(engine.target.model, engine.fresh_cache(len(prompt_ids) + 1), prompt_ids)
 
 

@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from quasar import verifiers
-from quasar.engine import Engine
+from quasar.engine import Engine, PromptTooLongError
 from quasar.evals import gsm8k, humaneval, mmlu  # noqa: F401  (register the tasks)
-from quasar.evals.task import ItemResult, TaskOptions, get_task
+from quasar.evals.task import ItemResult, Task, TaskOptions, get_task
 from quasar.progress import progress
 
 log = logging.getLogger("quasar")
+TOO_LONG = "prompt longer than the context window"  # the output of an item that could not be asked
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class EvalConfig:
     def __post_init__(self) -> None:
         if not self.verifiers or not self.tasks:
             raise ValueError("give at least one verifier and one task")
+        if len(set(self.verifiers)) != len(self.verifiers):
+            raise ValueError(f"a verifier is listed twice: {', '.join(self.verifiers)}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
 
@@ -59,13 +62,14 @@ class TaskScore:
     def accuracy(self) -> float:
         return self.correct / self.n if self.n else 0.0
 
+    @property
+    def too_long(self) -> int:
+        return sum(r.output == TOO_LONG for r in self.items)
+
     def agreement(self, baseline: TaskScore) -> float:
         """Share of items whose prediction equals the baseline's (the same answer, right or wrong)."""
         pairs = list(zip(self.items, baseline.items))
         return sum(a.prediction == b.prediction for a, b in pairs) / len(pairs) if pairs else 0.0
-
-    def summary(self) -> dict[str, Any]:
-        return {"n": self.n, "correct": self.correct, "accuracy": self.accuracy, "seconds": self.seconds}
 
 
 @dataclass
@@ -94,7 +98,7 @@ class EvalReport:
                 if score is None:
                     continue
                 rows.append({
-                    "task": task, "verifier": verifier, "n": score.n, "correct": score.correct,
+                    "task": task, "verifier": verifier, "n": score.n, "correct": score.correct, "too_long": score.too_long,
                     "accuracy_pct": 100 * score.accuracy, "delta_pp": self.delta(verifier, task),
                     "agreement_pct": None if base is None else 100 * score.agreement(base),
                     "seconds": score.seconds,
@@ -120,10 +124,19 @@ def check_verifiers(names: tuple[str, ...]) -> None:
         raise ValueError(f"unknown verifier(s) {', '.join(unknown)}; available: {', '.join(known)}")
 
 
+def score_item(task: Task, engine: Engine, item: Any, options: TaskOptions) -> ItemResult:
+    """The task's score of one item; a prompt that does not fit the context window counts as wrong."""
+    try:
+        return task.score(engine, item, options)
+    except PromptTooLongError:
+        log.warning("%s: %s, scored as wrong", item.id, TOO_LONG)
+        return ItemResult(item.id, False, "", TOO_LONG)
+
+
 def score_task(engine: Engine, task_name: str, items: list[Any], verifier: str, options: TaskOptions) -> TaskScore:
     task = get_task(task_name)
     start = time.perf_counter()
-    results = [task.score(engine, item, options) for item in progress(items, f"{task_name} [{verifier}]")]
+    results = [score_item(task, engine, item, options) for item in progress(items, f"{task_name} [{verifier}]")]
     return TaskScore(task_name, verifier, results, time.perf_counter() - start)
 
 

