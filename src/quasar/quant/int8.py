@@ -1,0 +1,155 @@
+"""Int8 linear layers: W8A8 (int8 weights, dynamic per-token int8 activations) and W8A16 (int8 weights only).
+
+Weights are symmetric int8 per output channel: w ~ w_int8 [N, K] * w_scale [N]. Activations are quantized
+per token (row) at run time: x ~ x_int8 [M, K] * x_scale [M, 1], scale = row absmax / 127 (1 for an
+all-zero row, which then stays zero). The int8 x int8 product is accumulated exactly in int32 and rescaled:
+y = (x_int8 @ w_int8.T) * x_scale * w_scale + bias.
+
+Per-token scales make a row's result independent of the other rows in the batch, and int32 accumulation
+is exact, so verifying k draft tokens together gives bit-identical rows to decoding them one at a time.
+
+Int32 backends (registry `INT_MM`): `int_mm` (torch._int_mm; weight stored [N, K] and passed as `.t()`,
+the fastest layout measured by bench/bench_linear.py; rows padded above 16 on CUDA), `blocked_float`
+(float32 GEMM over K blocks of <= 1024, where every partial sum is an integer below 2^24 and therefore
+exact — the same int32 result, much faster for many rows on CPUs without VNNI), and `reference` (int64,
+for tests). `auto` uses `int_mm` for decode/verify sizes and `blocked_float` for prefill sizes on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QMAX = 127
+EXACT_FLOAT_BLOCK = 1024  # 1024 * 127 * 127 < 2**24: float32 sums of this many int8 products are exact
+AUTO_INT_MM_MAX_ROWS = 32  # above this many rows, CPU `auto` switches to `blocked_float`
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] float -> (int8 [N, K], scale [N] float32), symmetric per output channel."""
+    w = weight.float()
+    absmax = w.abs().amax(dim=1)  # [N]
+    scale = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))
+    return torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8), scale
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 [M, K], scale [M, 1] float32), symmetric per token; zero rows get scale 1."""
+    x = x.float()
+    absmax = x.abs().amax(dim=1, keepdim=True)  # [M, 1]
+    scale = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))
+    return torch.round(x / scale).clamp_(-QMAX, QMAX).to(torch.int8), scale
+
+
+# ---- int8 x int8 -> int32 backends ---------------------------------------------------------------
+
+IntMM = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x_int8 [M, K], w_int8 [N, K]) -> int32 [M, N]
+INT_MM: dict[str, IntMM] = {}
+
+
+def register_int_mm(name: str) -> Callable[[IntMM], IntMM]:
+    def wrap(fn: IntMM) -> IntMM:
+        INT_MM[name] = fn
+        return fn
+
+    return wrap
+
+
+@register_int_mm("int_mm")
+def int_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """torch._int_mm with the weight [N, K] passed transposed; CUDA needs more than 16 rows, so pad."""
+    M = x.shape[0]
+    if x.is_cuda and M <= 16:
+        x = F.pad(x, (0, 0, 0, 17 - M))
+    return torch._int_mm(x, w.t())[:M]
+
+
+@register_int_mm("blocked_float")
+def blocked_float_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Exact int32 product via float32 GEMMs over K blocks small enough that no sum exceeds 2^24."""
+    K = x.shape[1]
+    out = None
+    for k0 in range(0, K, EXACT_FLOAT_BLOCK):
+        part = (x[:, k0 : k0 + EXACT_FLOAT_BLOCK].float() @ w[:, k0 : k0 + EXACT_FLOAT_BLOCK].float().t()).to(torch.int32)
+        out = part if out is None else out.add_(part)
+    return out
+
+
+@register_int_mm("reference")
+def reference_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """int64 matmul: slow, obviously exact; the ground truth for tests."""
+    return (x.long() @ w.long().t()).to(torch.int32)
+
+
+@register_int_mm("auto")
+def auto_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda or x.shape[0] <= AUTO_INT_MM_MAX_ROWS:
+        return int_mm(x, w)
+    return blocked_float_mm(x, w)
+
+
+# ---- layers ----------------------------------------------------------------------------------------
+
+
+class Int8Linear(nn.Module):
+    """W8A8 linear: dynamic per-token int8 activations x per-channel int8 weights, int32 accumulation."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, backend: str = "auto") -> None:
+        super().__init__()
+        if backend not in INT_MM:
+            raise ValueError(f"unknown int8 backend {backend!r}; choose from {', '.join(INT_MM)}")
+        self.in_features, self.out_features, self.backend = in_features, out_features, backend
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))  # [N, K]
+        self.register_buffer("weight_scale", torch.ones(out_features))  # [N] float32
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)  # [N] float32
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, backend: str = "auto") -> Int8Linear:
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, backend)
+        layer.weight, layer.weight_scale = quantize_weight(linear.weight.detach())
+        if linear.bias is not None:
+            layer.bias = linear.bias.detach().float().clone()
+        return layer.to(linear.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N] in x's dtype."""
+        rows = x.reshape(-1, self.in_features)  # [M, K]
+        x_int8, x_scale = quantize_tokens(rows)
+        acc = INT_MM[self.backend](x_int8, self.weight)  # [M, N] int32
+        y = acc.float() * x_scale * self.weight_scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, backend={self.backend}"
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """W8A16 linear: int8 per-channel weights dequantized to the activation dtype; activations stay float."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))  # [N, K]
+        self.register_buffer("weight_scale", torch.ones(out_features))  # [N] float32
+        self.register_buffer("bias", torch.zeros(out_features) if bias else None)  # [N] float32
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None)
+        layer.weight, layer.weight_scale = quantize_weight(linear.weight.detach())
+        if linear.bias is not None:
+            layer.bias = linear.bias.detach().float().clone()
+        return layer.to(linear.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N]; the per-channel scale is applied after the matmul."""
+        y = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)
+        return y + self.bias.to(x.dtype) if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"

@@ -1,0 +1,104 @@
+"""quantize_(model, config): swap a model's linears for quantized ones, torchao style.
+
+One frozen config dataclass per scheme; a registry maps the config type to the layer that replaces an
+nn.Linear. A new scheme is a new config + layer + one `register_scheme` line, not a new branch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch import nn
+
+from quasar.quant.int8 import Int8Linear, Int8WeightOnlyLinear
+
+
+@dataclass(frozen=True)
+class W8A8Config:
+    """Int8 weights per output channel, int8 activations per token, int32 accumulation."""
+
+    backend: str = "auto"
+    lm_head: bool = False
+
+
+@dataclass(frozen=True)
+class W8A16Config:
+    """Int8 weights per output channel; activations stay in the model's float dtype."""
+
+    lm_head: bool = False
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    from_float: Callable[[nn.Linear, Any], nn.Module]  # (linear, config) -> quantized layer
+    empty: Callable[[int, int, bool, Any], nn.Module]  # (in, out, bias, config) -> layer to load into
+
+
+SCHEMES: dict[type, Scheme] = {}
+SCHEME_CONFIGS: dict[str, type] = {}
+
+
+def register_scheme(config_type: type, scheme: Scheme) -> None:
+    SCHEMES[config_type] = scheme
+    SCHEME_CONFIGS[scheme.name] = config_type
+
+
+register_scheme(W8A8Config, Scheme(
+    "w8a8",
+    lambda linear, cfg: Int8Linear.from_float(linear, cfg.backend),
+    lambda k, n, bias, cfg: Int8Linear(k, n, bias, cfg.backend),
+))
+register_scheme(W8A16Config, Scheme(
+    "w8a16",
+    lambda linear, cfg: Int8WeightOnlyLinear.from_float(linear),
+    lambda k, n, bias, cfg: Int8WeightOnlyLinear(k, n, bias),
+))
+
+
+def scheme_config(name: str, **options: Any) -> Any:
+    """'w8a8' + options -> W8A8Config(...)."""
+    if name not in SCHEME_CONFIGS:
+        raise ValueError(f"unknown quantization scheme {name!r}; choose from {', '.join(SCHEME_CONFIGS)}")
+    fields = SCHEME_CONFIGS[name].__dataclass_fields__
+    return SCHEME_CONFIGS[name](**{k: v for k, v in options.items() if k in fields})
+
+
+def scheme_name(config: Any) -> str:
+    return SCHEMES[type(config)].name
+
+
+def config_dict(config: Any) -> dict[str, Any]:
+    return {"scheme": scheme_name(config), **asdict(config)}
+
+
+def target_linears(model: nn.Module, config: Any) -> list[str]:
+    """Names of the linears a scheme quantizes: every decoder-layer linear, lm_head only when asked."""
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("model.layers.")]
+    return names + (["lm_head"] if getattr(config, "lm_head", False) else [])
+
+
+def _swap(model: nn.Module, name: str, layer: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, layer)
+
+
+def quantize_(model: nn.Module, config: Any) -> list[str]:
+    """Replace the target linears of `model` in place by quantized layers; returns their names."""
+    scheme = SCHEMES[type(config)]
+    names = target_linears(model, config)
+    for name in names:
+        _swap(model, name, scheme.from_float(model.get_submodule(name), config))
+    return names
+
+
+def prepare_empty_(model: nn.Module, config: Any) -> list[str]:
+    """Replace the target linears by empty quantized layers of the same shapes (to load a checkpoint into)."""
+    scheme = SCHEMES[type(config)]
+    names = target_linears(model, config)
+    for name in names:
+        linear = model.get_submodule(name)
+        _swap(model, name, scheme.empty(linear.in_features, linear.out_features, linear.bias is not None, config))
+    return names

@@ -1,0 +1,58 @@
+"""Registers the 'w8a8' and 'w8a16' verifiers.
+
+`w8a8[:ALPHA]` (ALPHA = auto (default), none or a float) and `w8a16` on a float model quantize it on the
+fly with the default calibration set and cache the result on disk, keyed by the source weights' sha256 and
+the recipe settings, like the GGUF cache. A quantized directory (from `quasar quantize`) loads directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+from quasar import __version__
+from quasar.loading import LoadedModel, cache_root, load, resolve
+from quasar.quant.checkpoint import is_quantized_dir, load_quantized, save_quantized
+from quasar.quant.recipe import QuantRecipe, quantize_model
+from quasar.quant.smoothquant import parse_alpha
+from quasar.verifiers import register
+
+log = logging.getLogger("quasar")
+
+
+def recipe_key(source_sha256: str, recipe: QuantRecipe) -> str:
+    settings = {"source_sha256": source_sha256, "quasar_version": __version__, **recipe.settings()}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def quantized_cached(model: str | Path, recipe: QuantRecipe, cache_dir: str | Path | None = None) -> LoadedModel:
+    """The quantized model for (float model, recipe), made and cached on first use."""
+    loaded = load(model, "fp32", cache_dir)
+    target = cache_root(cache_dir) / "quantized" / recipe_key(loaded.source_sha256, recipe)
+    if not (target / "config.json").exists():
+        log.info("quantizing %s (%s) once into %s", loaded.source, recipe.scheme, target)
+        save_quantized(loaded, quantize_model(loaded, recipe), target, overwrite=True)
+    return load_quantized(target)
+
+
+def _load(scheme: str, model: str | Path, recipe: QuantRecipe, cache_dir: str | Path | None) -> LoadedModel:
+    path = resolve(model)
+    if is_quantized_dir(path):
+        loaded = load_quantized(path)
+        found = json.loads((path / "config.json").read_text())["quantization"]["scheme"]
+        if found != scheme:
+            raise ValueError(f"{path} is a {found} checkpoint, but --verifier asks for {scheme}")
+        return loaded
+    return quantized_cached(model, recipe, cache_dir)
+
+
+@register("w8a8")
+def _w8a8(model: str | Path, arg: str | None, cache_dir: str | Path | None = None) -> LoadedModel:
+    return _load("w8a8", model, QuantRecipe("w8a8", parse_alpha(arg or "auto")), cache_dir)
+
+
+@register("w8a16")
+def _w8a16(model: str | Path, arg: str | None, cache_dir: str | Path | None = None) -> LoadedModel:
+    return _load("w8a16", model, QuantRecipe("w8a16", None), cache_dir)

@@ -1,0 +1,125 @@
+"""Quantized checkpoints: save -> load is bit-identical; corrupt files are refused; atomic, --overwrite; cache."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from quasar.cli import main
+from quasar.loading import ModelLoadError, load
+from quasar.quant.calibration import CalibrationSpec
+from quasar.quant.checkpoint import load_quantized, save_quantized
+from quasar.quant.int8 import Int8Linear, Int8WeightOnlyLinear
+from quasar.quant.recipe import QuantRecipe, quantize_model
+
+SMALL = CalibrationSpec(samples=2, seq_len=64)
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(5))
+
+
+def _logits(model) -> torch.Tensor:
+    return model(_ids(), model.new_cache(32))
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_model, tmp_path_factory):
+    """(in-memory quantized model, its directory) for the tiny llama, W8A8 with alpha auto."""
+    loaded = copy.deepcopy(tiny_model)
+    block = quantize_model(loaded, QuantRecipe("w8a8", "auto", SMALL))
+    return loaded, save_quantized(loaded, block, tmp_path_factory.mktemp("q") / "w8a8")
+
+
+def test_save_load_gives_bit_identical_logits(quantized):
+    loaded, directory = quantized
+    reloaded = load(directory)  # through the ordinary loader: no float weights involved
+    assert isinstance(reloaded.model.model.layers[0].mlp.down_proj, Int8Linear)
+    assert torch.equal(_logits(reloaded.model), _logits(loaded.model))
+
+
+def test_quantization_block_records_the_recipe(quantized, tiny_model):
+    _, directory = quantized
+    block = json.loads((directory / "config.json").read_text())["quantization"]
+    assert block["scheme"] == "w8a8" and block["alpha"] == "auto"
+    assert len(block["alphas"]) == 4 * 2 and block["calibration"]["samples"] == 2
+    assert block["source_sha256"] == tiny_model.source_sha256 and block["quasar_version"]
+    assert (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists()
+
+
+def test_w8a16_round_trip(tiny_model, tmp_path):
+    loaded = copy.deepcopy(tiny_model)
+    block = quantize_model(loaded, QuantRecipe("w8a16", None))
+    reloaded = load_quantized(save_quantized(loaded, block, tmp_path / "w8a16"))
+    assert isinstance(reloaded.model.model.layers[1].self_attn.o_proj, Int8WeightOnlyLinear)
+    assert torch.equal(_logits(reloaded.model), _logits(loaded.model))
+
+
+def _copy_dir(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_corrupted_checkpoint_is_refused(quantized, tmp_path):
+    directory = _copy_dir(quantized[1], tmp_path / "bad")
+    weights = directory / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0xFF  # one flipped byte inside the tensor data
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="corrupt"):
+        load(directory)
+
+
+def test_truncated_checkpoint_is_refused(quantized, tmp_path):
+    directory = _copy_dir(quantized[1], tmp_path / "short")
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match="corrupt"):
+        load(directory)
+
+
+def test_output_is_replaced_only_with_overwrite(quantized, tmp_path):
+    loaded, _ = quantized
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    with pytest.raises(ValueError, match="--overwrite"):
+        save_quantized(loaded, {"scheme": "w8a8"}, out)
+    save_quantized(loaded, {"scheme": "w8a8"}, out, overwrite=True)
+    assert not (out / "keep").exists() and (out / "config.json").exists()
+
+
+def test_interrupted_save_leaves_nothing(quantized, tmp_path, monkeypatch):
+    import quasar.quant.checkpoint as checkpoint
+
+    def fail(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint, "save_file", fail)
+    with pytest.raises(KeyboardInterrupt):
+        save_quantized(quantized[0], {"scheme": "w8a8"}, tmp_path / "never")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_quantize_then_generate_and_verifier_cache(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "q"
+    args = ["quantize", "--model", str(tiny_model_dir), "--out", str(out), "--alpha", "0.5",
+            "--calib-samples", "2", "--seq-len", "32"]
+    assert main(args) == 0
+    assert main(args) == 1 and "--overwrite" in capsys.readouterr().err
+    assert main([*args, "--overwrite"]) == 0
+    gen = ["generate", "hello", "--max-new-tokens", "3", "--no-chat", "--json"]
+    assert main([*gen, "--model", str(out), "--verifier", "w8a8"]) == 0
+    from_dir = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*gen, "--model", str(out), "--verifier", "w8a16"]) == 1  # scheme mismatch is an error
+    capsys.readouterr()
+    cache = tmp_path / "cache"
+    for _ in range(2):  # second run reuses the on-the-fly quantization cached on disk
+        assert main([*gen, "--model", str(tiny_model_dir), "--verifier", "w8a8:0.5", "--cache-dir", str(cache)]) == 0
+    assert len(list((cache / "quantized").iterdir())) == 1
+    assert len(from_dir["token_ids"]) == 3
