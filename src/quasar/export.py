@@ -1,0 +1,103 @@
+"""Export a quantized model in the compressed-tensors layout that llm-compressor writes and vLLM loads.
+
+W8A8 ("int-quantized"): every decoder-layer linear stores `weight` int8 [N, K] and `weight_scale` [N, 1]
+(symmetric, per output channel, float32); activations are quantized dynamically per token at run time,
+so nothing is stored for them. The SmoothQuant factors are already folded into the RMSNorm weights, so
+norms, embeddings and lm_head are plain float tensors. `config.json` gains `quantization_config`;
+lm_head is listed in `ignore`. The directory is written atomically (temp sibling + rename).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from quasar.loading import LoadedModel, atomic_directory
+from quasar.quant.int8 import Int8Linear
+
+log = logging.getLogger("quasar")
+
+_INT8_CHANNEL = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False,
+                 "group_size": None, "block_structure": None, "actorder": None, "observer": "minmax"}
+_INT8_TOKEN = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True,
+               "group_size": None, "block_structure": None, "actorder": None, "observer": None}
+
+# quantized layer type -> (compressed-tensors format, the scheme of its config group)
+SCHEMES: dict[type, tuple[str, dict[str, Any]]] = {
+    Int8Linear: ("int-quantized", {"weights": _INT8_CHANNEL, "input_activations": _INT8_TOKEN}),
+}
+FORMATS = ("compressed-tensors",)
+TOKENIZER_FILES_SKIP = ("config.json", "model.safetensors", "model.safetensors.index.json")
+
+
+def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
+    return {name: m for name, m in model.named_modules() if type(m) in SCHEMES}
+
+
+def quantization_config(model: nn.Module) -> dict[str, Any]:
+    """The `quantization_config` block of config.json, as llm-compressor writes it for this model."""
+    layers = quantized_layers(model)
+    if not layers:
+        raise ValueError("the model has no quantized linears; load it with a quantized verifier (--verifier w8a8)")
+    kinds = {type(m) for m in layers.values()}
+    if len(kinds) > 1:
+        raise ValueError("mixed quantization schemes cannot be exported as one config group")
+    fmt, scheme = SCHEMES[kinds.pop()]
+    unquantized = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name not in layers]
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "output_activations": None, "format": fmt, **scheme}},
+        "ignore": unquantized,  # lm_head (and anything else left in float)
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "transform_config": {},
+    }
+
+
+def export_state(model: nn.Module, float_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Tensors under Hugging Face names: int8 weights + [N, 1] float32 scales, float tensors in float_dtype."""
+    layers = quantized_layers(model)
+    state: dict[str, torch.Tensor] = {}
+    for key, tensor in model.state_dict().items():
+        module, _, leaf = key.rpartition(".")
+        if module in layers and leaf == "weight_scale":
+            tensor = tensor.float().reshape(-1, 1)  # [N, 1]
+        elif tensor.is_floating_point():
+            tensor = tensor.to(float_dtype)
+        state[key] = tensor.detach().cpu().contiguous()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def _write(target: LoadedModel, out: Path) -> None:
+    model = target.model
+    float_dtype = model.dtype
+    config = json.loads((target.directory / "config.json").read_text())
+    config.pop("quantization", None)  # quasar's own checkpoint block; the export is described by quantization_config
+    config["quantization_config"] = quantization_config(model)
+    config["torch_dtype"] = str(float_dtype).removeprefix("torch.")
+    save_file(export_state(model, float_dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for f in target.directory.iterdir():
+        if f.is_file() and f.name not in TOKENIZER_FILES_SKIP and not f.name.endswith(".safetensors"):
+            shutil.copy(f, out / f.name)
+
+
+def export(target: LoadedModel, out: str | Path, fmt: str = "compressed-tensors") -> Path:
+    """Write the quantized `target` to directory `out` (replaced atomically if it exists)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown export format {fmt!r}; choose from {', '.join(FORMATS)}")
+    out = Path(out)
+    atomic_directory(out, lambda tmp: _write(target, tmp))
+    log.info("exported %s as %s to %s", target.source, fmt, out)
+    return out

@@ -1,0 +1,134 @@
+"""`quasar export --format compressed-tensors`: the W8A8 model as llm-compressor lays it out, loaded back by
+transformers + compressed-tensors on CPU and compared with quasar's own W8A8 logits.
+
+Two comparisons, because the activation rounding grids differ by design:
+- exact layout: transformers (its compressed-tensors integration decompresses the int8 weights on CPU) with
+  compressed-tensors' own activation fake-quant switched off and replaced by quasar's/vLLM's per-token rule
+  (scale = absmax / 127): the logits must equal quasar's up to float summation order (TIGHT, relative).
+- as loaded: compressed-tensors' fake quant uses scale = absmax / 127.5 and clamps to [-128, 127], a slightly
+  different grid than vLLM's int8 kernel and quasar (absmax / 127): the logits agree within LOOSE (relative)
+  and the greedy next token agrees on almost every position.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from quasar.loading import LoadedModel
+from quasar.verifiers import load_verifier
+
+pytest.importorskip("quasar.quant", reason="the W8A8 verifier (quasar.quant) is not in this checkout")
+pytest.importorskip("compressed_tensors")
+transformers = pytest.importorskip("transformers")
+from compressed_tensors.compressors import IntQuantizationCompressor  # noqa: E402
+from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
+
+TIGHT = 1e-4  # max |logit difference| / max |logit|, same activation grid
+LOOSE = 0.05  # the same, compressed-tensors' absmax/127.5 activation grid vs quasar's absmax/127
+PROMPT = "The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein published"
+
+
+@pytest.fixture(scope="module")
+def w8a8(tiny_model_dir, tmp_path_factory) -> LoadedModel:
+    return load_verifier(tiny_model_dir, "w8a8", cache_dir=tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def exported(w8a8, tmp_path_factory) -> Path:
+    from quasar.export import export
+
+    return export(w8a8, tmp_path_factory.mktemp("export") / "ct")
+
+
+def quasar_logits(loaded: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return loaded.model(ids, loaded.model.new_cache(ids.shape[1]))[0]  # [T, V]
+
+
+def per_token_int8(module: torch.nn.Module, args: tuple) -> tuple:
+    """quasar's / vLLM's dynamic per-token int8 rule: scale = absmax / 127, round, clamp to +-127."""
+    x = args[0]
+    scale = x.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(x.dtype).tiny) / 127
+    return (torch.round(x / scale).clamp(-127, 127) * scale,)
+
+
+def transformers_logits(out: Path, ids: torch.Tensor, quasar_grid: bool) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    quantized = [m for m in model.modules() if getattr(m, "quantization_scheme", None) is not None]
+    assert len(quantized) == 7 * model.config.num_hidden_layers  # every decoder linear, not lm_head
+    if quasar_grid:
+        for m in quantized:
+            m.quantization_enabled = False  # compressed-tensors' own fake quant off ...
+            m.register_forward_pre_hook(per_token_int8)  # ... quasar's per-token rule on
+    with torch.inference_mode():
+        return model(ids).logits[0].float()  # [T, V]
+
+
+def test_config_declares_int8_channel_weights_and_dynamic_token_activations(exported):
+    config = json.loads((exported / "config.json").read_text())
+    qc = QuantizationConfig.model_validate(config["quantization_config"])  # the library's own schema
+    assert qc.quant_method == "compressed-tensors" and qc.format == "int-quantized"
+    assert qc.ignore == ["lm_head"]
+    (group,) = qc.config_groups.values()
+    assert group.targets == ["Linear"]
+    w, a = group.weights, group.input_activations
+    assert (w.num_bits, w.type, w.symmetric, w.strategy, w.dynamic) == (8, "int", True, "channel", False)
+    assert (a.num_bits, a.type, a.symmetric, a.strategy, a.dynamic) == (8, "int", True, "token", True)
+    assert "quantization" not in config  # quasar's own block is not carried over
+    assert (exported / "tokenizer.json").exists()
+
+
+def test_int8_weights_and_scales_decompress_exactly(exported, w8a8):
+    modules = dict(w8a8.model.named_modules())
+    scheme = QuantizationConfig.model_validate(
+        json.loads((exported / "config.json").read_text())["quantization_config"]).config_groups["group_0"]
+    with safe_open(str(exported / "model.safetensors"), "pt") as f:
+        names = [k.removesuffix(".weight_scale") for k in f.keys() if k.endswith(".weight_scale")]
+        assert len(names) == 7 * w8a8.model.config.num_hidden_layers
+        for name in names:
+            weight, scale = f.get_tensor(f"{name}.weight"), f.get_tensor(f"{name}.weight_scale")
+            assert weight.dtype == torch.int8 and scale.shape == (weight.shape[0], 1)
+            ours = modules[name]
+            dense = IntQuantizationCompressor.decompress({"weight": weight, "weight_scale": scale}, scheme)["weight"]
+            assert torch.equal(dense.float(), ours.weight.float() * ours.weight_scale[:, None])
+        norm = "model.layers.0.input_layernorm.weight"  # carries the smoothing factors
+        assert torch.equal(f.get_tensor(norm), modules["model.layers.0.input_layernorm"].weight)
+        assert f.get_tensor("lm_head.weight").is_floating_point()
+
+
+def test_logits_round_trip_through_transformers(exported, w8a8):
+    ids = torch.tensor([w8a8.tokenizer.encode(PROMPT)])  # [1, T]
+    ours = quasar_logits(w8a8, ids)
+    scale = ours.abs().max()
+    same_grid = transformers_logits(exported, ids, quasar_grid=True)
+    assert ((same_grid - ours).abs().max() / scale) < TIGHT
+    as_loaded = transformers_logits(exported, ids, quasar_grid=False)
+    assert ((as_loaded - ours).abs().max() / scale) < LOOSE
+    assert (as_loaded.argmax(-1) == ours.argmax(-1)).float().mean() >= 0.9
+
+
+def test_export_command_writes_the_directory_atomically(tiny_model_dir, w8a8, tmp_path):
+    out = tmp_path / "exported"
+    out.mkdir()
+    (out / "stale.txt").write_text("from an older export")
+    cache = w8a8.directory.parent.parent  # the cache the fixture quantized into: no second calibration
+    subprocess.run([sys.executable, "-m", "quasar", "export", "--model", str(tiny_model_dir), "--cache-dir", str(cache),
+                    "--format", "compressed-tensors", "--out", str(out)], check=True, capture_output=True, timeout=600)
+    assert not (out / "stale.txt").exists()
+    assert "quantization_config" in json.loads((out / "config.json").read_text())
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".exported")]  # no temp sibling left
+
+
+def test_export_refuses_a_float_model(tiny_model, tmp_path):
+    from quasar.export import export
+
+    with pytest.raises(ValueError, match="no quantized linears"):
+        export(tiny_model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
