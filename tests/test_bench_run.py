@@ -27,7 +27,7 @@ def test_quick_bench_cli_on_a_tiny_model(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "quasar", "bench", "--suite", "quick", "--model", str(tiny_model_dir),
            "--methods", "ar:fp32,ar:bf16,llamacpp:ar", "--limit", "1", "--categories", "writing,long-context",
            "--max-new-tokens", "4", "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "quasar bench, temperature 0" in proc.stdout and "ar:fp32" in proc.stdout
     if importlib.util.find_spec("llama_cpp") is None:

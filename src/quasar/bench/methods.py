@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from quasar.engine import Engine
-from quasar.loading import LoadedModel, gguf_directory, load_tokenizer, resolve, sha256_file
+from quasar.loading import LoadedModel, gguf_directory, resolve, sha256_file
 from quasar.sampling import SamplingParams
 from quasar.stats import GenerationStats
 from quasar.verifiers import load_verifier
@@ -157,9 +157,3 @@ def build_methods(names: list[str], pool: Pool) -> list[Method]:
             log.warning("skipping %s: %s", name, e)
     return methods
 
-
-def tokenizer_of(methods: list[Method], pool: Pool) -> Any:
-    """The tokenizer every method shares (the model's own)."""
-    if pool.verifiers:
-        return next(iter(pool.verifiers.values())).tokenizer
-    return load_tokenizer(pool.directory())

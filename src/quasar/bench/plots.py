@@ -9,9 +9,9 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import matplotlib.pyplot as plt
 
-from quasar.bench.metrics import ALL, Record, choice  # noqa: E402
+from quasar.bench.metrics import ALL, Record, choice
 
 
 def save(fig: Any, path: Path) -> Path:

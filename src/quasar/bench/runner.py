@@ -102,8 +102,7 @@ def run(methods: list[Method], items: list[BenchItem], config: RunConfig, answer
                     result.skipped.append(item.question_id)
                     batch = []
                 batch.sort(key=lambda r: [m.name for m in methods].index(r["model_id"]))
-                for record in batch:
-                    out.write(json.dumps(record) + "\n")
+                out.writelines(json.dumps(record) + "\n" for record in batch)
                 out.flush()
                 result.records.extend(batch)
                 bar.update()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import platform
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,8 @@ class BenchOptions:
     out: str = "bench-out"
     per_category: int | None = None  # None: the suite's size
     categories: tuple[str, ...] | None = None
-    run: RunConfig = RunConfig()
-    model: MethodOptions = MethodOptions()
+    run: RunConfig = field(default_factory=RunConfig)
+    model: MethodOptions = field(default_factory=MethodOptions)
     memory_wall: bool = True  # the bandwidth probe and verify-forward curves
     plots: bool = True
 

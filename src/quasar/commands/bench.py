@@ -40,10 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="quick: 2 prompts per category; spec: 80 per category where the data has them "
                         "(Spec-Bench's shape); full: everything (default: %(default)s)")
     parser.add_argument("--model", default="default", help="'default', a .gguf file or a model directory")
-    parser.add_argument("--methods", type=csv, default=BenchOptions.methods,
+    parser.add_argument("--methods", type=csv, default=",".join(BenchOptions.methods),
                         help="comma-separated: ar:V, DRAFTER+V (ngram+bf16, model:PATH+w8a8, ...), hf:ar, hf:pld, "
                         "llamacpp:ar, llamacpp:pld[:f16] (default: %(default)s)")
-    parser.add_argument("--temperatures", type=temperatures, default=(0.0,), help="comma-separated (default: 0)")
+    parser.add_argument("--temperatures", type=temperatures, default="0", help="comma-separated (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, help="token budget per turn (default: 64 quick, 256 otherwise)")
     parser.add_argument("--limit", type=int, help="prompts per category (default: the suite's)")
     parser.add_argument("--categories", type=csv, help=f"only these categories, from: {', '.join(CATEGORIES)}")

@@ -1,0 +1,65 @@
+"""F16 / Q8_0 GGUF copies for the llama.cpp peers: metadata kept, tensors re-encoded, values preserved."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from gguf.quants import dequantize
+
+from quasar.bench.gguf_export import encode, exported_gguf, write_copy
+from quasar.loading import open_gguf
+
+Q = gguf.GGMLQuantizationType
+
+
+def small_gguf(path):
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_token_list(["<s>", "a", "b"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    tensors = {
+        "blk.0.attn_q.weight": rng.standard_normal((8, 64)).astype(np.float32),
+        "blk.0.ffn_down.weight": rng.standard_normal((4, 48)).astype(np.float32),  # 48 is not a multiple of 32
+        "blk.0.attn_norm.weight": rng.standard_normal(64).astype(np.float32),
+    }
+    for name, value in tensors.items():
+        writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tensors
+
+
+@pytest.mark.parametrize("precision, weight_type", [("q8_0", Q.Q8_0), ("f16", Q.F16)])
+def test_copy_keeps_metadata_and_values(tmp_path, precision, weight_type):
+    tensors = small_gguf(tmp_path / "src.gguf")
+    write_copy(tmp_path / "src.gguf", tmp_path / "out.gguf", precision)
+    reader = open_gguf(tmp_path / "out.gguf")
+    assert reader.fields["tokenizer.ggml.tokens"].contents() == ["<s>", "a", "b"]
+    assert reader.fields["llama.block_count"].contents() == 1
+    assert reader.fields["general.file_type"].contents() == gguf.LlamaFileType[f"MOSTLY_{precision.upper()}"]
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    assert types == {"blk.0.attn_q.weight": weight_type, "blk.0.ffn_down.weight": Q.F16, "blk.0.attn_norm.weight": Q.F32}
+    for t in reader.tensors:
+        values = dequantize(t.data, t.tensor_type).reshape(tensors[t.name].shape)
+        assert np.abs(values - tensors[t.name]).max() < 0.05  # Q8_0: absmax / 127 per block of 32
+
+
+def test_encode_choices():
+    weights = np.linspace(-1, 1, 64 * 2, dtype=np.float32).reshape(2, 64)
+    data, kind = encode(weights, "q8_0")
+    assert kind == Q.Q8_0 and np.abs(dequantize(data, kind) - weights).max() < 1 / 127
+    assert encode(weights[0], "q8_0")[1] == Q.F32
+
+
+def test_llamacpp_peers_need_a_gguf(tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # a Hugging Face directory, not a GGUF
+    with pytest.raises(ValueError, match="need a GGUF"):
+        exported_gguf(tmp_path, "q8_0")
+    with pytest.raises(ValueError, match="unknown GGUF precision"):
+        exported_gguf(tmp_path, "q4_0")
