@@ -6,7 +6,6 @@ with greedy sampling it is the verifier's greedy output token for token.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ AUTO = "auto"
 
 class DraftLength:
     """How many tokens to draft. Fixed k, or adaptive ('auto'): start at 4 and after each non-empty
-    draft set k = clamp(ceil(ema) + 1, 1, 8), where ema is an exponential moving average (weight 0.5)
+    draft set k = clamp(round(ema) + 1, 1, 8), where ema is an exponential moving average (weight 0.5)
     of the accepted draft tokens per step. Drafting one more than recently accepted keeps a cheap
     chance to accept longer runs while short acceptance keeps wasted verify rows few."""
 
@@ -41,7 +40,7 @@ class DraftLength:
         if not self.adaptive or proposed == 0:
             return
         self.ema = self.WEIGHT * accepted + (1 - self.WEIGHT) * self.ema
-        self.k = min(self.K_MAX, max(self.K_MIN, math.ceil(self.ema) + 1))
+        self.k = min(self.K_MAX, max(self.K_MIN, int(self.ema + 0.5) + 1))
 
 
 def parse_k(text: str) -> int | str:

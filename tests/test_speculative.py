@@ -1,0 +1,140 @@
+"""The speculative loop: lossless sampling (statistical), KV cache after rollbacks, stop rules, stats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quasar.drafters.model_drafter import ModelDrafter
+from quasar.drafters.ngram import NgramDrafter
+from quasar.generate import StopRule
+from quasar.models.config import ModelConfig
+from quasar.models.llama import Transformer
+from quasar.sampling import SamplingParams, logits_to_probs
+from quasar.speculative import DraftLength, Speculative, parse_k
+from quasar.stats import GenerationStats
+from test_verify import chi_square_p
+
+V = 8  # a small vocabulary so the distribution of whole token sequences can be computed exactly
+PROMPT = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run many small ops: one thread avoids thread-sync overhead on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def small_model(seed: int, sharpness: float = 4.0) -> Transformer:
+    """A random 2-layer llama over V tokens; lm_head scaled so distributions are peaked but not one-hot."""
+    config = ModelConfig(model_type="llama", vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+    torch.manual_seed(seed)
+    model = Transformer(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpness)
+    return model
+
+
+def run(model, decoder, prompt, params, budget, cache_len=64):
+    """Run a decoder to the end; return (emitted tokens, cache, stats)."""
+    cache, stats = model.new_cache(cache_len), GenerationStats()
+    out = [t for step in decoder(model, cache, prompt, params, StopRule(params, (V - 1,), budget), stats) for t in step]
+    return out, cache, stats
+
+
+@torch.inference_mode()
+def exact_joint(model: Transformer, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """P(t1, t2, t3) [V, V, V] under the model with `params`, by enumerating all prefixes."""
+    first = logits_to_probs(model(torch.tensor([prompt]), model.new_cache(32))[0, -1], params)  # [V]
+    pairs = torch.tensor([[*prompt, a] for a in range(V)])  # [V, P+1]
+    second = logits_to_probs(model(pairs, model.new_cache(32, V))[:, -1], params)  # [V, V]
+    triples = torch.tensor([[*prompt, a, b] for a in range(V) for b in range(V)])  # [V*V, P+2]
+    third = logits_to_probs(model(triples, model.new_cache(32, V * V))[:, -1], params).view(V, V, V)
+    return first[:, None, None] * second[:, :, None] * third
+
+
+DRAFTERS = {
+    "model": lambda: ModelDrafter(small_model(seed=1, sharpness=3.0), V),  # real draft probabilities
+    "ngram": lambda: NgramDrafter(1, 3),  # deterministic, matches often on the repetitive prompt
+}
+SETTINGS = {"T=1": SamplingParams(temperature=1.0), "T=0.7,top_p=0.9": SamplingParams(temperature=0.7, top_p=0.9)}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_sampling_is_lossless(drafter, setting, one_thread):
+    """The first three emitted tokens of speculative decoding (k=2: two of them pass rejection sampling)
+    follow the verifier's own joint distribution (a wrong acceptance or residual rule fails this)."""
+    model, n = small_model(seed=0), 800
+    base = SETTINGS[setting]
+    decoder = Speculative(DRAFTERS[drafter](), k=2)
+    counts, proposed = torch.zeros(V, V, V), 0
+    for seed in range(n):
+        params = SamplingParams(temperature=base.temperature, top_p=base.top_p, seed=seed, max_new_tokens=3, ignore_eos=True)
+        tokens, _, stats = run(model, decoder, PROMPT, params, budget=4)
+        counts[tuple(tokens[:3])] += 1
+        proposed += stats.proposed_tokens
+    joint = exact_joint(model, PROMPT, base)
+    assert proposed > n  # drafts were really proposed and verified
+    assert chi_square_p(counts.flatten(), joint.flatten()) > 1e-3
+    assert chi_square_p(counts.sum((0, 1)), joint.sum((0, 1))) > 1e-3  # the third token alone
+
+
+def test_cache_after_many_rollbacks_equals_fresh_prefill():
+    model = small_model(seed=0)
+    params = SamplingParams(temperature=1.0, seed=7, ignore_eos=True, max_new_tokens=60)
+    tokens, cache, stats = run(model, Speculative(ModelDrafter(small_model(seed=1, sharpness=3.0), V), k=4), PROMPT,
+                               params, budget=60, cache_len=128)
+    assert len(tokens) == 60 and stats.verify_steps > 10
+    assert stats.accepted_tokens < stats.proposed_tokens  # rejections (rollbacks) happened
+    assert stats.accepted_tokens > 0
+    seen = PROMPT + tokens[:-1]  # the last emitted token is not yet in the cache
+    assert cache.length == len(seen)
+    fresh = model.new_cache(128)
+    with torch.inference_mode():
+        model(torch.tensor([seen]), fresh)
+    torch.testing.assert_close(cache.k[:, :, :, : len(seen)], fresh.k[:, :, :, : len(seen)], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(cache.v[:, :, :, : len(seen)], fresh.v[:, :, :, : len(seen)], rtol=1e-4, atol=1e-5)
+
+
+def test_stops_at_eos_and_budget_inside_a_step():
+    """A draft that runs past EOS or the budget is cut, and the stats count only emitted tokens."""
+    model = small_model(seed=0)
+    draft_all = Speculative(ModelDrafter(model, V), k=6)  # the verifier drafting for itself: all accepted
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    tokens, _, stats = run(model, draft_all, PROMPT, params, budget=5)
+    assert len(tokens) == 5 and stats.finish_reason == "length"
+    assert sum(stats.accept_lengths) + 1 == 5  # the first token comes from the prefill
+    free, _, _ = run(model, draft_all, PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True), budget=40)
+    eos = free[7]
+    stop = StopRule(SamplingParams(max_new_tokens=40), (eos,), 40)
+    cache, stats = model.new_cache(64), GenerationStats()
+    out = [t for step in draft_all(model, cache, PROMPT, SamplingParams(), stop, stats) for t in step]
+    assert out == free[: free.index(eos) + 1] and stats.finish_reason == "stop"
+
+
+def test_draft_never_runs_past_the_cache():
+    model = small_model(seed=0)
+    tokens, cache, _ = run(model, Speculative(ModelDrafter(model, V), k=8), PROMPT,
+                           SamplingParams(max_new_tokens=40, ignore_eos=True), budget=40, cache_len=len(PROMPT) + 41)
+    assert len(tokens) == 40 and cache.length <= cache.max_len
+
+
+def test_adaptive_draft_length():
+    length = DraftLength(parse_k("auto"))
+    assert length.k == DraftLength.K_START
+    for _ in range(10):
+        length.update(proposed=length.k, accepted=length.k)
+    assert length.k == DraftLength.K_MAX
+    for _ in range(10):
+        length.update(proposed=length.k, accepted=0)
+    assert length.k == DraftLength.K_MIN
+    length.update(proposed=0, accepted=0)  # no draft: no evidence, k unchanged
+    assert length.k == DraftLength.K_MIN
+    assert DraftLength(3).k == 3
+    with pytest.raises(ValueError):
+        parse_k("0")

@@ -1,0 +1,73 @@
+"""rejection_sample: greedy special case, bonus/recovered tokens, and the target distribution exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quasar.verify import rejection_sample
+
+
+def one_hot(ids: list[int], V: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(ids), V).float()  # [n, V]
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square p-value of observed counts [C] against probabilities [C] (cells with
+    expected count < 5 are pooled)."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]]).double()
+    exp = torch.cat([expected[~small], expected[small].sum()[None]]).double()
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def test_greedy_accepts_iff_draft_is_argmax():
+    V, g = 10, torch.Generator().manual_seed(0)
+    target = one_hot([3, 5, 7, 1], V)  # greedy target distributions [k+1, V]
+    assert (v := rejection_sample(torch.tensor([3, 5, 7]), None, target, g)).accepted == 3 and v.token == 1
+    assert (v := rejection_sample(torch.tensor([3, 4, 7]), None, target, g)).accepted == 1 and v.token == 5
+    assert (v := rejection_sample(torch.tensor([0, 5, 7]), None, target, g)).accepted == 0 and v.token == 3
+    draft_probs = one_hot([3, 4, 7], V)  # a greedy model drafter: one-hot draft distributions
+    assert (v := rejection_sample(torch.tensor([3, 4, 7]), draft_probs, target, g)).accepted == 1 and v.token == 5
+
+
+def test_empty_draft_samples_from_the_first_target_row():
+    target = one_hot([4], 6)
+    v = rejection_sample(torch.zeros(0, dtype=torch.int64), None, target, torch.Generator().manual_seed(0))
+    assert (v.accepted, v.token) == (0, 4)
+
+
+def test_zero_target_probability_is_never_accepted():
+    target = torch.tensor([[0.0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]])
+    g = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        v = rejection_sample(torch.tensor([0]), None, target, g)
+        assert v.accepted == 0 and v.token in (1, 2)
+
+
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+def test_emitted_tokens_follow_the_target_distribution(with_draft_probs):
+    """First and second emitted token, sampled many times, match target_probs[0] and the exact
+    marginal of the second position (a wrong acceptance or residual rule fails this)."""
+    V, n = 6, 6000
+    g = torch.Generator().manual_seed(123)
+    target = torch.softmax(torch.randn(3, V, generator=g) * 1.5, -1)  # [k+1, V], k = 2
+    draft_probs = torch.softmax(torch.randn(2, V, generator=g) * 1.5, -1)  # [k, V]
+    first, second = torch.zeros(V), torch.zeros(V)
+    for _ in range(n):
+        if with_draft_probs:
+            draft = torch.multinomial(draft_probs, 1, generator=g)[:, 0]  # [k]
+        else:
+            draft = torch.tensor([0, 1])  # a deterministic drafter: always the same guess
+        v = rejection_sample(draft, draft_probs if with_draft_probs else None, target, g)
+        emitted = [*draft[: v.accepted].tolist(), v.token]
+        first[emitted[0]] += 1
+        if len(emitted) > 1:
+            second[emitted[1]] += 1
+    assert chi_square_p(first, target[0]) > 1e-3
+    # Position 2 is emitted only when token 1 was the draft's: then it follows target[1] (row 1's context).
+    assert chi_square_p(second, target[1]) > 1e-3
