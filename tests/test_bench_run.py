@@ -125,3 +125,20 @@ def test_memory_wall_measurements(tiny_model):
     times = bandwidth.verify_forward_times(model, context=16, scored=(1, 4), repeats=2)
     assert set(times) == {1, 4} and all(t > 0 for t in times.values())
     assert bandwidth.read_bandwidth(8 << 20, repeats=2) > 1e6
+
+
+@pytest.mark.parametrize("mode", ["ar", "pld"])
+def test_transformers_peer_counts_its_steps(tiny_model_dir, mode):
+    from quasar.bench.peers import HFMethod
+    from quasar.sampling import SamplingParams
+
+    method = HFMethod(f"hf:{mode}", tiny_model_dir, 10 if mode == "pld" else None)
+    messages = [{"role": "user", "content": "one two three one two three one two three"}]
+    greedy, sampled = SamplingParams(max_new_tokens=12, ignore_eos=True), SamplingParams(temperature=1.0, seed=1, max_new_tokens=12)
+    for params in (greedy, sampled):
+        out = method.generate(messages, params)
+        n, lengths = len(out.token_ids), out.stats.accept_lengths
+        assert (n == 12 if params.ignore_eos else 1 <= n <= 12) and out.wall_time > 0
+        assert sum(lengths) in (n - 1, n)  # every token but the prefill's comes from a counted step
+        if mode == "ar":
+            assert set(lengths) <= {1}

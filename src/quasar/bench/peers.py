@@ -57,9 +57,11 @@ class HFMethod:
             self.eos.append(self.tokenizer.eos_token_id)
 
     def sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"min_new_tokens": params.max_new_tokens} if params.ignore_eos else {}
         if params.greedy:
-            return {"do_sample": False}
-        return {"do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k}
+            return {**kwargs, "do_sample": False}
+        return {**kwargs, "do_sample": True, "temperature": params.temperature, "top_p": params.top_p,
+                "top_k": params.top_k}
 
     @torch.inference_mode()
     def generate(self, messages: Messages, params: SamplingParams) -> Output:
