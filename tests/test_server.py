@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
 from conftest import tiny_hf_model, write_hf_dir
 
 openai = pytest.importorskip("openai")
@@ -38,7 +37,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "quasar", "serve", "--model", str(model_dir), "--served-model-name", MODEL,
-                "--port", str(self.port), *extra]
+                "--verifier", "fp32", "--port", str(self.port), *extra]
         self.log = open(log, "w")
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
         self._wait_ready()
@@ -61,7 +60,7 @@ class Server:
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
             text = r.read().decode()
-        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.M)}
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.MULTILINE)}
 
     def post(self, path: str, body: bytes, key: str = KEY) -> tuple[int, dict]:
         req = urllib.request.Request(self.url + path, data=body, method="POST",
@@ -90,7 +89,8 @@ def model_dir(tmp_path_factory, tokenizer_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    srv = Server(model_dir, tmp_path_factory.mktemp("logs") / "server.log", "--api-key", KEY, "--max-queue", "32")
+    srv = Server(model_dir, tmp_path_factory.mktemp("logs") / "server.log", "--api-key", KEY, "--max-queue", "32",
+                 "--drafter", "ngram", "--k", "4")
     yield srv
     srv.stop()
     assert srv.proc.returncode is not None
@@ -98,7 +98,8 @@ def server(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(model_dir):
-    """Greedy answers computed in this process with the Python API (the server must give the same)."""
+    """Greedy answers of plain decoding, computed in this process with the Python API: the server decodes
+    speculatively (ngram drafter), which is lossless, so it must give the same."""
     from quasar import LLM, SamplingParams
 
     llm = LLM(model_dir)
@@ -120,13 +121,14 @@ def test_models_and_completion(server, expected):
     assert usage.completion_tokens <= 12 and usage.prompt_tokens > 0
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     spec = usage.model_extra["speculative"]
-    assert spec["mean_accepted_tokens"] == 1.0 and spec["proposed_tokens"] == 0  # plain decoding
+    assert spec["verify_steps"] >= 1 and spec["mean_accepted_tokens"] >= 1.0
+    assert 0.0 <= spec["acceptance_rate"] <= 1.0 and spec["accepted_tokens"] <= spec["proposed_tokens"]
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_streaming_equals_non_streaming_greedy(server, endpoint):
     client = server.client()
-    common = dict(model=MODEL, max_tokens=20, temperature=0)
+    common = {"model": MODEL, "max_tokens": 20, "temperature": 0}
     if endpoint == "chat":
         messages = [{"role": "user", "content": "Name three colours."}]
         full = client.chat.completions.create(messages=messages, **common)
@@ -161,7 +163,8 @@ def test_sse_ends_with_done(server):
 def test_server_greedy_equals_quasar_generate(server, model_dir):
     prompt = "Write a haiku about the sea."
     out = subprocess.run(
-        [sys.executable, "-m", "quasar", "generate", "--model", str(model_dir), "--max-new-tokens", "16", "--json", prompt],
+        [sys.executable, "-m", "quasar", "generate", "--model", str(model_dir), "--verifier", "fp32",
+         "--max-new-tokens", "16", "--json", prompt],
         capture_output=True, text=True, timeout=300, check=True,
     )
     cli = json.loads(out.stdout)
@@ -222,11 +225,12 @@ def test_sixteen_concurrent_clients_all_answered(server, expected):
 
 
 def test_metrics_in_prometheus_format(server):
-    server.client().completions.create(model=MODEL, prompt="count", max_tokens=3, temperature=0)
+    server.client().completions.create(model=MODEL, prompt="one two one two one two one two", max_tokens=8, temperature=0)
     metrics = server.metrics()
-    assert metrics["quasar_generation_tokens_total"] >= 3
-    assert metrics["quasar_mean_accepted_tokens"] == 1.0
-    assert metrics["quasar_acceptance_rate"] == 0.0
+    assert metrics["quasar_generation_tokens_total"] >= 8
+    assert metrics["quasar_mean_accepted_tokens"] >= 1.0
+    assert metrics["quasar_proposed_tokens_total"] > 0  # the repetitive prompt gives the ngram drafter matches
+    assert 0.0 <= metrics["quasar_acceptance_rate"] <= 1.0
     assert metrics["quasar_queue_length"] == 0
     assert metrics['quasar_request_latency_seconds_bucket{le="+Inf"}'] == metrics["quasar_request_latency_seconds_count"]
     assert metrics['quasar_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
