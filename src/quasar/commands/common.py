@@ -29,6 +29,22 @@ def verifier_name(args: argparse.Namespace) -> str:
     return args.dtype or args.verifier
 
 
+def add_decode_args(parser: argparse.ArgumentParser, drafter_default: str = "ngram") -> None:
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument("--drafter", default=drafter_default,
+                       help="none (plain decoding), ngram, suffix, model:PATH, layerskip:N (default: %(default)s)")
+    group.add_argument("--k", default="5", help="draft tokens per verify step, or 'auto' (default: %(default)s)")
+    group.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram the ngram/suffix drafters match (default: %(default)s)")
+    group.add_argument("--ngram-max", type=int, default=3, help="longest n-gram the ngram drafter matches (default: %(default)s)")
+
+
+def decode_config(args: argparse.Namespace):  # -> quasar.api.DecodeConfig
+    from quasar.api import DecodeConfig
+    from quasar.speculative import parse_k
+
+    return DecodeConfig(args.drafter, parse_k(args.k), args.ngram_min, args.ngram_max)
+
+
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: %(default)s)")

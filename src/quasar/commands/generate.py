@@ -6,9 +6,13 @@ import argparse
 import json
 import sys
 
-from quasar.commands.common import add_model_args, add_sampling_args, read_prompt, sampling_params, verifier_name
-from quasar.engine import Engine
-from quasar.verifiers import load_verifier
+from quasar.api import build_engine
+from quasar.commands.common import (
+    add_decode_args, add_model_args, add_sampling_args, decode_config, read_prompt, sampling_params, verifier_name,
+)
+
+
+DEFAULT_VERIFIER = "w8a8"  # the paper's setup: --drafter ngram --verifier w8a8
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -17,7 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Generate a completion of PROMPT and stream it to stdout.",
     )
     parser.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt; '-' reads it from standard input")
-    add_model_args(parser)
+    add_model_args(parser, verifier_default=DEFAULT_VERIFIER)
+    add_decode_args(parser)
     add_sampling_args(parser)
     chat = parser.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
@@ -30,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     prompt = read_prompt(args.prompt)
-    engine = Engine(load_verifier(args.model, verifier_name(args), args.cache_dir), max_context=args.max_context)
+    engine = build_engine(args.model, verifier_name(args), decode_config(args), args.max_context, args.cache_dir)
     request = engine.run(engine.encode(prompt, args.chat), params)
     if args.json:
         print(json.dumps(request.result().to_dict()))
