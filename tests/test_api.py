@@ -46,7 +46,7 @@ def test_chat_uses_the_chat_template(llm):
     out = llm.chat(messages, GREEDY)
     assert out.text == llm.generate(["Hello there"], GREEDY, chat=True)[0].text
     both = llm.chat([messages, [{"role": "user", "content": "Another one"}]], GREEDY)
-    assert [o.text for o in both][0] == out.text and len(both) == 2
+    assert next(o.text for o in both) == out.text and len(both) == 2
 
 
 def test_sampling_with_a_seed_is_reproducible(llm):

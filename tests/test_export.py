@@ -27,8 +27,8 @@ from quasar.verifiers import load_verifier
 pytest.importorskip("quasar.quant", reason="the W8A8 verifier (quasar.quant) is not in this checkout")
 pytest.importorskip("compressed_tensors")
 transformers = pytest.importorskip("transformers")
-from compressed_tensors.compressors import IntQuantizationCompressor  # noqa: E402
-from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
+from compressed_tensors.compressors import IntQuantizationCompressor
+from compressed_tensors.quantization import QuantizationConfig
 
 TIGHT = 1e-4  # max |logit difference| / max |logit|, same activation grid
 LOOSE = 0.05  # the same, compressed-tensors' absmax/127.5 activation grid vs quasar's absmax/127
@@ -90,7 +90,7 @@ def test_int8_weights_and_scales_decompress_exactly(exported, w8a8):
     scheme = QuantizationConfig.model_validate(
         json.loads((exported / "config.json").read_text())["quantization_config"]).config_groups["group_0"]
     with safe_open(str(exported / "model.safetensors"), "pt") as f:
-        names = [k.removesuffix(".weight_scale") for k in f.keys() if k.endswith(".weight_scale")]
+        names = [k.removesuffix(".weight_scale") for k in f.keys() if k.endswith(".weight_scale")]  # noqa: SIM118
         assert len(names) == 7 * w8a8.model.config.num_hidden_layers
         for name in names:
             weight, scale = f.get_tensor(f"{name}.weight"), f.get_tensor(f"{name}.weight_scale")

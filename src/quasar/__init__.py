@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from quasar.api import LLM, RequestOutput  # noqa: E402
-from quasar.sampling import SamplingParams  # noqa: E402
+from quasar.api import LLM, RequestOutput
+from quasar.sampling import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]

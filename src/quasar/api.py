@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from quasar.engine import Completion, Decoder, Engine
 from quasar.generate import autoregressive
@@ -92,7 +93,7 @@ class LLM:
         self.engine = build_engine(model, verifier, decode, max_context, cache_dir)
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer
+    def tokenizer(self) -> Any:  # a transformers tokenizer
         return self.engine.tokenizer
 
     def generate(

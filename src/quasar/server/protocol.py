@@ -95,7 +95,7 @@ class ChatRequest(_Sampling):
         return "logprobs" if self.logprobs else None
 
 
-def parse(model: type[CompletionRequest] | type[ChatRequest], body: Any) -> Any:
+def parse(model: type[CompletionRequest | ChatRequest], body: Any) -> Any:
     """A decoded JSON body -> a validated request, or BadRequest naming the first bad field."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
