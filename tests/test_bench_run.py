@@ -79,10 +79,10 @@ def test_runner_interleaves_methods_prompt_by_prompt(tmp_path):
     assert divergences(result.records)[0]["position"] == 1  # the runner's records feed the divergence check
 
 
-def test_ctrl_c_keeps_finished_prompts(tmp_path):
+def test_ctrl_c_keeps_finished_prompts(tmp_path, caplog):
     answers = tmp_path / "answers.jsonl"
     result = run([ScriptedMethod("ar:x", [1], stop_at="question 1")], ITEMS, RunConfig(), answers)
-    assert result.interrupted
+    assert result.interrupted and "keeping the 1 prompts that finished" in caplog.text
     assert [json.loads(line)["question_id"] for line in answers.read_text().splitlines()] == ["q0"]
 
 

@@ -90,8 +90,10 @@ def run(methods: list[Method], items: list[BenchItem], config: RunConfig, answer
     answers.parent.mkdir(parents=True, exist_ok=True)
     total = len(items) * len(config.temperatures)
     with open(answers, "w") as out, tqdm(total=total, unit="prompt", desc="bench", disable=None, dynamic_ncols=True) as bar:
+        done = 0
         try:
             warm_up(methods, config.warmup_tokens)
+            start = time.perf_counter()
             for temperature, i, item in schedule(items, config):
                 params = SamplingParams(temperature=temperature, max_new_tokens=config.max_new_tokens,
                                         seed=config.seed + i)
@@ -105,8 +107,11 @@ def run(methods: list[Method], items: list[BenchItem], config: RunConfig, answer
                 out.writelines(json.dumps(record) + "\n" for record in batch)
                 out.flush()
                 result.records.extend(batch)
+                done += 1
                 bar.update()
+                log.info("prompt %d/%d done (%s), about %.0f s left", done, total, item.question_id,
+                         (time.perf_counter() - start) / done * (total - done))
         except KeyboardInterrupt:
             result.interrupted = True
-            log.warning("interrupted: keeping the %d prompts that finished", bar.n)
+            log.warning("interrupted: keeping the %d prompts that finished", done)
     return result
