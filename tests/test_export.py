@@ -132,3 +132,13 @@ def test_export_refuses_a_float_model(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="no quantized linears"):
         export(tiny_model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_vllm_dry_run_points_at_the_export(tiny_model_dir, w8a8, tmp_path):
+    cache = w8a8.directory.parent.parent
+    out = subprocess.run([sys.executable, "-m", "quasar", "serve", "--engine", "vllm", "--dry-run", "--model",
+                          str(tiny_model_dir), "--cache-dir", str(cache), "--export-dir", str(tmp_path / "ct")],
+                         check=True, capture_output=True, text=True, timeout=600)
+    argv = out.stdout.split()
+    assert argv[:3] == ["vllm", "serve", str(tmp_path / "ct")]
+    assert "quantization_config" in json.loads((tmp_path / "ct" / "config.json").read_text())

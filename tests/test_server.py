@@ -265,3 +265,29 @@ def test_full_queue_429_and_disconnect_frees_the_worker(model_dir, tmp_path):
         assert metrics['quasar_requests_total{endpoint="/v1/completions",status="429"}'] == 1
     finally:
         server.stop()
+
+
+def test_vllm_dry_run_prints_the_equivalent_command(model_dir):
+    import shlex
+
+    out = subprocess.run(
+        [sys.executable, "-m", "quasar", "serve", "--engine", "vllm", "--dry-run", "--model", str(model_dir),
+         "--verifier", "bf16", "--drafter", "ngram", "--k", "4", "--ngram-max", "2", "--port", "9001",
+         "--served-model-name", MODEL, "--api-key", KEY],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    argv = shlex.split(out.stdout.strip())
+    assert argv[:3] == ["vllm", "serve", str(model_dir)]
+    options = dict(zip(argv[3::2], argv[4::2]))
+    assert options["--dtype"] == "bfloat16" and options["--port"] == "9001" and options["--host"] == "127.0.0.1"
+    assert options["--served-model-name"] == MODEL and options["--api-key"] == KEY
+    assert json.loads(options["--speculative-config"]) == {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+
+
+def test_vllm_hand_off_refuses_drafters_vllm_cannot_run(model_dir):
+    out = subprocess.run(
+        [sys.executable, "-m", "quasar", "serve", "--engine", "vllm", "--dry-run", "--model", str(model_dir),
+         "--verifier", "fp32", "--drafter", "suffix"], capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 1 and "supports --drafter none or ngram" in out.stderr

@@ -10,8 +10,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from quasar.api import DecodeConfig, build_engine
-from quasar.commands.common import add_model_args, verifier_name
+from quasar.api import build_engine
+from quasar.commands.common import add_decode_args, add_model_args, decode_config, verifier_name
 
 log = logging.getLogger("quasar")
 
@@ -22,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. Requests "
         "wait in a bounded queue and are generated one at a time, in order.",
     )
-    add_model_args(parser)
+    add_model_args(parser, verifier_default="w8a8")  # the paper's setup, as `quasar generate`
     add_decode_args(parser)
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
@@ -39,21 +39,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     hand.add_argument("--export-dir", help="with --engine vllm and a quantized verifier: where to write the "
                       "compressed-tensors export (default: in the cache directory)")
     parser.set_defaults(run=run)
-
-
-def add_decode_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("speculative decoding")
-    group.add_argument("--drafter", default="none", help="none, ngram, suffix, model:PATH, layerskip:N (default: %(default)s)")
-    group.add_argument("--k", default="5", help="draft tokens per verify step, or 'auto' (default: %(default)s)")
-    group.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram the ngram drafter matches (default: %(default)s)")
-    group.add_argument("--ngram-max", type=int, default=3, help="longest n-gram the ngram drafter matches (default: %(default)s)")
-
-
-def decode_config(args: argparse.Namespace) -> DecodeConfig:
-    if args.k != "auto" and (not args.k.isdigit() or int(args.k) < 1):
-        raise ValueError(f"--k must be a positive integer or 'auto', got {args.k!r}")
-    k: int | str = args.k if args.k == "auto" else int(args.k)
-    return DecodeConfig(args.drafter, k, args.ngram_min, args.ngram_max)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,10 +78,13 @@ def hand_off(args: argparse.Namespace, name: str) -> int:
 
 def vllm_model(model: str, verifier: str, cache_dir: str | None, export_dir: str | None) -> tuple[Path, str]:
     """The directory vLLM should load and the dtype of its float parts."""
+    from quasar.loading import gguf_directory, resolve, sha256_file
     from quasar.verifiers import load_verifier
 
-    if verifier in ("fp32", "bf16"):
-        return load_verifier(model, verifier, cache_dir).directory, {"fp32": "float32", "bf16": "bfloat16"}[verifier]
+    if verifier in ("fp32", "bf16"):  # the float Hugging Face directory, without loading the weights
+        path = resolve(model)
+        directory = gguf_directory(path, sha256_file(path), cache_dir) if path.is_file() else path
+        return directory, {"fp32": "float32", "bf16": "bfloat16"}[verifier]
     if verifier != "w8a8":
         raise ValueError(f"the vLLM hand-off supports --verifier fp32, bf16 or w8a8, not {verifier!r}")
     from quasar.export import export
