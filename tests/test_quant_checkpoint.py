@@ -50,11 +50,12 @@ def test_quantization_block_records_the_recipe(quantized, tiny_model):
     assert (directory / "tokenizer.json").exists() or (directory / "tokenizer_config.json").exists()
 
 
-def test_w8a16_round_trip(tiny_model, tmp_path):
+def test_w8a16_round_trip_with_ignored_linears(tiny_model, tmp_path):
     loaded = copy.deepcopy(tiny_model)
-    block = quantize_model(loaded, QuantRecipe("w8a16", None))
+    block = quantize_model(loaded, QuantRecipe("w8a16", None, ignore=("model.layers.1.mlp.*",)))
     reloaded = load_quantized(save_quantized(loaded, block, tmp_path / "w8a16"))
     assert isinstance(reloaded.model.model.layers[1].self_attn.o_proj, Int8WeightOnlyLinear)
+    assert type(reloaded.model.model.layers[1].mlp.up_proj) is torch.nn.Linear  # kept in float
     assert torch.equal(_logits(reloaded.model), _logits(loaded.model))
 
 
@@ -95,7 +96,7 @@ def test_output_is_replaced_only_with_overwrite(quantized, tmp_path):
 
 
 def test_interrupted_save_leaves_nothing(quantized, tmp_path, monkeypatch):
-    import quasar.quant.checkpoint as checkpoint
+    from quasar.quant import checkpoint
 
     def fail(*args, **kwargs):
         raise KeyboardInterrupt

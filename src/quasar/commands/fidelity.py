@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--model", default="default", help="float model: 'default', a .gguf file or a HF directory")
     parser.add_argument("--verifier", action="append", metavar="V",
-                        help="w8a8[:auto|none|ALPHA] or w8a16, repeatable (default: %s)" % ", ".join(DEFAULT_VARIANTS))
+                        help=f"w8a8[:auto|none|ALPHA] or w8a16, repeatable (default: {', '.join(DEFAULT_VARIANTS)})")
     parser.add_argument("--quantized", action="append", default=[], metavar="DIR",
                         help="also compare a directory written by `quasar quantize` (repeatable)")
     parser.add_argument("--data", metavar="FILE", help="held-out text: JSONL with 'text' or plain text "

@@ -27,6 +27,7 @@ class QuantRecipe:
     lm_head: bool = False
     output_groups: bool = True  # smooth v -> o and up -> down too
     backend: str = "auto"
+    ignore: tuple[str, ...] = ()  # fnmatch patterns of linears kept in float, e.g. "model.layers.29.*"
 
     @property
     def smoothing(self) -> SmoothConfig | None:
@@ -35,7 +36,7 @@ class QuantRecipe:
         return SmoothConfig(alpha=self.alpha, output_groups=self.output_groups)
 
     def scheme_config(self) -> Any:
-        return scheme_config(self.scheme, lm_head=self.lm_head, backend=self.backend)
+        return scheme_config(self.scheme, lm_head=self.lm_head, backend=self.backend, ignore=self.ignore)
 
     def settings(self) -> dict[str, Any]:
         smoothing = self.smoothing
@@ -45,6 +46,7 @@ class QuantRecipe:
             "calibration": asdict(self.calib) if smoothing else None,
             "lm_head": self.lm_head,
             "output_groups": self.output_groups if smoothing else None,
+            **({"ignore": list(self.ignore)} if self.ignore else {}),
         }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from fnmatch import fnmatch
 from typing import Any
 
 from torch import nn
@@ -21,6 +22,7 @@ class W8A8Config:
 
     backend: str = "auto"
     lm_head: bool = False
+    ignore: tuple[str, ...] = ()  # fnmatch patterns of linears kept in float (mixed precision)
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class W8A16Config:
     """Int8 weights per output channel; activations stay in the model's float dtype."""
 
     lm_head: bool = False
+    ignore: tuple[str, ...] = ()  # fnmatch patterns of linears kept in float
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,8 @@ def scheme_config(name: str, **options: Any) -> Any:
     if name not in SCHEME_CONFIGS:
         raise ValueError(f"unknown quantization scheme {name!r}; choose from {', '.join(SCHEME_CONFIGS)}")
     fields = SCHEME_CONFIGS[name].__dataclass_fields__
-    return SCHEME_CONFIGS[name](**{k: v for k, v in options.items() if k in fields})
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items() if k in fields}
+    return SCHEME_CONFIGS[name](**options)
 
 
 def scheme_name(config: Any) -> str:
@@ -75,9 +79,10 @@ def config_dict(config: Any) -> dict[str, Any]:
 
 
 def target_linears(model: nn.Module, config: Any) -> list[str]:
-    """Names of the linears a scheme quantizes: every decoder-layer linear, lm_head only when asked."""
+    """Names of the linears a scheme quantizes: every decoder-layer linear not ignored, lm_head only when asked."""
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("model.layers.")]
-    return names + (["lm_head"] if getattr(config, "lm_head", False) else [])
+    names += ["lm_head"] if getattr(config, "lm_head", False) else []
+    return [n for n in names if not any(fnmatch(n, pattern) for pattern in getattr(config, "ignore", ()))]
 
 
 def _swap(model: nn.Module, name: str, layer: nn.Module) -> None:
