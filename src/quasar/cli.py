@@ -9,7 +9,7 @@ import sys
 
 from quasar import __version__
 
-COMMANDS = ("generate", "eval", "bench", "serve", "models", "export")  # modules in quasar.commands, each with register(subparsers)
+COMMANDS = ("generate", "eval", "bench", "serve", "models", "export", "quantize", "fidelity")  # modules in quasar.commands, each with register(subparsers)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,6 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--quantize-lm-head", action="store_true", help="also quantize lm_head (off by default)")
     parser.add_argument("--no-output-smoothing", action="store_true",
                         help="smooth only norm -> linears, not v -> o and up -> down")
+    parser.add_argument("--keep-float", action="append", default=[], metavar="PATTERN",
+                        help="fnmatch pattern of linears to keep in float, e.g. 'model.layers.29.*' (repeatable)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     parser.add_argument("--cache-dir", help="where converted GGUF models are cached")
     add_calibration_args(parser)
@@ -49,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
     recipe = QuantRecipe(
         args.scheme, parse_alpha(args.alpha), calibration_spec(args), args.quantize_lm_head,
-        not args.no_output_smoothing,
+        not args.no_output_smoothing, ignore=tuple(args.keep_float),
     )
     if Path(args.out).exists() and not args.overwrite:
         raise ValueError(f"{args.out} already exists; pass --overwrite to replace it")
