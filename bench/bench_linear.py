@@ -1,7 +1,7 @@
 """Micro-benchmark: one linear layer at verify sizes, int8 paths vs bf16 and fp32 (a script, not a test).
 
 Each measurement rotates through enough distinct weight matrices (> 64 MB per method, twice the 32 MB
-L3 cache) that weights come from memory, as they do in a real forward pass. Median time per call.
+L3 cache) that weights come from memory, as they do in a real forward pass. Median and minimum time per call.
 
     python bench/bench_linear.py [--rows 1,2,4,6,8,16] [--reps 60] [--threads N] [--json OUT]
 """
@@ -67,7 +67,8 @@ def methods(K: int, N: int) -> dict[str, tuple[list, Callable]]:
     return out
 
 
-def median_us(states: list, fn: Callable, x: torch.Tensor, reps: int) -> float:
+def time_us(states: list, fn: Callable, x: torch.Tensor, reps: int) -> tuple[float, float]:
+    """(median, minimum) microseconds per call; the minimum is the robust figure on a shared, busy machine."""
     for s in states[:2]:
         fn(s, x)
     times = []
@@ -76,7 +77,7 @@ def median_us(states: list, fn: Callable, x: torch.Tensor, reps: int) -> float:
         t = time.perf_counter()
         fn(s, x)
         times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+    return statistics.median(times) * 1e6, min(times) * 1e6
 
 
 @torch.inference_mode()
@@ -90,8 +91,9 @@ def run(rows: list[int], reps: int) -> list[dict]:
             row = {"shape": shape, "M": M}
             for name, (states, fn) in table.items():
                 arg = x8 if name.startswith(("int_mm", "blocked")) else x
-                row[name] = median_us(states, fn, arg, reps)
+                row[name], row[f"{name} min"] = time_us(states, fn, arg, reps)
             row["bf16/Int8Linear"] = row["bf16"] / row["Int8Linear"]
+            row["bf16/Int8Linear min"] = row["bf16 min"] / row["Int8Linear min"]
             results.append(row)
             print(" | ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         del table
@@ -107,7 +109,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; times are medians in microseconds")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; times in microseconds, median and min")
     results = run([int(r) for r in args.rows.split(",")], args.reps)
     if args.json:
         with open(args.json, "w") as f:

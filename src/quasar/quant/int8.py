@@ -9,10 +9,12 @@ Per-token scales make a row's result independent of the other rows in the batch,
 is exact, so verifying k draft tokens together gives bit-identical rows to decoding them one at a time.
 
 Int32 backends (registry `INT_MM`): `int_mm` (torch._int_mm; weight stored [N, K] and passed as `.t()`,
-the fastest layout measured by bench/bench_linear.py; rows padded above 16 on CUDA), `blocked_float`
-(float32 GEMM over K blocks of <= 1024, where every partial sum is an integer below 2^24 and therefore
-exact — the same int32 result, much faster for many rows on CPUs without VNNI), and `reference` (int64,
-for tests). `auto` uses `int_mm` for decode/verify sizes and `blocked_float` for prefill sizes on CPU.
+faster than a contiguous [K, N] copy in bench/bench_linear.py; rows padded above 16 on CUDA),
+`blocked_float` (float32 GEMMs over K blocks of <= 1024, where every partial sum is an integer below 2^24
+and therefore exact: the same int32 result), and `reference` (int64, for tests). `auto` uses `int_mm` on
+CUDA and `blocked_float` on CPU: on this AVX2 machine (no VNNI) torch 2.13's CPU `_int_mm` costs ~3x
+`blocked_float` at 1 row and ~8x at 6 rows (bench/bench_linear.py). Making int8 fast on CPU is the
+performance issue's work; all backends give bit-identical results, so they can be swapped freely.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from torch import nn
 
 QMAX = 127
 EXACT_FLOAT_BLOCK = 1024  # 1024 * 127 * 127 < 2**24: float32 sums of this many int8 products are exact
-AUTO_INT_MM_MAX_ROWS = 32  # above this many rows, CPU `auto` switches to `blocked_float`
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,9 +87,7 @@ def reference_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @register_int_mm("auto")
 def auto_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    if x.is_cuda or x.shape[0] <= AUTO_INT_MM_MAX_ROWS:
-        return int_mm(x, w)
-    return blocked_float_mm(x, w)
+    return int_mm(x, w) if x.is_cuda else blocked_float_mm(x, w)
 
 
 # ---- layers ----------------------------------------------------------------------------------------
