@@ -133,7 +133,9 @@ def test_evaluate_puts_verifiers_side_by_side(tiny_model_dir):
         model=tiny_model_dir, verifiers=("fp32", "bf16"), tasks=("gsm8k", "mmlu", "humaneval"), limit=2,
         options=TaskOptions(max_new_tokens=4, timeout_s=5.0),
     )
-    report = evaluate(config)
+    finished: list[int] = []
+    report = evaluate(config, on_score=lambda partial: finished.append(len(partial.rows())))
+    assert finished == [1, 2, 3, 4, 5, 6]  # each (verifier, task) is reported as soon as it is done
     rows = report.rows()
     assert [(r["task"], r["verifier"]) for r in rows] == [
         (t, v) for t in ("gsm8k", "mmlu", "humaneval") for v in ("fp32", "bf16")

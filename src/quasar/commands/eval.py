@@ -46,15 +46,18 @@ def run(args: argparse.Namespace) -> int:
         options=TaskOptions(max_new_tokens=args.max_new_tokens, timeout_s=args.timeout),
         cache_dir=args.cache_dir, max_context=args.max_context,
     )
-    report = evaluate(config)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report.to_dict(with_items=True), indent=2))
+    report = evaluate(config, on_score=(lambda partial: save(partial, args.out)) if args.out else None)
     if args.json:
         print(json.dumps(report.to_dict(with_items=False), indent=2))
     else:
         print_table(report)
     return 0
+
+
+def save(report: EvalReport, out: Path) -> None:
+    """Write the full report; called after every (verifier, task), so an interrupted run keeps what finished."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report.to_dict(with_items=True), indent=2))
 
 
 def print_table(report: EvalReport) -> None:

@@ -140,8 +140,9 @@ def score_task(engine: Engine, task_name: str, items: list[Any], verifier: str, 
     return TaskScore(task_name, verifier, results, time.perf_counter() - start)
 
 
-def evaluate(config: EvalConfig, on_score: Callable[[TaskScore], None] | None = None) -> EvalReport:
-    """Every task on every verifier; verifiers are loaded one at a time and freed before the next."""
+def evaluate(config: EvalConfig, on_score: Callable[[EvalReport], None] | None = None) -> EvalReport:
+    """Every task on every verifier; verifiers are loaded one at a time and freed before the next.
+    on_score(report) runs after each (verifier, task), e.g. to save what is finished."""
     check_verifiers(config.verifiers)
     items = {name: get_task(name).load(config.limit) for name in config.tasks}
     report = EvalReport(config)
@@ -153,7 +154,7 @@ def evaluate(config: EvalConfig, on_score: Callable[[TaskScore], None] | None = 
             report.scores[(verifier, name)] = score
             log.info("%s on %s: %d/%d correct", verifier, name, score.correct, score.n)
             if on_score is not None:
-                on_score(score)
+                on_score(report)
         del engine
         gc.collect()
     return report
