@@ -94,6 +94,8 @@ def test_humaneval_truncates_at_the_next_top_level_statement():
     text = HAS_CLOSE + "\n\ndef helper():\n    pass\n"
     assert humaneval.truncate(text) == HAS_CLOSE + "\n"
     assert humaneval.truncate("    return 1\n```\nThis code ...") == "    return 1"
+    assert humaneval.truncate("```\n\nThe function above ...") == ""  # the model closed the block at once
+    assert humaneval.truncate("    return 1") == "    return 1"
 
 
 # ---- MMLU ----------------------------------------------------------------------------------------

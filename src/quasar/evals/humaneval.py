@@ -36,8 +36,9 @@ print(json.dumps({"passed": bool(result["passed"]), "result": str(result["result
 
 def truncate(completion: str) -> str:
     """Cut a completion at the first top-level statement that follows the function body."""
-    cuts = [i for i in (completion.find(s) for s in STOP) if i >= 0]
-    return completion[: min(cuts)] if cuts else completion
+    text = "\n" + completion  # the prompt ends a line, so a stop may also open the completion
+    cuts = [i for i in (text.find(s) for s in STOP) if i >= 0]
+    return text[1 : max(1, min(cuts))] if cuts else completion
 
 
 def execute(problem: data.HumanEvalProblem, completion: str, timeout_s: float = 10.0) -> tuple[bool, str]:
