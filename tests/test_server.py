@@ -55,7 +55,7 @@ class Server:
         raise TimeoutError("server did not become ready")
 
     def client(self, key: str | None = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0, timeout=120)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0, timeout=600)
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
