@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quasar.drafters import build_drafter
 from quasar.drafters.model_drafter import ModelDrafter
+from quasar.engine import Engine
 from quasar.drafters.ngram import NgramDrafter
 from quasar.generate import StopRule
 from quasar.models.config import ModelConfig
@@ -138,3 +140,54 @@ def test_adaptive_draft_length():
     assert DraftLength(3).k == 3
     with pytest.raises(ValueError):
         parse_k("0")
+
+
+# ---- the real default model: greedy speculative == greedy autoregressive, token for token ---------------------
+
+PROMPTS = (
+    "What is 2+2?",  # a short answer: ends at EOS
+    "Write a Python function that returns the square of a number.",  # ends at the token limit
+    "Repeat after me: the quick brown fox jumps over the lazy dog. the quick brown fox",  # long n-gram matches
+)
+VERIFIERS = ("fp32", "w8a8")
+
+
+@pytest.fixture(scope="module", params=VERIFIERS)
+def verifier(request):
+    from quasar import verifiers
+
+    if request.param not in verifiers.available():
+        pytest.skip(f"the {request.param} verifier is not registered yet (quasar.quant has not landed)")
+    target = verifiers.load_verifier("default", request.param)
+    engine = Engine(target)
+    prompts = [engine.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=32)
+    return target, prompts, [engine.generate(ids, params) for ids in prompts]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "suffix", "model:TINY", "layerskip:8"])
+def test_greedy_speculative_equals_greedy_autoregressive(verifier, drafter, tiny_model_dir):
+    target, prompts, expected = verifier
+    assert {e.finish_reason for e in expected} == {"stop", "length"}  # both endings are covered
+    spec = drafter.replace("TINY", str(tiny_model_dir))
+    engine = Engine(target, decoder=Speculative(build_drafter(spec, target), k=5))
+    for ids, want in zip(prompts, expected):
+        got = engine.generate(ids, SamplingParams(max_new_tokens=32))
+        assert got.token_ids == want.token_ids
+        assert got.finish_reason == want.finish_reason
+        stats = got.stats
+        assert stats.verify_steps == len(stats.accept_lengths) and sum(stats.accept_lengths) + 1 == len(got.token_ids)
+        assert stats.verify_steps <= len(got.token_ids) - 1
+
+
+def test_forward_is_row_independent(tiny_model):
+    """A token scored alone and inside a verify block gets bitwise the same logits (fixed_rows padding)."""
+    model, ids = tiny_model.model, [1, 50, 60, 70, 80]
+    cache = model.new_cache(64)
+    with torch.inference_mode():
+        model(torch.tensor([ids]), cache)
+        block = model(torch.tensor([[5, 6, 7, 8, 9, 10]]), cache)[0]  # [6, V]
+        cache.trim(6)
+        for i, token in enumerate([5, 6, 7]):
+            alone = model(torch.tensor([[token]]), cache)[0, 0]  # [V]
+            assert torch.equal(alone, block[i])

@@ -25,11 +25,11 @@ AUTO = "auto"
 
 class DraftLength:
     """How many tokens to draft. Fixed k, or adaptive ('auto'): start at 4 and after each non-empty
-    draft set k = clamp(round(ema) + 1, 1, 8), where ema is an exponential moving average (weight 0.5)
+    draft set k = clamp(round(ema) + 1, 1, 7), where ema is an exponential moving average (weight 0.5)
     of the accepted draft tokens per step. Drafting one more than recently accepted keeps a cheap
     chance to accept longer runs while short acceptance keeps wasted verify rows few."""
 
-    K_MIN, K_MAX, K_START, WEIGHT = 1, 8, 4, 0.5
+    K_MIN, K_MAX, K_START, WEIGHT = 1, 7, 4, 0.5  # k + 1 <= Transformer.fixed_rows
 
     def __init__(self, k: int | str) -> None:
         self.adaptive = k == AUTO

@@ -147,19 +147,29 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
+    # Decode and verify forwards of T <= fixed_rows tokens run padded to exactly fixed_rows rows (dummy
+    # tokens after the real ones, their keys written past the cache length and never read). Float kernels
+    # round differently for different row counts (GEMV vs GEMM, blockings), so without this a token scored
+    # alone (plain decoding) and inside [last, *draft] (a verify step) can get different logits; with it
+    # every row goes through the same kernels, and greedy speculative == greedy plain decoding exactly.
+    fixed_rows: int = 8
+
     def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32."""
         T = input_ids.shape[1]
-        positions = cache.positions(T)  # [T]
+        padded = T <= self.fixed_rows and cache.length + self.fixed_rows <= cache.max_len
+        rows = self.fixed_rows if padded else T
+        positions = cache.positions(rows)  # [rows]
         mask = None
-        if T > 1:  # query i sees keys 0 .. length + i
-            keys = torch.arange(cache.length + T, device=positions.device)
-            mask = keys[None, :] <= positions[:, None]  # [T, S]
+        if rows > 1:  # query i sees keys 0 .. length + i
+            keys = torch.arange(cache.length + rows, device=positions.device)
+            mask = keys[None, :] <= positions[:, None]  # [rows, S]
         rope = self.rope(positions)
-        x = self.model.embed_tokens(input_ids)  # [B, T, hidden]
+        x = self.model.embed_tokens(F.pad(input_ids, (0, rows - T)))  # [B, rows, hidden]
         for layer in self.model.layers:
             x = layer(x, rope, mask, cache)
         cache.advance(T)
-        if last_only:
+        if last_only and not padded:
             x = x[:, -1:]
-        return self.lm_head(self.model.norm(x)).float()
+        logits = self.lm_head(self.model.norm(x)).float()  # [B, rows, V]
+        return logits[:, T - 1 : T] if last_only else logits[:, :T]
