@@ -169,7 +169,7 @@ class Transformer(nn.Module):
         for layer in self.model.layers:
             x = layer(x, rope, mask, cache)
         cache.advance(T)
-        if last_only and not padded:
-            x = x[:, -1:]
+        if not padded:
+            return self.lm_head(self.model.norm(x[:, -1:] if last_only else x)).float()
         logits = self.lm_head(self.model.norm(x)).float()  # [B, rows, V]
         return logits[:, T - 1 : T] if last_only else logits[:, :T]
