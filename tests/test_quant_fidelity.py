@@ -52,7 +52,7 @@ def default_w8a8_auto(default_model):
 def test_default_model_w8a8_auto_kl_and_agreement(default_w8a8_auto):
     report = default_w8a8_auto
     assert report.kl_mean <= 0.02
-    assert report.top1 >= 0.94  # measured 0.95-0.96; the 0.98 target: see the xfail below
+    assert report.top1 >= 0.93  # measured 0.950 on 2,048 held-out tokens; the 0.98 target: see the xfail below
     assert report.ppl_quant <= 1.03 * report.ppl_float
 
 
@@ -61,3 +61,18 @@ def test_default_model_w8a8_auto_kl_and_agreement(default_w8a8_auto):
                    "W8A8 auto reaches ~0.95 (see the quant note)", strict=False)
 def test_default_model_w8a8_auto_reaches_098_top1(default_w8a8_auto):
     assert default_w8a8_auto.top1 >= 0.98
+
+
+def test_cli_fidelity_table_of_all_variants(tiny_model_dir, capsys):
+    import json
+
+    from quasar.cli import main
+
+    args = ["fidelity", "--model", str(tiny_model_dir), "--samples", "1", "--eval-seq-len", "32",
+            "--calib-samples", "1", "--seq-len", "32"]
+    assert main([*args, "--json"]) == 0
+    reports = json.loads(capsys.readouterr().out)["reports"]
+    assert [r["name"] for r in reports] == ["w8a8:none", "w8a8:0.5", "w8a8:auto", "w8a16"]
+    assert all(r["tokens"] == 32 and 0 <= r["top1"] <= 1 for r in reports)
+    assert main([*args, "--verifier", "w8a16"]) == 0
+    assert "relative error of the residual stream" in capsys.readouterr().out
