@@ -11,10 +11,11 @@ is exact, so verifying k draft tokens together gives bit-identical rows to decod
 Int32 backends (registry `INT_MM`): `int_mm` (torch._int_mm; weight stored [N, K] and passed as `.t()`,
 faster than a contiguous [K, N] copy in bench/bench_linear.py; rows padded above 16 on CUDA),
 `blocked_float` (float32 GEMMs over K blocks of <= 1024, where every partial sum is an integer below 2^24
-and therefore exact: the same int32 result), and `reference` (int64, for tests). `auto` uses `int_mm` on
-CUDA and `blocked_float` on CPU: on this AVX2 machine (no VNNI) torch 2.13's CPU `_int_mm` costs ~3x
-`blocked_float` at 1 row and ~8x at 6 rows (bench/bench_linear.py). Making int8 fast on CPU is the
-performance issue's work; all backends give bit-identical results, so they can be swapped freely.
+and therefore exact: the same int32 result), `avx2` (quasar's own kernel, quant/native.py), and `reference` (int64, for
+tests). `auto` uses `int_mm` on CUDA and, on CPU, the AVX2 kernel fused with the activation quantization
+and the rescale (one call per linear), else `blocked_float`: on this AVX2 machine (no VNNI) torch 2.13's CPU
+`_int_mm` costs ~3x `blocked_float` at 1 row and ~8x at 6 rows (bench/bench_linear.py). All backends give
+bit-identical results, so they can be swapped freely.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quasar.quant import native
+
 QMAX = 127
+NO_BIAS = torch.empty(0)
 EXACT_FLOAT_BLOCK = 1024  # 1024 * 127 * 127 < 2**24: float32 sums of this many int8 products are exact
 
 
@@ -85,9 +89,27 @@ def reference_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.long() @ w.long().t()).to(torch.int32)
 
 
+@register_int_mm("avx2")
+def avx2_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """quasar's AVX2 kernel (quant/csrc/w8a8_avx2.cpp): exact int32, weights streamed once per call."""
+    kernel = native.kernel()
+    if kernel is None:
+        raise RuntimeError("the AVX2 int8 kernel is not available on this machine")
+    return kernel.int8_mm(x, w)
+
+
 @register_int_mm("auto")
 def auto_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return int_mm(x, w) if x.is_cuda else blocked_float_mm(x, w)
+    if x.is_cuda:
+        return int_mm(x, w)
+    return avx2_mm(x, w) if fused_kernel("auto", x, w.shape[1]) else blocked_float_mm(x, w)
+
+
+def fused_kernel(backend: str, x: torch.Tensor, in_features: int):
+    """The AVX2 kernel that quantizes, multiplies and rescales in one call, where `backend` may use it."""
+    if backend not in ("auto", "avx2") or x.device.type != "cpu" or in_features % 16:
+        return None
+    return native.kernel()
 
 
 # ---- layers ----------------------------------------------------------------------------------------
@@ -116,6 +138,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         rows = x.reshape(-1, self.in_features)  # [M, K]
+        kernel = fused_kernel(self.backend, rows, self.in_features)
+        if kernel is not None:  # one call: per-token quantization, exact int32 GEMM, rescale, bias
+            y = kernel.w8a8_linear(rows.float(), self.weight, self.weight_scale, NO_BIAS if self.bias is None else self.bias)
+            return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         x_int8, x_scale = quantize_tokens(rows)
         acc = INT_MM[self.backend](x_int8, self.weight)  # [M, N] int32
         y = acc.float() * x_scale * self.weight_scale
