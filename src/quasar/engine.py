@@ -17,6 +17,9 @@ from quasar.sampling import SamplingParams
 from quasar.stats import GenerationStats
 
 
+CACHE_BUCKET = 256  # KV cache sizes are multiples of this
+
+
 class PromptTooLongError(ValueError):
     """The prompt does not leave room for one new token in the context window."""
 
@@ -101,8 +104,12 @@ class Engine:
         return tokenizer.encode(prompt)
 
     def fresh_cache(self, needed: int) -> KVCache:
-        if self.cache is None or self.cache.max_len < needed:
-            self.cache = self.target.model.new_cache(needed)
+        """An empty cache of `needed` positions rounded up to a multiple of CACHE_BUCKET. Its size is a
+        function of the request alone: decode and verify steps attend over the whole buffer, so plain and
+        speculative runs of the same request must get caches of the same size to round identically."""
+        size = -(-needed // CACHE_BUCKET) * CACHE_BUCKET
+        if self.cache is None or self.cache.max_len != size:
+            self.cache = self.target.model.new_cache(size)
         self.cache.reset()
         return self.cache
 

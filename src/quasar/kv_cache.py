@@ -40,12 +40,15 @@ class KVCache:
             )
         return torch.arange(self.length, self.length + n, device=self.k.device)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, H_kv, T, D] at the next T positions; return the valid keys/values [B, H_kv, length+T, D]."""
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, span: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, H_kv, T, D] at the next T positions; return the first `span` keys/values
+        [B, H_kv, span, D] (span >= length + T; positions past that are masked by the caller)."""
         end = self.length + k.shape[2]
         self.k[layer, :, :, self.length : end] = k
         self.v[layer, :, :, self.length : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        return self.k[layer, :, :, :span], self.v[layer, :, :, :span]
 
     def advance(self, n: int) -> None:
         self.length += n

@@ -81,7 +81,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), *rope)  # [B, H, T, D]
         k = apply_rope(k.transpose(1, 2), *rope)  # [B, H_kv, T, D]
-        keys, values = cache.update(self.layer, k, v)  # [B, H_kv, S, D]
+        span = mask.shape[-1] if mask is not None else cache.length + T
+        keys, values = cache.update(self.layer, k, v, span)  # [B, H_kv, S, D]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
@@ -148,10 +149,12 @@ class Transformer(nn.Module):
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     # Decode and verify forwards of T <= fixed_rows tokens run padded to exactly fixed_rows rows (dummy
-    # tokens after the real ones, their keys written past the cache length and never read). Float kernels
-    # round differently for different row counts (GEMV vs GEMM, blockings), so without this a token scored
-    # alone (plain decoding) and inside [last, *draft] (a verify step) can get different logits; with it
-    # every row goes through the same kernels, and greedy speculative == greedy plain decoding exactly.
+    # tokens after the real ones, their keys written past the cache length and never read) and attend
+    # over the whole cache buffer (masked past each row's position). Float kernels round differently for
+    # different row counts (GEMV vs GEMM, blockings) and for different key counts (SDPA's blocking), so
+    # without this a token scored alone (plain decoding) and inside [last, *draft] (a verify step) can get
+    # different logits; with it every row goes through the same kernels at the same shapes, and greedy
+    # speculative == greedy plain decoding exactly (for caches of the same size: see Engine.fresh_cache).
     fixed_rows: int = 8
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
@@ -161,8 +164,8 @@ class Transformer(nn.Module):
         rows = self.fixed_rows if padded else T
         positions = cache.positions(rows)  # [rows]
         mask = None
-        if rows > 1:  # query i sees keys 0 .. length + i
-            keys = torch.arange(cache.length + rows, device=positions.device)
+        if rows > 1:  # query i sees keys 0 .. length + i; a padded step spans the whole buffer
+            keys = torch.arange(cache.max_len if padded else cache.length + rows, device=positions.device)
             mask = keys[None, :] <= positions[:, None]  # [rows, S]
         rope = self.rope(positions)
         x = self.model.embed_tokens(F.pad(input_ids, (0, rows - T)))  # [B, rows, hidden]
