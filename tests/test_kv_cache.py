@@ -48,3 +48,16 @@ def test_cache_bounds(tiny_model):
         cache.trim(4)
     cache.trim(3)
     assert cache.length == 0 and cache.positions(2).tolist() == [0, 1]
+
+
+@torch.no_grad()
+def test_a_token_scored_alone_equals_the_same_token_inside_a_verify_step(default_model):
+    """Bitwise: the property that makes greedy speculative decoding equal plain decoding."""
+    model, ids = default_model.model, token_ids(240)
+    plain, verify = model.new_cache(256), model.new_cache(256)
+    model(ids[:, :200], plain)
+    model(ids[:, :200], verify)
+    for base in range(200, 236, 6):
+        alone = torch.cat([model(ids[:, i : i + 1], plain)[0] for i in range(base, base + 6)])  # [6, V]
+        together = model(ids[:, base : base + 6], verify)[0]  # [6, V]
+        assert torch.equal(alone, together), f"rows differ in the step at {base}"
