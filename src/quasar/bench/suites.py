@@ -74,7 +74,7 @@ PASSAGE_FILES = tuple(  # the longer prose documents shipped with MT-bench's Fas
 
 MTBENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 CATEGORIES = (*MTBENCH_CATEGORIES, "humaneval", "gsm8k", "long-context")
-SUITE_SIZES = {"quick": 2, "spec": 80, "full": None}  # items per category (None: all)
+SUITE_SIZES = {"quick": 1, "spec": 80, "full": None}  # items per category (None: all)
 PASSAGE_CHARS = 2000  # passages are cut at paragraph ends near this length (~500 tokens)
 LONG_CONTEXT_TASKS = (
     "Summarize the following passage in a few sentences.",

@@ -10,7 +10,7 @@ from quasar.bench.runner import RunConfig
 from quasar.bench.session import BenchOptions, bench
 from quasar.bench.suites import CATEGORIES, SUITE_SIZES
 
-SUITE_TOKENS = {"quick": 64, "spec": 256, "full": 256}  # default --max-new-tokens per suite
+SUITE_TOKENS = {"quick": 32, "spec": 256, "full": 256}  # default --max-new-tokens per suite
 
 
 def csv(text: str) -> tuple[str, ...]:
@@ -37,14 +37,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "tokens, acceptance rate and speedups per category, as a table, summary.md, summary.json and PNG plots.",
     )
     parser.add_argument("--suite", choices=tuple(SUITE_SIZES), default="quick",
-                        help="quick: 2 prompts per category; spec: 80 per category where the data has them "
+                        help="quick: 1 prompt per category; spec: 80 per category where the data has them "
                         "(Spec-Bench's shape); full: everything (default: %(default)s)")
     parser.add_argument("--model", default="default", help="'default', a .gguf file or a model directory")
     parser.add_argument("--methods", type=csv, default=",".join(BenchOptions.methods),
                         help="comma-separated: ar:V, DRAFTER+V (ngram+bf16, model:PATH+w8a8, ...), hf:ar, hf:pld, "
                         "llamacpp:ar, llamacpp:pld[:f16] (default: %(default)s)")
     parser.add_argument("--temperatures", type=temperatures, default="0", help="comma-separated (default: %(default)s)")
-    parser.add_argument("--max-new-tokens", type=int, help="token budget per turn (default: 64 quick, 256 otherwise)")
+    parser.add_argument("--max-new-tokens", type=int, help="token budget per turn (default: 32 quick, 256 otherwise)")
     parser.add_argument("--limit", type=int, help="prompts per category (default: the suite's)")
     parser.add_argument("--categories", type=csv, help=f"only these categories, from: {', '.join(CATEGORIES)}")
     parser.add_argument("--k", type=draft_length, default=5, help="draft length for DRAFTER+V, or 'auto' (default: 5)")
