@@ -1,17 +1,19 @@
-"""quasar's AVX2 W8A8 kernel equals the reference Int8Linear bit for bit, and its rows are independent."""
+"""quasar's AVX2 kernels: W8A8 equals the reference Int8Linear bit for bit; float-activation (W8A16,
+bf16) linears match float math; every row is independent of the other rows."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from quasar.quant import native
-from quasar.quant.int8 import INT_MM, Int8Linear, quantize_tokens
+from quasar import native
+from quasar.quant.bf16 import BF16Linear
+from quasar.quant.int8 import INT_MM, Int8Linear, Int8WeightOnlyLinear, quantize_tokens
 
 pytestmark = pytest.mark.skipif(native.kernel() is None, reason="no AVX2 kernel on this machine")
 
 
-@pytest.mark.parametrize("M,K,N,bias", [(1, 576, 1536, False), (6, 576, 192, True), (8, 1536, 576, False), (37, 64, 48, True)])
+@pytest.mark.parametrize("M,K,N,bias", [(1, 576, 1536, False), (2, 576, 194, True), (6, 576, 192, True), (8, 1536, 576, False), (37, 64, 48, True)])
 def test_fused_kernel_is_bit_identical_to_the_reference(M, K, N, bias):
     torch.manual_seed(M)
     linear = torch.nn.Linear(K, N, bias=bias)
@@ -41,3 +43,73 @@ def test_rows_do_not_depend_on_the_other_rows():
     assert torch.equal(together, alone)
     q, _ = quantize_tokens(x)
     assert torch.equal(INT_MM["avx2"](q, layer.weight), INT_MM["reference"](q, layer.weight))
+
+
+# ---- float activations x int8 (W8A16) or bfloat16 weights -------------------------------------------
+
+
+@pytest.mark.parametrize("M,K,N,bias", [(1, 576, 1536, False), (6, 576, 192, True), (8, 1536, 576, True)])
+def test_weight_only_int8_kernel_matches_float_math(M, K, N, bias):
+    torch.manual_seed(M)
+    layer = Int8WeightOnlyLinear.from_float(torch.nn.Linear(K, N, bias=bias))
+    x = torch.randn(M, K)
+    expected = (x.double() @ layer.weight.double().t()) * layer.weight_scale.double()  # [M, N]
+    if bias:
+        expected = expected + layer.bias.double()
+    y = layer(x)
+    assert layer.row_independent
+    assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_linear_matches_float_math_and_keeps_dtype():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 320).to(torch.bfloat16)
+    layer = BF16Linear.from_linear(linear)
+    assert layer.weight is not None and layer.weight.data_ptr() == linear.weight.data_ptr()  # shared, not copied
+    x = torch.randn(3, 5, 576)
+    expected = x.double() @ linear.weight.double().t() + linear.bias.double()  # [3, 5, N]
+    y = layer(x)
+    assert y.shape == (3, 5, 320) and y.dtype == torch.float32
+    assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5)
+    assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("weight", ["int8", "bf16"])
+def test_float_activation_rows_do_not_depend_on_the_other_rows(weight):
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(576, 1536)
+    layer = Int8WeightOnlyLinear.from_float(linear) if weight == "int8" else BF16Linear.from_linear(linear)
+    x = torch.randn(8, 576)
+    together = layer(x)
+    for m in range(1, 8):
+        assert torch.equal(layer(x[:m]), together[:m])
+    assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(8)]), together)
+
+
+def test_bf16_swap_is_what_the_bf16_verifier_uses(tiny_model_dir):
+    from quasar.verifiers import load_verifier
+
+    model = load_verifier(tiny_model_dir, "bf16").model
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(m, BF16Linear) for m in linears)
+    assert model.lm_head.row_independent
+
+
+def test_forward_many_equals_one_call_per_layer():
+    torch.manual_seed(2)
+    layers = [Int8Linear.from_float(torch.nn.Linear(576, n, bias=b)) for n, b in ((576, True), (192, False), (192, True))]
+    x = torch.randn(1, 6, 576)
+    for got, layer in zip(Int8Linear.forward_many(layers, x), layers):
+        assert torch.equal(got, layer(x))
+
+
+def test_rms_norm_kernel_matches_torch_and_is_row_independent():
+    from quasar.models.llama import RMSNorm
+
+    torch.manual_seed(3)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576)
+    x = torch.randn(1, 7, 576) * 4
+    got = norm(x, native.kernel())
+    assert torch.allclose(got, norm(x), rtol=1e-5, atol=1e-6)
+    assert torch.equal(norm(x[:, 2:3], native.kernel()), got[:, 2:3])

@@ -11,7 +11,7 @@ is exact, so verifying k draft tokens together gives bit-identical rows to decod
 Int32 backends (registry `INT_MM`): `int_mm` (torch._int_mm; weight stored [N, K] and passed as `.t()`,
 faster than a contiguous [K, N] copy in bench/bench_linear.py; rows padded above 16 on CUDA),
 `blocked_float` (float32 GEMMs over K blocks of <= 1024, where every partial sum is an integer below 2^24
-and therefore exact: the same int32 result), `avx2` (quasar's own kernel, quant/native.py), and `reference` (int64, for
+and therefore exact: the same int32 result), `avx2` (quasar's own kernel, native.py), and `reference` (int64, for
 tests). `auto` uses `int_mm` on CUDA and, on CPU, the AVX2 kernel fused with the activation quantization
 and the rescale (one call per linear), else `blocked_float`: on this AVX2 machine (no VNNI) torch 2.13's CPU
 `_int_mm` costs ~3x `blocked_float` at 1 row and ~8x at 6 rows (bench/bench_linear.py). All backends give
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quasar.quant import native
+from quasar import native
 
 QMAX = 127
 NO_BIAS = torch.empty(0)
@@ -91,7 +91,7 @@ def reference_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @register_int_mm("avx2")
 def avx2_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """quasar's AVX2 kernel (quant/csrc/w8a8_avx2.cpp): exact int32, weights streamed once per call."""
+    """quasar's AVX2 kernel (csrc/linear_avx2.cpp): exact int32, weights streamed once per call."""
     kernel = native.kernel()
     if kernel is None:
         raise RuntimeError("the AVX2 int8 kernel is not available on this machine")
@@ -117,6 +117,8 @@ def fused_kernel(backend: str, x: torch.Tensor, in_features: int):
 
 class Int8Linear(nn.Module):
     """W8A8 linear: dynamic per-token int8 activations x per-channel int8 weights, int32 accumulation."""
+
+    row_independent = True  # per-token scales and exact int32 sums, on every backend
 
     def __init__(self, in_features: int, out_features: int, bias: bool, backend: str = "auto") -> None:
         super().__init__()
@@ -149,12 +151,37 @@ class Int8Linear(nn.Module):
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(kind 0 = W8A8, weight, scale, bias) for quasar's fused decoder-layer kernel, None where it can't run."""
+        if fused_kernel(self.backend, self.weight, self.in_features) is None:
+            return None
+        return 0, self.weight, self.weight_scale, NO_BIAS if self.bias is None else self.bias
+
+    @staticmethod
+    def forward_many(layers: list[Int8Linear], x: torch.Tensor) -> list[torch.Tensor]:
+        """layer(x) for each layer, with x quantized once where the fused kernel runs (bitwise the same)."""
+        rows = x.reshape(-1, layers[0].in_features)  # [M, K]
+        kernel = fused_kernel(layers[0].backend, rows, layers[0].in_features)
+        if kernel is None or any(layer.backend != layers[0].backend for layer in layers):
+            return [layer(x) for layer in layers]
+        ys = kernel.w8a8_linear_many(
+            rows.float(),
+            [layer.weight for layer in layers],
+            [layer.weight_scale for layer in layers],
+            [NO_BIAS if layer.bias is None else layer.bias for layer in layers],
+        )
+        return [y.to(x.dtype).reshape(*x.shape[:-1], layer.out_features) for y, layer in zip(ys, layers)]
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, backend={self.backend}"
 
 
 class Int8WeightOnlyLinear(nn.Module):
-    """W8A16 linear: int8 per-channel weights dequantized to the activation dtype; activations stay float."""
+    """W8A16 linear: int8 per-channel weights, float activations.
+
+    On CPU with the AVX2 kernel the weights are widened in registers and summed in float32 in a fixed
+    order (row-independent, no float copy of the weights); elsewhere they are dequantized for F.linear.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -171,8 +198,23 @@ class Int8WeightOnlyLinear(nn.Module):
             layer.bias = linear.bias.detach().float().clone()
         return layer.to(linear.weight.device)
 
+    @property
+    def row_independent(self) -> bool:
+        return fused_kernel("auto", self.weight, self.in_features) is not None
+
+    def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(kind 1 = float activations, weight, scale, bias) for the fused decoder-layer kernel, or None."""
+        if not self.row_independent:
+            return None
+        return 1, self.weight, self.weight_scale, NO_BIAS if self.bias is None else self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N]; the per-channel scale is applied after the matmul."""
+        kernel = fused_kernel("auto", x, self.in_features)
+        if kernel is not None:  # float32 sums of x * int8 weight in a fixed order, then scale and bias
+            rows = x.reshape(-1, self.in_features).float()  # [M, K]
+            y = kernel.float_act_linear(rows, self.weight, self.weight_scale, NO_BIAS if self.bias is None else self.bias)
+            return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         y = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)
         return y + self.bias.to(x.dtype) if self.bias is not None else y
 

@@ -85,9 +85,12 @@ def target_linears(model: nn.Module, config: Any) -> list[str]:
     return [n for n in names if not any(fnmatch(n, pattern) for pattern in getattr(config, "ignore", ()))]
 
 
-def _swap(model: nn.Module, name: str, layer: nn.Module) -> None:
+def swap_module_(model: nn.Module, name: str, layer: nn.Module) -> None:
+    """Replace the submodule `name` of `model` by `layer`; the model re-checks its linears' row independence."""
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, layer)
+    if hasattr(model, "forget_row_check"):
+        model.forget_row_check()
 
 
 def quantize_(model: nn.Module, config: Any) -> list[str]:
@@ -95,7 +98,7 @@ def quantize_(model: nn.Module, config: Any) -> list[str]:
     scheme = SCHEMES[type(config)]
     names = target_linears(model, config)
     for name in names:
-        _swap(model, name, scheme.from_float(model.get_submodule(name), config))
+        swap_module_(model, name, scheme.from_float(model.get_submodule(name), config))
     return names
 
 
@@ -105,5 +108,5 @@ def prepare_empty_(model: nn.Module, config: Any) -> list[str]:
     names = target_linears(model, config)
     for name in names:
         linear = model.get_submodule(name)
-        _swap(model, name, scheme.empty(linear.in_features, linear.out_features, linear.bias is not None, config))
+        swap_module_(model, name, scheme.empty(linear.in_features, linear.out_features, linear.bias is not None, config))
     return names

@@ -12,8 +12,11 @@ import json
 import logging
 from pathlib import Path
 
+from torch import nn
+
 from quasar import __version__
 from quasar.loading import LoadedModel, cache_root, load, resolve
+from quasar.quant.bf16 import use_bf16_linears_
 from quasar.quant.checkpoint import is_quantized_dir, load_quantized, save_quantized
 from quasar.quant.recipe import QuantRecipe, quantize_model
 from quasar.quant.smoothquant import parse_alpha
@@ -38,14 +41,17 @@ def quantized_cached(model: str | Path, recipe: QuantRecipe, cache_dir: str | Pa
 
 
 def _load(scheme: str, model: str | Path, recipe: QuantRecipe, cache_dir: str | Path | None) -> LoadedModel:
-    path = resolve(model)
+    path = resolve(model, cache_dir)
     if is_quantized_dir(path):
         loaded = load_quantized(path)
         found = json.loads((path / "config.json").read_text())["quantization"]["scheme"]
         if found != scheme:
             raise ValueError(f"{path} is a {found} checkpoint, but --verifier asks for {scheme}")
-        return loaded
-    return quantized_cached(model, recipe, cache_dir)
+    else:
+        loaded = quantized_cached(model, recipe, cache_dir)
+    if type(loaded.model.lm_head) is nn.Linear:  # a float lm_head reads half the bytes as bf16 on the kernel
+        use_bf16_linears_(loaded.model, ["lm_head"])
+    return loaded
 
 
 @register("w8a8")

@@ -1,0 +1,18 @@
+// quasar's CPU kernels, as the other kernel files and bindings.cpp see them.
+#pragma once
+#include <torch/extension.h>
+
+#include <vector>
+
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale, torch::Tensor bias);
+std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::Tensor> w,
+                                            std::vector<torch::Tensor> w_scale, std::vector<torch::Tensor> bias);
+std::vector<torch::Tensor> quantized_int_mm(torch::Tensor x, torch::Tensor w);
+torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w);
+torch::Tensor float_act_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor bias);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
+                               torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v, int64_t start);
+torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> t, std::vector<int64_t> kinds, double eps,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v,
+                            int64_t start);
