@@ -50,10 +50,17 @@ def test_cache_bounds(tiny_model):
     assert cache.length == 0 and cache.positions(2).tolist() == [0, 1]
 
 
+@pytest.fixture(scope="module", params=["fp32", "bf16", "w8a8"])
+def verifier_model(request, default_model):
+    from quasar.verifiers import load_verifier
+
+    return default_model.model if request.param == "fp32" else load_verifier("default", request.param).model
+
+
 @torch.no_grad()
-def test_a_token_scored_alone_equals_the_same_token_inside_a_verify_step(default_model):
+def test_a_token_scored_alone_equals_the_same_token_inside_a_verify_step(verifier_model):
     """Bitwise: the property that makes greedy speculative decoding equal plain decoding."""
-    model, ids = default_model.model, token_ids(240)
+    model, ids = verifier_model, token_ids(240)
     plain, verify = model.new_cache(256), model.new_cache(256)
     model(ids[:, :200], plain)
     model(ids[:, :200], verify)

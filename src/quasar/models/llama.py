@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quasar import native
 from quasar.kv_cache import KVCache
 from quasar.models.config import ModelConfig
 
@@ -23,7 +24,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kernel=None) -> torch.Tensor:
+        if kernel is not None:  # quasar's CPU kernel (float32): one call, row-independent
+            return kernel.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -58,6 +61,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def project(x: torch.Tensor, *linears: nn.Module) -> list[torch.Tensor]:
+    """The same input through several linears (q/k/v, gate/up): one call where their type offers
+    `forward_many` (quasar's int8 layers quantize x once), else one call each."""
+    kind = type(linears[0])
+    if hasattr(kind, "forward_many") and all(type(linear) is kind for linear in linears):
+        return kind.forward_many(linears, x)
+    return [linear(x) for linear in linears]
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -72,18 +84,28 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask, cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask, cache: KVCache, kernel=None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # [B, T, H, D]
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)  # [B, T, H_kv, D]
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, H_kv, T, D]
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, T, self.n_heads, self.head_dim)  # [B, T, H, D]
+        k = k.view(B, T, self.n_kv, self.head_dim)  # [B, T, H_kv, D]
+        v = v.view(B, T, self.n_kv, self.head_dim)  # [B, T, H_kv, D]
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
+        if kernel is not None:  # rope, cache write and attention of a few tokens in one call (batch 1)
+            cache_k, cache_v = cache.k[self.layer, 0], cache.v[self.layer, 0]  # [H_kv, S, D]
+            out = kernel.decode_attention(q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), *rope, cache_k, cache_v, cache.length)
+            return self.o_proj(out.view(B, T, self.n_heads * self.head_dim))
+        v = v.transpose(1, 2)  # [B, H_kv, T, D]
         q = apply_rope(q.transpose(1, 2), *rope)  # [B, H, T, D]
         k = apply_rope(k.transpose(1, 2), *rope)  # [B, H_kv, T, D]
         span = mask.shape[-1] if mask is not None else cache.length + T
         keys, values = cache.update(self.layer, k, v, span)  # [B, H_kv, S, D]
+        rows = mask.shape[0] if mask is not None else T  # > T: queries padded to the fixed shape
+        if rows > T:
+            q = F.pad(q, (0, 0, 0, rows - T))  # [B, H, rows, D]
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        out = out[:, :, :T]  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -95,7 +117,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -106,9 +129,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, rope, mask, cache: KVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def kernel_args(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """The tensors and linear kinds of quasar's fused decoder-layer kernel (csrc/decoder_layer.cpp), or
+        None when one of the linears cannot run there."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        args = [linear.kernel_args() if hasattr(linear, "kernel_args") else None for linear in linears]
+        if any(a is None for a in args):
+            return None
+        none = torch.empty(0)
+        norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
+        norms += [attn.q_norm.weight, attn.k_norm.weight] if hasattr(attn, "q_norm") else [none, none]
+        return norms + [t for a in args for t in a[1:]], [a[0] for a in args]
+
+    def forward(self, x: torch.Tensor, rope, mask, cache: KVCache, kernel=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x, kernel), rope, mask, cache, kernel)
+        return x + self.mlp(self.post_attention_layernorm(x, kernel))
 
 
 class Backbone(nn.Module):
@@ -148,31 +184,72 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-    # Decode and verify forwards of T <= fixed_rows tokens run padded to exactly fixed_rows rows (dummy
-    # tokens after the real ones, their keys written past the cache length and never read) and attend
-    # over the whole cache buffer (masked past each row's position). Float kernels round differently for
-    # different row counts (GEMV vs GEMM, blockings) and for different key counts (SDPA's blocking), so
-    # without this a token scored alone (plain decoding) and inside [last, *draft] (a verify step) can get
-    # different logits; with it every row goes through the same kernels at the same shapes, and greedy
-    # speculative == greedy plain decoding exactly (for caches of the same size: see Engine.fresh_cache).
+    # A token scored alone (plain decoding) and inside [last, *draft] (a verify step) must get bitwise the
+    # same logits, or greedy speculative decoding drifts from greedy plain decoding. Float kernels round a
+    # row differently depending on how many rows come with it (GEMV vs GEMM, blockings) and on the key
+    # count (SDPA's blocking). Forwards of T <= fixed_rows tokens therefore take one of two paths:
+    # - every linear row-independent (`row_independent`: quasar's CPU kernels, quasar.native), batch 1, on
+    #   CPU: no padding; attention is quasar's kernel, whose rows read only their own query and keys;
+    # - otherwise: attend over the whole cache buffer (masked past each row's position) with the queries
+    #   padded to fixed_rows rows and, when some linear is a float GEMM, every op padded to fixed_rows rows
+    #   (dummy tokens after the real ones, their keys written past the cache length and never read), so
+    #   every row goes through the same kernels at the same shapes (for caches of the same size: see
+    #   Engine.fresh_cache).
     fixed_rows: int = 8
+    _rows_independent: bool | None = None  # cached by rows_independent(); swapping linears must forget it
+    _layer_kernel_args: list | None = None  # cached by layer_kernel_args(); likewise
+
+    def rows_independent(self) -> bool:
+        """Whether every linear's output rows depend on their own input rows only (checked once)."""
+        if self._rows_independent is None:
+            linears = [m for m in self.modules() if hasattr(m, "in_features")]
+            self._rows_independent = all(getattr(m, "row_independent", False) for m in linears)
+        return self._rows_independent
+
+    def forget_row_check(self) -> None:
+        """Call after replacing linears (quantization swaps them) so the next forward checks again."""
+        self._rows_independent = None
+        self._layer_kernel_args = None
+
+    def layer_kernel_args(self) -> list | None:
+        """Per layer, the arguments of the fused decoder-layer kernel; None unless every layer can use it."""
+        if self._layer_kernel_args is None:
+            args = [layer.kernel_args() for layer in self.model.layers]
+            self._layer_kernel_args = [] if any(a is None for a in args) else args
+        return self._layer_kernel_args or None
+
+    def attention_kernel(self, batch: int):
+        """quasar's CPU attention kernel where this model can use it for decode and verify steps, else None."""
+        usable = batch == 1 and self.device.type == "cpu" and self.dtype == torch.float32
+        if not (usable and self.config.head_dim % 8 == 0 and self.rows_independent()):
+            return None
+        return native.kernel()
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32."""
-        T = input_ids.shape[1]
-        padded = T <= self.fixed_rows and cache.length + self.fixed_rows <= cache.max_len
-        rows = self.fixed_rows if padded else T
-        positions = cache.positions(rows)  # [rows]
+        B, T = input_ids.shape
+        kernel = self.attention_kernel(B) if T <= self.fixed_rows else None
+        fixed = T <= self.fixed_rows and kernel is None and cache.length + self.fixed_rows <= cache.max_len
+        pad_all = fixed and not self.rows_independent()
+        rows = self.fixed_rows if pad_all else T
         mask = None
-        if rows > 1:  # query i sees keys 0 .. length + i; a padded step spans the whole buffer
-            keys = torch.arange(cache.max_len if padded else cache.length + rows, device=positions.device)
-            mask = keys[None, :] <= positions[:, None]  # [rows, S]
-        rope = self.rope(positions)
+        if kernel is None and (fixed or T > 1):  # query i sees keys 0 .. length + i
+            query_positions = cache.positions(self.fixed_rows if fixed else T)  # [rows of the attention]
+            keys = torch.arange(cache.max_len if fixed else cache.length + T, device=query_positions.device)
+            mask = keys[None, :] <= query_positions[:, None]  # [rows, S]
+        rope = self.rope(cache.positions(rows))
         x = self.model.embed_tokens(F.pad(input_ids, (0, rows - T)))  # [B, rows, hidden]
-        for layer in self.model.layers:
-            x = layer(x, rope, mask, cache)
+        fused = self.layer_kernel_args() if kernel is not None else None
+        if fused is not None:  # one kernel call per layer, no Python in between
+            h, eps = x[0], self.config.rms_norm_eps  # [T, hidden]
+            for i, (tensors, kinds) in enumerate(fused):
+                h = kernel.decoder_layer(h, tensors, kinds, eps, *rope, cache.k[i, 0], cache.v[i, 0], cache.length)
+            x = h[None]  # [1, T, hidden]
+        else:
+            for layer in self.model.layers:
+                x = layer(x, rope, mask, cache, kernel)
         cache.advance(T)
-        if not padded:
-            return self.lm_head(self.model.norm(x[:, -1:] if last_only else x)).float()
-        logits = self.lm_head(self.model.norm(x)).float()  # [B, rows, V]
-        return logits[:, T - 1 : T] if last_only else logits[:, :T]
+        if pad_all:  # every row through the same shapes, then drop the padding
+            logits = self.lm_head(self.model.norm(x)).float()  # [B, rows, V]
+            return logits[:, T - 1 : T] if last_only else logits[:, :T]
+        return self.lm_head(self.model.norm(x[:, -1:] if last_only else x, kernel)).float()
