@@ -62,7 +62,7 @@ def exported_gguf(model: str | Path, precision: str, cache_dir: str | Path | Non
     """The cached `precision` ('f16' or 'q8_0') copy of a GGUF model, made on first use."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown GGUF precision {precision!r}; choose from {', '.join(PRECISIONS)}")
-    source = resolve(model)
+    source = resolve(model, cache_dir)
     if not source.is_file():
         raise ValueError("the llama.cpp peers need a GGUF model (--model default or a .gguf file)")
     target = cache_root(cache_dir) / "gguf-export" / f"{sha256_file(source)}-{precision}.gguf"

@@ -75,7 +75,7 @@ class Pool:
 
     def directory(self) -> Path:
         """The model's Hugging Face-style directory (GGUF sources are converted once, cached)."""
-        path = resolve(self.options.model)
+        path = resolve(self.options.model, self.options.cache_dir)
         return gguf_directory(path, sha256_file(path), self.options.cache_dir) if path.is_file() else path
 
 
