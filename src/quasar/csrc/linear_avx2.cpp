@@ -12,6 +12,7 @@
 #include "kernels.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 
 namespace {
@@ -91,28 +92,45 @@ void dot_block_n4(const int16_t* q, const int8_t* w, int32_t* acc_out, int64_t m
   if (n < n1) dot_block<MB>(q, w, acc_out, m0, N, K, n, n1);
 }
 
-// All rows of a block share each widened weight load: up to 8 rows per pass over the weights.
+// Output channels [n0, n1) of q . w^T. All rows of a block share each widened weight load: up to 8 rows
+// per pass over the weights.
+void int_dot_range(const int16_t* q, const int8_t* w, int32_t* out, int64_t M, int64_t N, int64_t K, int64_t n0,
+                   int64_t n1) {
+  if (M <= 2) {
+    if (M == 2) dot_block_n4<2>(q, w, out, 0, N, K, n0, n1);
+    else dot_block_n4<1>(q, w, out, 0, N, K, n0, n1);
+    return;
+  }
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) dot_block<8>(q, w, out, m, N, K, n0, n1);
+  switch (M - m) {
+    case 7: dot_block<7>(q, w, out, m, N, K, n0, n1); break;
+    case 6: dot_block<6>(q, w, out, m, N, K, n0, n1); break;
+    case 5: dot_block<5>(q, w, out, m, N, K, n0, n1); break;
+    case 4: dot_block<4>(q, w, out, m, N, K, n0, n1); break;
+    case 3: dot_block<3>(q, w, out, m, N, K, n0, n1); break;
+    case 2: dot_block<2>(q, w, out, m, N, K, n0, n1); break;
+    case 1: dot_block<1>(q, w, out, m, N, K, n0, n1); break;
+  }
+}
+
 void int_dot(const int16_t* q, const int8_t* w, int32_t* out, int64_t M, int64_t N, int64_t K) {
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    if (M <= 2) {
-      if (M == 2) dot_block_n4<2>(q, w, out, 0, N, K, n0, n1);
-      else dot_block_n4<1>(q, w, out, 0, N, K, n0, n1);
-      return;
-    }
-    int64_t m = 0;
-    for (; m + 8 <= M; m += 8) dot_block<8>(q, w, out, m, N, K, n0, n1);
-    switch (M - m) {
-      case 7: dot_block<7>(q, w, out, m, N, K, n0, n1); break;
-      case 6: dot_block<6>(q, w, out, m, N, K, n0, n1); break;
-      case 5: dot_block<5>(q, w, out, m, N, K, n0, n1); break;
-      case 4: dot_block<4>(q, w, out, m, N, K, n0, n1); break;
-      case 3: dot_block<3>(q, w, out, m, N, K, n0, n1); break;
-      case 2: dot_block<2>(q, w, out, m, N, K, n0, n1); break;
-      case 1: dot_block<1>(q, w, out, m, N, K, n0, n1); break;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { int_dot_range(q, w, out, M, N, K, n0, n1); });
+}
+
+// Several weights of the same input in one parallel region over all their output channels (one thread
+// fork and join instead of one per weight).
+void int_dot_many(const int16_t* q, const std::vector<const int8_t*>& w, const std::vector<int32_t*>& out,
+                  const std::vector<int64_t>& N, int64_t M, int64_t K) {
+  std::vector<int64_t> first(N.size() + 1, 0);
+  for (size_t i = 0; i < N.size(); ++i) first[i + 1] = first[i] + N[i];
+  at::parallel_for(0, first.back(), 16, [&](int64_t a, int64_t b) {
+    for (size_t i = 0; i < N.size(); ++i) {
+      const int64_t n0 = std::max(a, first[i]) - first[i], n1 = std::min(b, first[i + 1]) - first[i];
+      if (n0 < n1) int_dot_range(q, w[i], out[i], M, N[i], K, n0, n1);
     }
   });
 }
-
 
 // ---- float activations x low-precision weights (W8A16 int8, bf16): fp32 FMA in a fixed order ----------
 
@@ -284,14 +302,21 @@ std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::
   auto q = torch::empty({M, K}, x.options().dtype(torch::kInt16));
   auto x_scale = torch::empty({M, 1}, x.options());
   quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int16_t>(), x_scale.data_ptr<float>());
-  std::vector<torch::Tensor> out;
+  std::vector<torch::Tensor> acc;
+  std::vector<const int8_t*> wp;
+  std::vector<int32_t*> ap;
+  std::vector<int64_t> N;
   for (size_t i = 0; i < w.size(); ++i) {
     TORCH_CHECK(w[i].dtype() == torch::kInt8 && w[i].dim() == 2 && w[i].size(1) == K, "int8 w [N, K] expected");
-    auto wi = w[i].contiguous();
-    auto acc = torch::empty({M, wi.size(0)}, x.options().dtype(torch::kInt32));
-    int_dot(q.data_ptr<int16_t>(), wi.data_ptr<int8_t>(), acc.data_ptr<int32_t>(), M, wi.size(0), K);
-    out.push_back(rescale(acc, x_scale, w_scale[i], bias[i]));
+    w[i] = w[i].contiguous();
+    acc.push_back(torch::empty({M, w[i].size(0)}, x.options().dtype(torch::kInt32)));
+    wp.push_back(w[i].data_ptr<int8_t>());
+    ap.push_back(acc.back().data_ptr<int32_t>());
+    N.push_back(w[i].size(0));
   }
+  int_dot_many(q.data_ptr<int16_t>(), wp, ap, N, M, K);
+  std::vector<torch::Tensor> out;
+  for (size_t i = 0; i < w.size(); ++i) out.push_back(rescale(acc[i], x_scale, w_scale[i], bias[i]));
   return out;
 }
 
