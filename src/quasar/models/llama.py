@@ -91,7 +91,7 @@ class Attention(nn.Module):
         k = k.view(B, T, self.n_kv, self.head_dim)  # [B, T, H_kv, D]
         v = v.view(B, T, self.n_kv, self.head_dim)  # [B, T, H_kv, D]
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q, kernel), self.k_norm(k, kernel)
         if kernel is not None:  # rope, cache write and attention of a few tokens in one call (batch 1)
             cache_k, cache_v = cache.k[self.layer, 0], cache.v[self.layer, 0]  # [H_kv, S, D]
             out = kernel.decode_attention(q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), *rope, cache_k, cache_v, cache.length)

@@ -1,0 +1,82 @@
+"""The fused CPU path (quasar.native): one kernel call per decoder layer for decode and verify steps.
+
+It must equal, bitwise, the same kernels called layer by layer from Python (the unfused path), stay
+close to the plain float path, and give a token the same logits alone and inside a verify block, on
+llama, qwen2 (q/k/v biases) and qwen3 (qk-norm) shapes and on W8A8, W8A16 and bf16 linears.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quasar import native
+from quasar.quant.bf16 import use_bf16_linears_
+from quasar.quant.schemes import W8A8Config, W8A16Config, quantize_
+
+from conftest import tiny_hf_model, write_hf_dir
+
+pytestmark = pytest.mark.skipif(native.kernel() is None, reason="no AVX2 kernels on this machine")
+
+
+def make(kind: str, model_type: str, directory):
+    from quasar.loading import load
+
+    model = load(directory, "fp32").model
+    if kind == "bf16":
+        use_bf16_linears_(model)
+    else:
+        quantize_(model, W8A8Config() if kind == "w8a8" else W8A16Config())
+        use_bf16_linears_(model, ["lm_head"])
+    return model
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def model_dir(request, tmp_path_factory, tokenizer_dir):
+    return write_hf_dir(tiny_hf_model(request.param, seed=3), tmp_path_factory.mktemp(request.param), tokenizer_dir)
+
+
+def steps(model, fused: bool) -> list[torch.Tensor]:
+    """Prefill 20 tokens, then a verify block of 5 and two single-token steps; logits of each step."""
+    model.forget_row_check()
+    if not fused:
+        model._layer_kernel_args = []  # every layer through the Python modules (same kernels, one by one)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 1000, (1, 27))
+    cache = model.new_cache(64)
+    with torch.inference_mode():
+        out = [model(ids[:, :20], cache), model(ids[:, 20:25], cache), model(ids[:, 25:26], cache), model(ids[:, 26:27], cache)]
+    model.forget_row_check()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["w8a8", "w8a16", "bf16"])
+def test_fused_layer_equals_the_unfused_kernels(kind, model_dir):
+    model = make(kind, "", model_dir)
+    assert model.layer_kernel_args() is not None
+    for fused, unfused in zip(steps(model, True), steps(model, False)):
+        assert torch.equal(fused, unfused)
+
+
+@pytest.mark.parametrize("kind", ["w8a8", "bf16"])
+def test_fused_path_is_close_to_the_float_path(kind, model_dir):
+    from quasar.loading import load
+
+    reference = steps(load(model_dir, "fp32").model, True)
+    got = steps(make(kind, "", model_dir), True)
+    for ours, ref in zip(got, reference):
+        assert (ours - ref).abs().max() < (0.05 if kind == "w8a8" else 0.02) * ref.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["w8a8", "bf16"])
+def test_token_alone_equals_token_in_verify_block(kind, model_dir):
+    model = make(kind, "", model_dir)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 1000, (1, 26))
+    plain, verify = model.new_cache(64), model.new_cache(64)
+    with torch.inference_mode():
+        model(ids[:, :20], plain)
+        model(ids[:, :20], verify)
+        alone = torch.cat([model(ids[:, i : i + 1], plain)[0] for i in range(20, 26)])  # [6, V]
+        together = model(ids[:, 20:26], verify)[0]  # [6, V]
+    assert torch.equal(alone, together)
