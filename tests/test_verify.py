@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quasar.verify import rejection_sample
+from quasar.verify import greedy_verdict, rejection_sample
 
 
 def one_hot(ids: list[int], V: int) -> torch.Tensor:
@@ -33,6 +33,18 @@ def test_greedy_accepts_iff_draft_is_argmax():
     assert (v := rejection_sample(torch.tensor([0, 5, 7]), None, target, g)).accepted == 0 and v.token == 3
     draft_probs = one_hot([3, 4, 7], V)  # a greedy model drafter: one-hot draft distributions
     assert (v := rejection_sample(torch.tensor([3, 4, 7]), draft_probs, target, g)).accepted == 1 and v.token == 5
+
+
+def test_greedy_verdict_equals_rejection_sampling_of_the_argmax():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        k = int(torch.randint(0, 6, ()))
+        logits = torch.randn(k + 1, 8)  # [k+1, V]
+        best = logits.argmax(-1)
+        draft = torch.where(torch.rand(k) < 0.7, best[:k], torch.randint(0, 8, (k,)))  # mostly right
+        expected = rejection_sample(draft, None, one_hot(best.tolist(), 8), g)
+        assert greedy_verdict(draft, logits) == expected
 
 
 def test_empty_draft_samples_from_the_first_target_row():

@@ -18,7 +18,7 @@ from quasar.kv_cache import KVCache
 from quasar.models.llama import Transformer
 from quasar.sampling import SamplingParams, logits_to_probs
 from quasar.stats import GenerationStats
-from quasar.verify import rejection_sample
+from quasar.verify import greedy_verdict, rejection_sample
 
 AUTO = "auto"
 
@@ -57,7 +57,7 @@ class Speculative:
     """A Decoder (see quasar.engine) that drafts with `drafter` and verifies with the engine's model."""
 
     drafter: Drafter
-    k: int | str = 5
+    k: int | str = AUTO
 
     @torch.inference_mode()
     def __call__(
@@ -87,9 +87,13 @@ class Speculative:
             draft = self.drafter.propose(k, params, generator)
             verifying = time.perf_counter()
             ids = torch.tensor([[pending[-1], *draft.tokens]], device=model.device)  # [1, k+1]
-            target_probs = logits_to_probs(model(ids, cache)[0], params)  # [k+1, V]
-            draft_probs = None if draft.probs is None else draft.probs.cpu()  # [k, V]
-            verdict = rejection_sample(ids[0, 1:].cpu(), draft_probs, target_probs.cpu(), generator)
+            target_logits = model(ids, cache)[0]  # [k+1, V]
+            if params.greedy:
+                verdict = greedy_verdict(ids[0, 1:].cpu(), target_logits.cpu())
+            else:
+                draft_probs = None if draft.probs is None else draft.probs.cpu()  # [k, V]
+                target_probs = logits_to_probs(target_logits, params).cpu()  # [k+1, V]
+                verdict = rejection_sample(ids[0, 1:].cpu(), draft_probs, target_probs, generator)
             cache.trim(len(draft) - verdict.accepted)
             stats.draft_s += verifying - start
             stats.verify_s += time.perf_counter() - verifying

@@ -49,6 +49,18 @@ def rejection_sample(
     return Verdict(accepted, int(sample(residual(draft_tokens, draft_probs, target_probs, accepted), generator)))
 
 
+def greedy_verdict(
+    draft_tokens: torch.Tensor,  # [k] int64
+    target_logits: torch.Tensor,  # [k + 1, V]
+) -> Verdict:
+    """rejection_sample at temperature 0 without building one-hot distributions or drawing random
+    numbers: draft tokens are accepted while they equal the argmax, the next token is the argmax."""
+    best = target_logits.argmax(-1)  # [k + 1]
+    k = draft_tokens.shape[0]
+    accepted = int((draft_tokens == best[:k]).to(torch.int64).cumprod(0).sum())
+    return Verdict(accepted, int(best[accepted]))
+
+
 def residual(
     draft_tokens: torch.Tensor,  # [k]
     draft_probs: torch.Tensor | None,  # [k, V] or None

@@ -33,7 +33,7 @@ def add_decode_args(parser: argparse.ArgumentParser, drafter_default: str = "ngr
     group = parser.add_argument_group("speculative decoding")
     group.add_argument("--drafter", default=drafter_default,
                        help="none (plain decoding), ngram, suffix, model:PATH, layerskip:N (default: %(default)s)")
-    group.add_argument("--k", default="5", help="draft tokens per verify step, or 'auto' (default: %(default)s)")
+    group.add_argument("--k", default="auto", help="draft tokens per verify step, or 'auto' to adapt to recent acceptance (default: %(default)s)")
     group.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram the ngram/suffix drafters match (default: %(default)s)")
     group.add_argument("--ngram-max", type=int, default=3, help="longest n-gram the ngram drafter matches (default: %(default)s)")
 
