@@ -130,13 +130,17 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
+def read_safetensors(files: list[Path], float_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of the files; floating-point ones converted to float_dtype one by one as they are read
+    (so loading bf16 from a float32 file never holds the whole float32 copy)."""
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
-                    tensors[name] = f.get_tensor(name)
+                    tensor = f.get_tensor(name)
+                    convert = float_dtype is not None and tensor.is_floating_point()
+                    tensors[name] = tensor.to(float_dtype) if convert else tensor
         except (SafetensorError, OSError, ValueError) as e:
             raise ModelLoadError(f"{file} is not a readable safetensors file (truncated or corrupt?): {e}") from e
     return tensors
@@ -171,7 +175,7 @@ def load_tokenizer(directory: Path) -> Any:
 
 def load_directory(directory: Path, dtype: torch.dtype) -> tuple[Transformer, Any]:
     config = ModelConfig.from_hf(read_config(directory))
-    model = build_model(config, read_safetensors(safetensors_files(directory)), dtype)
+    model = build_model(config, read_safetensors(safetensors_files(directory), dtype), dtype)
     return model, load_tokenizer(directory)
 
 

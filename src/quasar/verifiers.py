@@ -33,13 +33,11 @@ def _bf16(model: str | Path, arg: str | None, cache_dir: str | Path | None = Non
     """bf16 weights. On a CPU with quasar's kernels: bf16 weights read by the AVX2 kernel, float32
     activations and sums (torch's bf16 GEMM is slow without AVX512-BF16, as llama.cpp does for BF16
     GGUFs); elsewhere the whole model in bf16."""
-    from quasar import native
-    from quasar.quant.bf16 import use_bf16_linears_
+    from quasar.quant.bf16 import float32_activations_, use_bf16_linears_
 
-    if native.kernel() is None:
-        return load(model, "bf16", cache_dir)
-    loaded = load(model, "fp32", cache_dir)
-    use_bf16_linears_(loaded.model)
+    loaded = load(model, "bf16", cache_dir)
+    if use_bf16_linears_(loaded.model):  # shares the bf16 weights; [] where the kernel cannot run
+        float32_activations_(loaded.model)
     return loaded
 
 

@@ -68,3 +68,17 @@ def use_bf16_linears_(model: nn.Module, names: list[str] | None = None) -> list[
     for name in names:
         swap_module_(model, name, BF16Linear.from_linear(model.get_submodule(name)))
     return names
+
+
+def float32_activations_(model: nn.Module) -> None:
+    """Every parameter outside the BF16Linear layers (embeddings, norms, biases of other layers) to float32,
+    so activations and the KV cache run in float32 while the linears read bf16 weights."""
+    for module in model.modules():
+        if isinstance(module, BF16Linear):
+            continue
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dtype != torch.float32 and param.is_floating_point():
+                setattr(module, name, nn.Parameter(param.detach().float(), requires_grad=False))
+    if hasattr(model, "forget_row_check"):
+        model.forget_row_check()
+
