@@ -1,8 +1,9 @@
-"""Decode speed and memory of the default model: quasar vs transformers, fp32 and bf16.
+"""Plain decoding speed of the default model: quasar (fp32, bf16, w8a8 verifiers) vs transformers
+(fp32, bf16).
 
-Speed: all four engines live in one process and run interleaved, round by round, on the same prompt;
-each round decodes N tokens greedily after a prefill; we report the median decode tokens/s.
-Memory: peak RSS of a fresh process that loads one engine and decodes (ru_maxrss is per process).
+All engines live in one process and run interleaved, round by round, on the same prompt; each round
+decodes N tokens greedily after a prefill; we report the median decode tokens/s. Memory per verifier:
+bench/bench_memory.py (a fresh process each).
 
     python bench/bench_decode.py --rounds 5 --new-tokens 64
 """
@@ -12,21 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
 
 PROMPT = "Explain in detail how a bicycle works, from the pedals to the wheels."
+RUNS = (("quasar", "fp32"), ("quasar", "bf16"), ("quasar", "w8a8"), ("transformers", "fp32"), ("transformers", "bf16"))
 
 
 def quasar_decoder(dtype: str):
     from quasar.engine import Engine
-    from quasar.loading import load
     from quasar.sampling import SamplingParams
+    from quasar.verifiers import load_verifier
 
-    engine = Engine(load("default", dtype))
+    engine = Engine(load_verifier("default", dtype))
     ids = engine.encode(PROMPT)
 
     def run(n: int) -> float:
@@ -63,36 +63,21 @@ def hf_decoder(dtype: str):
 ENGINES = {"quasar": quasar_decoder, "transformers": hf_decoder}
 
 
-def memory(engine: str, dtype: str, n: int) -> float:
-    code = (
-        "import sys; sys.argv=['x']; from bench_decode import ENGINES; from quasar.stats import peak_rss_mb;"
-        f"ENGINES[{engine!r}]({dtype!r})({n}); print(peak_rss_mb())"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=sys.path[0], check=True)
-    return float(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--no-memory", action="store_true")
     args = parser.parse_args()
-    runs = {(e, d): ENGINES[e](d) for e in ENGINES for d in ("fp32", "bf16")}
+    runs = {(engine, dtype): ENGINES[engine](dtype) for engine, dtype in RUNS}
     for run in runs.values():
         run(4)  # warm-up
     speeds: dict = {key: [] for key in runs}
     for _ in range(args.rounds):
         for key, run in runs.items():
             speeds[key].append(run(args.new_tokens))
-    rows = []
     for (engine, dtype), values in speeds.items():
-        row = {"engine": engine, "dtype": dtype, "decode_tok_s_median": statistics.median(values),
+        row = {"engine": engine, "dtype": dtype, "decode_tok_s_median": round(statistics.median(values), 1),
                "decode_tok_s_all": [round(v, 1) for v in values]}
-        if not args.no_memory:
-            row["peak_rss_mb"] = memory(engine, dtype, args.new_tokens)
-        rows.append(row)
-    for row in rows:
         print(json.dumps(row))
 
 

@@ -1,6 +1,6 @@
 """One verify forward, verifier by verifier, against the memory wall (issue 7, targets 1 and 5).
 
-    python bench/bench_verify.py [--model default] [--context 256] [--rounds 30] [--json out.json]
+    python bench/bench_verify.py [--model default] [--w8a8 DIR] [--no-float] [--context 256] [--rounds 30]
 
 For each verifier: the median time of one forward scoring T = 1 (a decode step) and T = 6 (a verify
 step, k = 5) tokens after `context` cached tokens, in a cache of the size the engine would allocate;
@@ -26,13 +26,11 @@ from quasar.verifiers import load_verifier
 SIZES = (1, 6)
 
 
-def load_all(model: str) -> dict[str, torch.nn.Module]:
-    return {
-        "fp32": load_verifier(model, "fp32").model,
-        "bf16 (torch F.linear)": load(model, "bf16").model,
-        "bf16": load_verifier(model, "bf16").model,
-        "w8a8": load_verifier(model, "w8a8").model,
-    }
+def load_all(model: str, w8a8: str | None, floats: bool) -> dict[str, torch.nn.Module]:
+    models = {"fp32": load_verifier(model, "fp32").model, "bf16 (torch F.linear)": load(model, "bf16").model} if floats else {}
+    models["bf16"] = load_verifier(model, "bf16").model
+    models["w8a8"] = load_verifier(w8a8 or model, "w8a8").model
+    return models
 
 
 @torch.inference_mode()
@@ -60,9 +58,11 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--w8a8", help="a quantized checkpoint (quasar quantize) to use as the w8a8 verifier")
+    parser.add_argument("--no-float", action="store_true", help="skip the fp32 and torch-bf16 rows (big models)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    models = load_all(args.model)
+    models = load_all(args.model, args.w8a8, not args.no_float)
     bandwidth = read_bandwidth()
     medians = measure(models, args.context, args.rounds)
     nbytes = {name: bytes_per_forward(m) for name, m in models.items()}

@@ -30,8 +30,9 @@ def test_quick_bench_cli_on_a_tiny_model(tiny_model_dir, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "quasar bench, temperature 0" in proc.stdout and "ar:fp32" in proc.stdout
+    assert "skipping llamacpp:ar" in proc.stderr  # not installed, or (installed) the tiny model is no GGUF
     if importlib.util.find_spec("llama_cpp") is None:
-        assert "skipping llamacpp:ar" in proc.stderr and "pip install llama-cpp-python" in proc.stderr
+        assert "pip install llama-cpp-python" in proc.stderr
     summary = json.loads((out / "summary.json").read_text())
     overall = {r["method"]: r for r in summary["rows"] if r["category"] == "all"}
     assert set(overall) == {"ar:fp32", "ar:bf16"}
@@ -142,3 +143,50 @@ def test_transformers_peer_counts_its_steps(tiny_model_dir, mode):
         assert sum(lengths) in (n - 1, n)  # every token but the prefill's comes from a counted step
         if mode == "ar":
             assert set(lengths) <= {1}
+
+
+def test_quantized_checkpoint_serves_the_int8_verifiers_only(monkeypatch):
+    from quasar.bench import methods
+
+    calls = []
+    monkeypatch.setattr(methods, "load_verifier", lambda model, name, cache_dir: calls.append((model, name)) or name)
+    pool = Pool(MethodOptions(model="float-model", quantized="ckpt"))
+    for name in ("bf16", "w8a8", "w8a16", "w8a8:0.5"):
+        pool.verifier(name)
+    assert calls == [("float-model", "bf16"), ("ckpt", "w8a8"), ("ckpt", "w8a16"), ("ckpt", "w8a8:0.5")]
+
+
+def test_a_failing_method_is_reported_and_dropped_not_fatal(tmp_path):
+    class Broken:
+        name = "broken"
+
+        def generate(self, messages, params):
+            raise ValueError("peer bug")
+
+    class Fine:
+        name = "fine"
+
+        def generate(self, messages, params):
+            return Output("ok", [1], GenerationStats(new_tokens=1), 0.01)
+
+    items = [BenchItem(f"q{i}", "writing", ("hi",)) for i in range(3)]
+    result = run([Broken(), Fine()], items, RunConfig(max_new_tokens=4), tmp_path / "a.jsonl")
+    assert [r["model_id"] for r in result.records] == ["fine"] * 3
+    assert result.failed == {"broken": "warm-up: ValueError: peer bug"}
+    assert len((tmp_path / "a.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_method_failing_mid_run_keeps_its_finished_answers(tmp_path):
+    class Flaky:
+        name, calls = "flaky", 0
+
+        def generate(self, messages, params):
+            Flaky.calls += 1
+            if Flaky.calls > 2:  # warm-up and q0 succeed, q1 fails
+                raise RuntimeError("boom")
+            return Output("ok", [1], GenerationStats(new_tokens=1), 0.01)
+
+    items = [BenchItem(f"q{i}", "writing", ("hi",)) for i in range(3)]
+    result = run([Flaky()], items, RunConfig(max_new_tokens=4), tmp_path / "a.jsonl")
+    assert [r["question_id"] for r in result.records] == ["q0"]
+    assert result.failed == {"flaky": "q1: RuntimeError: boom"}

@@ -49,6 +49,7 @@ class MethodOptions:
     cache_dir: str | None = None
     max_context: int | None = None
     k: int | str = 5  # draft length for DRAFTER+V (the paper: 5)
+    quantized: str | None = None  # a `quasar quantize` checkpoint for the w8a8 / w8a16 verifier
     pld_tokens: int = 10  # peers' prompt-lookup draft length (transformers' documented example)
 
 
@@ -70,7 +71,9 @@ class Pool:
     def verifier(self, name: str) -> LoadedModel:
         if name not in self.verifiers:
             log.info("loading verifier %s", name)
-            self.verifiers[name] = load_verifier(self.options.model, name, self.options.cache_dir)
+            quantized = self.options.quantized and name.split(":")[0] in ("w8a8", "w8a16")
+            model = self.options.quantized if quantized else self.options.model
+            self.verifiers[name] = load_verifier(model, name, self.options.cache_dir)
         return self.verifiers[name]
 
     def directory(self) -> Path:

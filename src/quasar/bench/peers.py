@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from quasar.bench.methods import Messages, Output, PeerMissingError, encode
-from quasar.loading import load_tokenizer
+from quasar.loading import load_tokenizer, resolve
 from quasar.sampling import SamplingParams
 from quasar.stats import GenerationStats
 
@@ -99,12 +99,17 @@ class LlamaCppMethod:
 
         from quasar.bench.gguf_export import exported_gguf
 
+        if not resolve(pool.options.model, pool.options.cache_dir).is_file():
+            raise PeerMissingError("the llama.cpp peers need a GGUF model (--model default or a .gguf file)")
         self.name = name
         self.tokenizer = load_tokenizer(pool.directory())
         draft = LlamaPromptLookupDecoding(num_pred_tokens=pld_tokens) if pld_tokens else None
         path = exported_gguf(pool.options.model, precision, pool.options.cache_dir)
         n_ctx = pool.options.max_context or 4096
-        self.llm = Llama(str(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(), draft_model=draft, verbose=False)
+        # logits_all: with a draft model llama-cpp-python scores several positions per eval; without it, its
+        # score buffer holds n_batch rows and a verify step past position 512 fails with a broadcast error.
+        self.llm = Llama(str(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(), draft_model=draft,
+                         logits_all=draft is not None, verbose=False)
 
     def generate(self, messages: Messages, params: SamplingParams) -> Output:
         ids = encode(self.tokenizer, messages)

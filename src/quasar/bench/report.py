@@ -79,4 +79,5 @@ def write_summary(out: Path, summary: dict[str, Any]) -> None:
     """summary.json (everything) and summary.md (the tables and divergences)."""
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     header = "# quasar bench summary\n\n" + "\n".join(f"- {k}: {v}" for k, v in summary["config"].items()) + "\n"
+    header += "".join(f"- failed: {method} stopped at {error}\n" for method, error in summary.get("failed", {}).items())
     (out / "summary.md").write_text(markdown(summary["rows"], summary["divergences"], header))

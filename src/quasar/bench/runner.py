@@ -39,6 +39,7 @@ class RunConfig:
 class RunResult:
     records: list[Record] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # question ids whose prompt did not fit the context
+    failed: dict[str, str] = field(default_factory=dict)  # method -> "question_id: error" that stopped it
     interrupted: bool = False
 
 
@@ -65,10 +66,21 @@ def answer(method: Method, item: BenchItem, params: SamplingParams, temperature:
     }
 
 
-def warm_up(methods: list[Method], tokens: int) -> None:
+def warm_up(active: list[Method], tokens: int, result: RunResult) -> None:
     params = SamplingParams(max_new_tokens=tokens)
-    for method in methods:
-        method.generate([{"role": "user", "content": WARMUP_PROMPT}], params)
+    for method in list(active):
+        try:
+            method.generate([{"role": "user", "content": WARMUP_PROMPT}], params)
+        except Exception as e:
+            drop(method, "warm-up", e, active, result)
+
+
+def drop(method: Method, where: str, error: Exception, active: list[Method], result: RunResult) -> None:
+    """A method that raised (a peer's bug, say) is reported and left out of the rest of the run."""
+    log.error("%s failed on %s (%s: %s); leaving it out of the rest of the run", method.name, where,
+              type(error).__name__, error)
+    result.failed[method.name] = f"{where}: {type(error).__name__}: {error}"
+    active.remove(method)
 
 
 def rotated(methods: list[Method], i: int) -> list[Method]:
@@ -82,6 +94,21 @@ def schedule(items: list[BenchItem], config: RunConfig) -> Iterator[tuple[float,
             yield temperature, i, item
 
 
+def answer_all(order: list[Method], item: BenchItem, params: SamplingParams, temperature: float,
+               active: list[Method], result: RunResult) -> list[Record]:
+    """Every method's answer to one question. A method that raises is dropped (see `drop`) instead of ending
+    the run; a prompt too long for the context skips the question."""
+    batch = []
+    for method in order:
+        try:
+            batch.append(answer(method, item, params, temperature))
+        except PromptTooLongError:
+            raise
+        except Exception as e:
+            drop(method, item.question_id, e, active, result)
+    return batch
+
+
 def run(methods: list[Method], items: list[BenchItem], config: RunConfig, answers: Path) -> RunResult:
     """Benchmark `methods` on `items`; returns what finished (Ctrl-C stops cleanly after writing it)."""
     result = RunResult()
@@ -90,15 +117,18 @@ def run(methods: list[Method], items: list[BenchItem], config: RunConfig, answer
     answers.parent.mkdir(parents=True, exist_ok=True)
     total = len(items) * len(config.temperatures)
     with open(answers, "w") as out, tqdm(total=total, unit="prompt", desc="bench", disable=None, dynamic_ncols=True) as bar:
-        done = 0
+        done, active = 0, list(methods)
         try:
-            warm_up(methods, config.warmup_tokens)
+            warm_up(active, config.warmup_tokens, result)
             start = time.perf_counter()
             for temperature, i, item in schedule(items, config):
+                if not active:
+                    log.error("every method failed; stopping")
+                    break
                 params = SamplingParams(temperature=temperature, max_new_tokens=config.max_new_tokens,
                                         seed=config.seed + i)
                 try:
-                    batch = [answer(m, item, params, temperature) for m in rotated(methods, i)]
+                    batch = answer_all(rotated(active, i), item, params, temperature, active, result)
                 except PromptTooLongError as e:
                     log.warning("skipping %s: %s", item.question_id, e)
                     result.skipped.append(item.question_id)

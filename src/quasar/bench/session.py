@@ -87,7 +87,7 @@ def bench(options: BenchOptions) -> tuple[RunResult, dict[str, Any]]:
                    "temperatures": list(options.run.temperatures), "max_new_tokens": options.run.max_new_tokens,
                    "model": options.model.model, "interrupted": result.interrupted},
         "options": asdict(options), "machine": machine(), "rows": rows, "divergences": divergent,
-        "skipped": result.skipped, "memory_wall": wall,
+        "skipped": result.skipped, "failed": result.failed, "memory_wall": wall,
     }
     if rows and options.plots:
         summary["plots"] = draw(out, rows, result.records, wall)

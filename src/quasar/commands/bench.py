@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from quasar.bench.methods import MethodOptions
 from quasar.bench.report import print_summary
@@ -50,6 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--k", type=draft_length, default=5, help="draft length for DRAFTER+V, or 'auto' (default: 5)")
     parser.add_argument("--seed", type=int, default=0, help="base seed for sampled runs (default: 0)")
     parser.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
+    parser.add_argument("--quantized", metavar="DIR", help="a checkpoint from `quasar quantize` to use as the "
+                        "w8a8 (or w8a16) verifier, instead of quantizing --model on the fly")
     parser.add_argument("--cache-dir", help="where converted and quantized models are cached")
     parser.add_argument("--max-context", type=int, help="context window in tokens (default: the model's)")
     parser.add_argument("--no-memory-wall", dest="memory_wall", action="store_false",
@@ -64,7 +67,7 @@ def options(args: argparse.Namespace) -> BenchOptions:
         suite=args.suite, methods=args.methods, out=args.out, per_category=args.limit, categories=args.categories,
         run=RunConfig(temperatures=args.temperatures, max_new_tokens=max_new, seed=args.seed),
         model=MethodOptions(model=args.model, cache_dir=args.cache_dir, max_context=args.max_context,
-                            k=args.k),
+                            k=args.k, quantized=args.quantized),
         memory_wall=args.memory_wall, plots=args.plots,
     )
 
@@ -72,5 +75,7 @@ def options(args: argparse.Namespace) -> BenchOptions:
 def run(args: argparse.Namespace) -> int:
     result, summary = bench(options(args))
     print_summary(summary["rows"], summary["divergences"])
+    for method, error in summary["failed"].items():
+        print(f"failed: {method} stopped at {error}", file=sys.stderr)
     print(f"wrote {args.out}/summary.md, summary.json, answers.jsonl" + (" and plots" if summary.get("plots") else ""))
     return 130 if result.interrupted else 0

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from quasar.drafters import Draft, DrafterOptions
 from quasar.kv_cache import KVCache
-from quasar.loading import LoadedModel, load
+from quasar.loading import LoadedModel
 from quasar.models.llama import Transformer
 from quasar.sampling import SamplingParams, logits_to_probs, sample
 
@@ -87,7 +87,8 @@ def check_same_tokenizer(draft: LoadedModel, target: LoadedModel) -> None:
 def build(arg: str | None, target: LoadedModel, options: DrafterOptions) -> ModelDrafter:
     if not arg:
         raise ValueError("the model drafter needs a path: 'model:PATH' (a Hugging Face directory or .gguf)")
-    dtype = "bf16" if target.model.dtype == torch.bfloat16 else "fp32"
-    draft = load(arg, dtype, options.cache_dir)
+    from quasar.verifiers import load_verifier
+
+    draft = load_verifier(arg, "bf16", options.cache_dir)  # bf16 weights (on CPU: quasar's fused kernels)
     check_same_tokenizer(draft, target)
     return ModelDrafter(draft.model, target.model.config.vocab_size)
