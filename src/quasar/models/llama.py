@@ -169,7 +169,8 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        """The activation (and KV cache) dtype; the embedding table may be stored narrower (bf16)."""
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
@@ -238,7 +239,7 @@ class Transformer(nn.Module):
             keys = torch.arange(cache.max_len if fixed else cache.length + T, device=query_positions.device)
             mask = keys[None, :] <= query_positions[:, None]  # [rows, S]
         rope = self.rope(cache.positions(rows))
-        x = self.model.embed_tokens(F.pad(input_ids, (0, rows - T)))  # [B, rows, hidden]
+        x = self.model.embed_tokens(F.pad(input_ids, (0, rows - T))).to(self.dtype)  # [B, rows, hidden]
         fused = self.layer_kernel_args() if kernel is not None else None
         if fused is not None:  # one kernel call per layer, no Python in between
             h, eps = x[0], self.config.rms_norm_eps  # [T, hidden]

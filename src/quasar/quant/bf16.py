@@ -67,17 +67,21 @@ def use_bf16_linears_(model: nn.Module, names: list[str] | None = None) -> list[
         names = [n for n, m in model.named_modules() if type(m) is nn.Linear]
     for name in names:
         swap_module_(model, name, BF16Linear.from_linear(model.get_submodule(name)))
+    if "lm_head" in names and getattr(model.config, "tie_word_embeddings", False):
+        model.model.embed_tokens.weight = model.lm_head.weight  # still tied: lookups read the bf16 rows
     return names
 
 
 def float32_activations_(model: nn.Module) -> None:
-    """Every parameter outside the BF16Linear layers (embeddings, norms, biases of other layers) to float32,
-    so activations and the KV cache run in float32 while the linears read bf16 weights."""
+    """Every parameter outside the BF16Linear layers (norms, an untied embedding, ...) to float32, so
+    activations and the KV cache run in float32 while the linears read bf16 weights. An embedding tied to
+    a BF16Linear lm_head stays bf16 (shared; the model casts the rows it looks up)."""
+    shared = {m.weight.data_ptr() for m in model.modules() if isinstance(m, BF16Linear)}
     for module in model.modules():
         if isinstance(module, BF16Linear):
             continue
         for name, param in list(module.named_parameters(recurse=False)):
-            if param.dtype != torch.float32 and param.is_floating_point():
+            if param.dtype != torch.float32 and param.is_floating_point() and param.data_ptr() not in shared:
                 setattr(module, name, nn.Parameter(param.detach().float(), requires_grad=False))
     if hasattr(model, "forget_row_check"):
         model.forget_row_check()
