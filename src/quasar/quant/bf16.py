@@ -73,16 +73,15 @@ def use_bf16_linears_(model: nn.Module, names: list[str] | None = None) -> list[
 
 
 def float32_activations_(model: nn.Module) -> None:
-    """Every parameter outside the BF16Linear layers (norms, an untied embedding, ...) to float32, so
-    activations and the KV cache run in float32 while the linears read bf16 weights. An embedding tied to
-    a BF16Linear lm_head stays bf16 (shared; the model casts the rows it looks up)."""
+    """Every parameter outside the BF16Linear layers and embeddings (norms, ...) to float32, so activations
+    and the KV cache run in float32 while the linears read bf16 weights. Embeddings stay bf16 (tied ones
+    shared with the lm_head); the model casts the rows it looks up."""
     shared = {m.weight.data_ptr() for m in model.modules() if isinstance(m, BF16Linear)}
     for module in model.modules():
-        if isinstance(module, BF16Linear):
+        if isinstance(module, (BF16Linear, nn.Embedding)):  # an embedding is looked up, not multiplied
             continue
         for name, param in list(module.named_parameters(recurse=False)):
             if param.dtype != torch.float32 and param.is_floating_point() and param.data_ptr() not in shared:
                 setattr(module, name, nn.Parameter(param.detach().float(), requires_grad=False))
     if hasattr(model, "forget_row_check"):
         model.forget_row_check()
-
