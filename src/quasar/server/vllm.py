@@ -23,17 +23,18 @@ class VllmServe:
     executable: str = "vllm"
 
 
+VLLM_K = 5  # vLLM's draft length is fixed; quasar's 'auto' maps to the paper's setting
+
+
 def speculative_config(decode: DecodeConfig) -> dict[str, object] | None:
     """quasar's drafter settings as vLLM's --speculative-config (prompt lookup = vLLM's 'ngram' method)."""
     if decode.drafter == "none":
         return None
     if decode.drafter != "ngram":
         raise ValueError(f"the vLLM hand-off supports --drafter none or ngram, not {decode.drafter!r}")
-    if not isinstance(decode.k, int):
-        raise ValueError("vLLM needs a fixed draft length: pass --k N, not 'auto'")
     return {
         "method": "ngram",
-        "num_speculative_tokens": decode.k,
+        "num_speculative_tokens": decode.k if isinstance(decode.k, int) else VLLM_K,
         "prompt_lookup_min": decode.ngram_min,
         "prompt_lookup_max": decode.ngram_max,
     }
