@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_hf_model, write_hf_dir
 
 from quasar import native
 from quasar.quant.bf16 import use_bf16_linears_
 from quasar.quant.schemes import W8A8Config, W8A16Config, quantize_
-
-from conftest import tiny_hf_model, write_hf_dir
 
 pytestmark = pytest.mark.skipif(native.kernel() is None, reason="no AVX2 kernels on this machine")
 
