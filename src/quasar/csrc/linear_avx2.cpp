@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 namespace {
 
@@ -92,6 +93,23 @@ void dot_block_n4(const int16_t* q, const int8_t* w, int32_t* acc_out, int64_t m
   if (n < n1) dot_block<MB>(q, w, acc_out, m0, N, K, n, n1);
 }
 
+// Rows [0, M) in blocks of MAX rows and one last block of the rest: block(rows, m0) is called with rows a
+// std::integral_constant, so each block size gets its own unrolled kernel.
+template <int R, typename F>
+void last_block(int64_t rest, int64_t m0, F& block) {
+  if constexpr (R > 0) {
+    if (rest == R) block(std::integral_constant<int, R>{}, m0);
+    else last_block<R - 1>(rest, m0, block);
+  }
+}
+
+template <int MAX, typename F>
+void row_blocks(int64_t M, F block) {
+  int64_t m = 0;
+  for (; m + MAX <= M; m += MAX) block(std::integral_constant<int, MAX>{}, m);
+  last_block<MAX - 1>(M - m, m, block);
+}
+
 // Output channels [n0, n1) of q . w^T. All rows of a block share each widened weight load: up to 8 rows
 // per pass over the weights.
 void int_dot_range(const int16_t* q, const int8_t* w, int32_t* out, int64_t M, int64_t N, int64_t K, int64_t n0,
@@ -101,17 +119,7 @@ void int_dot_range(const int16_t* q, const int8_t* w, int32_t* out, int64_t M, i
     else dot_block_n4<1>(q, w, out, 0, N, K, n0, n1);
     return;
   }
-  int64_t m = 0;
-  for (; m + 8 <= M; m += 8) dot_block<8>(q, w, out, m, N, K, n0, n1);
-  switch (M - m) {
-    case 7: dot_block<7>(q, w, out, m, N, K, n0, n1); break;
-    case 6: dot_block<6>(q, w, out, m, N, K, n0, n1); break;
-    case 5: dot_block<5>(q, w, out, m, N, K, n0, n1); break;
-    case 4: dot_block<4>(q, w, out, m, N, K, n0, n1); break;
-    case 3: dot_block<3>(q, w, out, m, N, K, n0, n1); break;
-    case 2: dot_block<2>(q, w, out, m, N, K, n0, n1); break;
-    case 1: dot_block<1>(q, w, out, m, N, K, n0, n1); break;
-  }
+  row_blocks<8>(M, [&](auto rows, int64_t m) { dot_block<decltype(rows)::value>(q, w, out, m, N, K, n0, n1); });
 }
 
 void int_dot(const int16_t* q, const int8_t* w, int32_t* out, int64_t M, int64_t N, int64_t K) {
@@ -178,15 +186,7 @@ void fdot_block(const float* x, const W* w, float* out, int64_t m0, int64_t N, i
 template <typename W>
 void float_dot(const float* x, const W* w, float* out, int64_t M, int64_t N, int64_t K) {
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    int64_t m = 0;
-    for (; m + 6 <= M; m += 6) fdot_block<6>(x, w, out, m, N, K, n0, n1);
-    switch (M - m) {
-      case 5: fdot_block<5>(x, w, out, m, N, K, n0, n1); break;
-      case 4: fdot_block<4>(x, w, out, m, N, K, n0, n1); break;
-      case 3: fdot_block<3>(x, w, out, m, N, K, n0, n1); break;
-      case 2: fdot_block<2>(x, w, out, m, N, K, n0, n1); break;
-      case 1: fdot_block<1>(x, w, out, m, N, K, n0, n1); break;
-    }
+    row_blocks<6>(M, [&](auto rows, int64_t m) { fdot_block<decltype(rows)::value>(x, w, out, m, N, K, n0, n1); });
   });
 }
 
