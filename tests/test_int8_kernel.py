@@ -13,7 +13,7 @@ from quasar.quant.int8 import INT_MM, Int8Linear, Int8WeightOnlyLinear, quantize
 pytestmark = pytest.mark.skipif(native.kernel() is None, reason="no AVX2 kernel on this machine")
 
 
-@pytest.mark.parametrize("M,K,N,bias", [(1, 576, 1536, False), (2, 576, 194, True), (6, 576, 192, True), (8, 1536, 576, False), (37, 64, 48, True)])
+@pytest.mark.parametrize("M,K,N,bias", [(1, 576, 1536, False), (2, 576, 194, True), (6, 576, 192, True), (8, 1536, 576, False), (37, 64, 48, True), (3, 80, 40, True)])
 def test_fused_kernel_is_bit_identical_to_the_reference(M, K, N, bias):
     torch.manual_seed(M)
     linear = torch.nn.Linear(K, N, bias=bias)
@@ -32,6 +32,16 @@ def test_int32_product_is_exact_at_the_extremes():
     w[1] = -127
     expected = x.long() @ w.long().t()
     assert torch.equal(INT_MM["avx2"](x, w).long(), expected)
+
+
+@pytest.mark.parametrize("K", [4096, 48])
+def test_int32_product_is_exact_over_the_whole_int8_range(K):
+    """The kernel's pair sums |w| * x need |x| <= 127; -128 in x and in w must still come out exact."""
+    torch.manual_seed(K)
+    x = torch.randint(-128, 128, (5, K), dtype=torch.int8)
+    w = torch.randint(-128, 128, (7, K), dtype=torch.int8)
+    x[0], w[0] = -128, -128  # the extremes: every product 16384, every pair 32768
+    assert torch.equal(INT_MM["avx2"](x, w), INT_MM["reference"](x, w))
 
 
 def test_rows_do_not_depend_on_the_other_rows():

@@ -1,6 +1,7 @@
 // One whole decoder layer of a decode or verify step (a few new tokens, batch 1) in one call: the same
 // kernels the Python layer calls one by one (RMSNorm, linears, attention) plus ATen's silu, multiply and
-// add, without the ~40 Python-level operations per layer in between.
+// add, without the ~40 Python-level operations per layer in between. FusedLayers runs all layers of a
+// model in one call, with their tensors handed over once instead of at every step.
 //
 // x [T, hidden] float32. t holds, in order: input norm weight, post-attention norm weight, q-norm and
 // k-norm weights (empty without qk-norm), then weight, scale and bias for q, k, v, o, gate, up, down
@@ -51,4 +52,19 @@ torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> t, std::
   x = x + linear(kinds[3], attended, t, 3);
   auto gate_up = linears(rms_norm(x, t[1], eps), t, kinds, {4, 5});
   return x + linear(kinds[6], torch::silu(gate_up[0]) * gate_up[1], t, 6);
+}
+
+FusedLayers::FusedLayers(std::vector<std::vector<torch::Tensor>> tensors, std::vector<std::vector<int64_t>> kinds,
+                         double eps)
+    : tensors_(std::move(tensors)), kinds_(std::move(kinds)), eps_(eps) {
+  TORCH_CHECK(tensors_.size() == kinds_.size(), "one kinds list per layer");
+}
+
+// x [T, hidden]; cache_k and cache_v [L, H_kv, S, D] (batch 0 of a KVCache) -> the last layer's output.
+torch::Tensor FusedLayers::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor cache_k,
+                                   torch::Tensor cache_v, int64_t start) const {
+  TORCH_CHECK(cache_k.dim() == 4 && cache_k.size(0) == static_cast<int64_t>(tensors_.size()), "cache [L, H_kv, S, D] expected");
+  for (size_t i = 0; i < tensors_.size(); ++i)
+    x = decoder_layer(x, tensors_[i], kinds_[i], eps_, cos, sin, cache_k[i], cache_v[i], start);
+  return x;
 }

@@ -16,3 +16,16 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> t, std::vector<int64_t> kinds, double eps,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v,
                             int64_t start);
+
+// All decoder layers of one model (see decoder_layer): built once, then one call per forward.
+class FusedLayers {
+ public:
+  FusedLayers(std::vector<std::vector<torch::Tensor>> tensors, std::vector<std::vector<int64_t>> kinds, double eps);
+  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor cache_k,
+                        torch::Tensor cache_v, int64_t start) const;
+
+ private:
+  std::vector<std::vector<torch::Tensor>> tensors_;
+  std::vector<std::vector<int64_t>> kinds_;
+  double eps_;
+};

@@ -199,6 +199,7 @@ class Transformer(nn.Module):
     fixed_rows: int = 8
     _rows_independent: bool | None = None  # cached by rows_independent(); swapping linears must forget it
     _layer_kernel_args: list | None = None  # cached by layer_kernel_args(); likewise
+    _fused_layers: object | None = None  # cached by fused_layers(); likewise
 
     def rows_independent(self) -> bool:
         """Whether every linear's output rows depend on their own input rows only (checked once)."""
@@ -211,6 +212,7 @@ class Transformer(nn.Module):
         """Call after replacing linears (quantization swaps them) so the next forward checks again."""
         self._rows_independent = None
         self._layer_kernel_args = None
+        self._fused_layers = None
 
     def layer_kernel_args(self) -> list | None:
         """Per layer, the arguments of the fused decoder-layer kernel; None unless every layer can use it."""
@@ -218,6 +220,16 @@ class Transformer(nn.Module):
             args = [layer.kernel_args() for layer in self.model.layers]
             self._layer_kernel_args = [] if any(a is None for a in args) else args
         return self._layer_kernel_args or None
+
+    def fused_layers(self, kernel):
+        """All layers as one kernel object (csrc/decoder_layer.cpp: FusedLayers), built once; None unless
+        every layer can use the fused decoder-layer kernel."""
+        if self._fused_layers is None:
+            args = self.layer_kernel_args()
+            if args is None:
+                return None
+            self._fused_layers = kernel.FusedLayers([a[0] for a in args], [a[1] for a in args], self.config.rms_norm_eps)
+        return self._fused_layers
 
     def attention_kernel(self, batch: int):
         """quasar's CPU attention kernel where this model can use it for decode and verify steps, else None."""
@@ -240,12 +252,9 @@ class Transformer(nn.Module):
             mask = keys[None, :] <= query_positions[:, None]  # [rows, S]
         rope = self.rope(cache.positions(rows))
         x = self.model.embed_tokens(F.pad(input_ids, (0, rows - T))).to(self.dtype)  # [B, rows, hidden]
-        fused = self.layer_kernel_args() if kernel is not None else None
-        if fused is not None:  # one kernel call per layer, no Python in between
-            h, eps = x[0], self.config.rms_norm_eps  # [T, hidden]
-            for i, (tensors, kinds) in enumerate(fused):
-                h = kernel.decoder_layer(h, tensors, kinds, eps, *rope, cache.k[i, 0], cache.v[i, 0], cache.length)
-            x = h[None]  # [1, T, hidden]
+        fused = self.fused_layers(kernel) if kernel is not None else None
+        if fused is not None:  # one kernel call for all layers, no Python in between
+            x = fused.forward(x[0], *rope, cache.k[:, 0], cache.v[:, 0], cache.length)[None]  # [1, T, hidden]
         else:
             for layer in self.model.layers:
                 x = layer(x, rope, mask, cache, kernel)
