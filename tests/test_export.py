@@ -82,6 +82,7 @@ def test_config_declares_int8_channel_weights_and_dynamic_token_activations(expo
     assert (w.num_bits, w.type, w.symmetric, w.strategy, w.dynamic) == (8, "int", True, "channel", False)
     assert (a.num_bits, a.type, a.symmetric, a.strategy, a.dynamic) == (8, "int", True, "token", True)
     assert "quantization" not in config  # quasar's own block is not carried over
+    assert config["architectures"] == ["LlamaForCausalLM"]  # vLLM picks the model class from it
     assert (exported / "tokenizer.json").exists()
 
 

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from quasar.loading import LoadedModel, atomic_directory
+from quasar.models.config import CAUSAL_LM_CLASSES
 from quasar.quant.int8 import Int8Linear
 
 log = logging.getLogger("quasar")
@@ -86,6 +87,8 @@ def _write(target: LoadedModel, out: Path) -> None:
     config.pop("quantization", None)  # quasar's own checkpoint block; the export is described by quantization_config
     config["quantization_config"] = quantization_config(model)
     config["torch_dtype"] = str(float_dtype).removeprefix("torch.")
+    if not config.get("architectures") and config.get("model_type") in CAUSAL_LM_CLASSES:  # vLLM needs it
+        config["architectures"] = [CAUSAL_LM_CLASSES[config["model_type"]]]  # older GGUF conversions have none
     save_file(export_state(model, float_dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for f in target.directory.iterdir():

@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from quasar.models.config import ModelConfig
+from quasar.models.config import CAUSAL_LM_CLASSES, ModelConfig
 from quasar.models.llama import Transformer, rope_inv_freq
 
 log = logging.getLogger("quasar")
@@ -241,6 +241,7 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     n_heads = gguf_field(reader, f"{arch}.attention.head_count")
     hidden = gguf_field(reader, f"{arch}.embedding_length")
     return {
+        "architectures": [CAUSAL_LM_CLASSES[GGUF_ARCHITECTURES[arch]]],
         "model_type": GGUF_ARCHITECTURES[arch],
         "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
         "hidden_size": hidden,

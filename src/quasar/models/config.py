@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# config.json "architectures" per model_type: what transformers and vLLM instantiate for generation
+CAUSAL_LM_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                     "qwen3": "Qwen3ForCausalLM"}
 
 
 class UnsupportedModelError(ValueError):
