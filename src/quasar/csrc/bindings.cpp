@@ -9,7 +9,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("float_act_linear", &float_act_linear, "float32 x times int8 or bfloat16 w, fixed-order fp32 sums");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, sums in a fixed order");
   m.def("decode_attention", &decode_attention, "rope, cache write and causal attention for a few new tokens");
-  m.def("decoder_layer", &decoder_layer, "one whole decoder layer for a few new tokens (batch 1)");
   pybind11::class_<FusedLayers>(m, "FusedLayers", "all decoder layers of a model, tensors handed over once")
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, double>())
       .def("forward", &FusedLayers::forward, "x [T, hidden] through every layer; caches [L, H_kv, S, D]");
