@@ -287,10 +287,8 @@ torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w) {
   auto clamped = x.clamp_min(-127).contiguous();
   auto out = torch::empty({M, N}, x.options().dtype(torch::kInt32));
   run_jobs(clamped.data_ptr<int8_t>(), nullptr, {IntJob{w.data_ptr<int8_t>(), N, out.data_ptr<int32_t>()}}, M, K);
-  if (x.eq(-128).any().item<bool>()) {
-    auto rest = (x.to(torch::kInt16) - clamped.to(torch::kInt16)).to(torch::kInt8).contiguous();  // -1 or 0
-    out += int8_mm(rest, w);
-  }
+  auto low = x.eq(-128);
+  if (low.any().item<bool>()) out += int8_mm(low.to(torch::kInt8).neg(), w);  // d: -1 where x was -128
   return out;
 }
 
