@@ -1,4 +1,4 @@
-"""quasar's AVX2 kernels: W8A8 equals the reference Int8Linear bit for bit; float-activation (W8A16,
+"""quasar's AVX2 kernels: every int8 dot-product path is exact; W8A8 equals the reference Int8Linear bit for bit; float-activation (W8A16,
 bf16) linears match float math; every row is independent of the other rows."""
 
 from __future__ import annotations
@@ -26,22 +26,34 @@ def test_fused_kernel_is_bit_identical_to_the_reference(M, K, N, bias):
     assert not y.isnan().any()
 
 
-def test_int32_product_is_exact_at_the_extremes():
+PATHS = native.kernel().int8_paths() if native.kernel() is not None else []
+
+
+def test_the_fastest_path_comes_first_and_every_cpu_has_maddubs():
+    assert PATHS[-2:] == ["maddubs", "dpbusd-emulated"]  # dpbusd (AVX-512 VNNI) goes before them where present
+    with pytest.raises(RuntimeError, match="available: auto, "):
+        native.kernel().int8_mm(torch.zeros(1, 16, dtype=torch.int8), torch.zeros(1, 16, dtype=torch.int8), "vnni9")
+
+
+@pytest.mark.parametrize("path", ["auto", *PATHS])
+def test_int32_product_is_exact_at_the_extremes(path):
     x = torch.full((3, 4096), -127, dtype=torch.int8)
     w = torch.full((5, 4096), 127, dtype=torch.int8)
     w[1] = -127
     expected = x.long() @ w.long().t()
-    assert torch.equal(INT_MM["avx2"](x, w).long(), expected)
+    assert torch.equal(native.kernel().int8_mm(x, w, path).long(), expected)
 
 
-@pytest.mark.parametrize("K", [4096, 48])
-def test_int32_product_is_exact_over_the_whole_int8_range(K):
-    """The kernel's pair sums |w| * x need |x| <= 127; -128 in x and in w must still come out exact."""
+@pytest.mark.parametrize("path", ["auto", *PATHS])
+@pytest.mark.parametrize("M,K", [(5, 4096), (13, 48), (1, 80), (6, 592)])
+def test_int32_product_is_exact_over_the_whole_int8_range(path, M, K):
+    """maddubs's pair sums |w| * x need |x| <= 127, dpbusd's offset x + 128 needs a weight-sum correction;
+    -128 in x and in w, K tails past the register width and every row-block size must still come out exact."""
     torch.manual_seed(K)
-    x = torch.randint(-128, 128, (5, K), dtype=torch.int8)
+    x = torch.randint(-128, 128, (M, K), dtype=torch.int8)
     w = torch.randint(-128, 128, (7, K), dtype=torch.int8)
     x[0], w[0] = -128, -128  # the extremes: every product 16384, every pair 32768
-    assert torch.equal(INT_MM["avx2"](x, w), INT_MM["reference"](x, w))
+    assert torch.equal(native.kernel().int8_mm(x, w, path), INT_MM["reference"](x, w))
 
 
 def test_rows_do_not_depend_on_the_other_rows():

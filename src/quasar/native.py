@@ -5,7 +5,9 @@ PyTorch's own int8 GEMM (`torch._int_mm`) has no fast path on x86 CPUs without A
 here: 10-50x slower than a float32 GEMM), its bf16 GEMM none without AVX512-BF16, and its float kernels
 round a row differently depending on how many rows come with it. These kernels stream the weights once
 per call and compute every row of a result from its own input row only, so a verify step over k+1 rows
-costs about one weight read and gives the rows that decoding the tokens one by one gives. This module is
+costs about one weight read and gives the rows that decoding the tokens one by one gives. The int8 dot
+products pick the fastest instruction set at run time (`kernel().int8_paths()`: AVX-512 VNNI where the
+CPU has it, else AVX2); all paths give the same int32 results. This module is
 the one switch for device-specific code: `kernel()` returns None where the kernels cannot be used (no
 AVX2, no C++ compiler), and every caller then falls back to plain torch (the path CUDA takes).
 """

@@ -1,11 +1,12 @@
-// The Python module of quasar's CPU kernels (linear_avx2.cpp, attention_avx2.cpp, decoder_layer.cpp).
+// The Python module of quasar's CPU kernels (linear_avx2.cpp, int8_dot.cpp, attention_avx2.cpp, decoder_layer.cpp).
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_linear", &w8a8_linear, "per-token int8 quantization, exact int32 GEMM, rescale and bias");
   m.def("w8a8_linear_many", &w8a8_linear_many, "several W8A8 linears of one input, quantized once");
-  m.def("quantized_int_mm", &quantized_int_mm, "per-token int8 quantization of x, then exact int32 x . w^T");
-  m.def("int8_mm", &int8_mm, "exact int8 x int8 -> int32 with w [N, K]");
+  m.def("int8_mm", &int8_mm, "exact int8 x int8 -> int32 with w [N, K]", pybind11::arg("x"), pybind11::arg("w"),
+        pybind11::arg("path") = "auto");
+  m.def("int8_paths", &int8_paths, "the int8 dot-product paths this CPU runs, fastest first");
   m.def("float_act_linear", &float_act_linear, "float32 x times int8 or bfloat16 w, fixed-order fp32 sums");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, sums in a fixed order");
   m.def("decode_attention", &decode_attention, "rope, cache write and causal attention for a few new tokens");

@@ -5,28 +5,18 @@
 //   x_scale[m] = max_k |x[m, k]| / 127 (1 for an all-zero row), q(x) = clamp(round_half_even(x / x_scale))
 //
 // The quantization matches quasar.quant.int8.quantize_tokens bit for bit, the dot products are exact
-// in int32 (see dot32: no saturation for |x| <= 127), and every row is computed the same way whatever the
+// in int32 (int8_dot.cpp: the fastest instruction set this CPU has), and every row is computed the same way whatever the
 // other rows are: verifying k tokens together gives the rows that decoding them one by one gives. Weights
 // [N, K] stream from memory once per call; the quantized activations (int8, M * K bytes) stay in cache.
 #include "kernels.h"
+#include "blocking.h"
+#include "int8_dot.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
 
 namespace {
-
-// Weights stream from memory once per call; hardware prefetch alone left the int8 loops at about half the
-// read bandwidth, so each loop also asks for the bytes this far ahead.
-constexpr int64_t kPrefetch = 1024;
-
-inline int32_t hsum(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
 
 // Quantize each row of x [M, K] to int8 values in [-127, 127]; write the row scales. The same operations
 // as quantize_tokens (IEEE division by the scale, round half to even, clamp), eight lanes at a time.
@@ -53,62 +43,6 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scale
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + k), w8);
     }
   }
-}
-
-// Exact int8 dot products with 32 multiply-adds per instruction: _mm256_maddubs_epi16(|w|, sign(x, w))
-// multiplies unsigned |w| (<= 128) by x carrying w's sign (|x| <= 127), so each pair sum is at most
-// 2 * 128 * 127 < 2^15 and never saturates; _mm256_madd_epi16 by ones widens the pairs to int32. On this
-// AVX2 (no VNNI) machine that is 1.3-1.5x the sign-extended int16 _mm256_madd_epi16 path.
-inline __m256i dot32(__m256i abs_w, __m256i w, __m256i x, __m256i ones) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(abs_w, _mm256_sign_epi8(x, w)), ones);
-}
-
-// Rows m0 .. m0 + MB of q (int8, [M, K]) times output channels [n0, n1) of w: one weight load serves all
-// MB rows. K is a multiple of 16; a last half step of 16 runs on 128-bit registers.
-template <int MB>
-void dot_block(const int8_t* q, const int8_t* w, int32_t* acc_out, int64_t m0, int64_t N, int64_t K, int64_t n0,
-               int64_t n1) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int64_t K32 = K / 32 * 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* wn = w + n * K;
-    __m256i acc[MB];
-    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_si256();
-    for (int64_t k = 0; k < K32; k += 32) {
-      _mm_prefetch(reinterpret_cast<const char*>(wn + k + kPrefetch), _MM_HINT_T0);
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wn + k)), aw = _mm256_abs_epi8(wv);
-      for (int i = 0; i < MB; ++i) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (m0 + i) * K + k));
-        acc[i] = _mm256_add_epi32(acc[i], dot32(aw, wv, xv, ones));
-      }
-    }
-    if (K32 < K) {
-      const __m128i wv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wn + K32)), aw = _mm_abs_epi8(wv);
-      for (int i = 0; i < MB; ++i) {
-        const __m128i xv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (m0 + i) * K + K32));
-        const __m128i p = _mm_madd_epi16(_mm_maddubs_epi16(aw, _mm_sign_epi8(xv, wv)), _mm256_castsi256_si128(ones));
-        acc[i] = _mm256_add_epi32(acc[i], _mm256_inserti128_si256(_mm256_setzero_si256(), p, 0));
-      }
-    }
-    for (int i = 0; i < MB; ++i) acc_out[(m0 + i) * N + n] = hsum(acc[i]);
-  }
-}
-
-// Rows [0, M) in blocks of MAX rows and one last block of the rest: block(rows, m0) is called with rows a
-// std::integral_constant, so each block size gets its own unrolled kernel.
-template <int R, typename F>
-void last_block(int64_t rest, int64_t m0, F& block) {
-  if constexpr (R > 0) {
-    if (rest == R) block(std::integral_constant<int, R>{}, m0);
-    else last_block<R - 1>(rest, m0, block);
-  }
-}
-
-template <int MAX, typename F>
-void row_blocks(int64_t M, F block) {
-  int64_t m = 0;
-  for (; m + MAX <= M; m += MAX) block(std::integral_constant<int, MAX>{}, m);
-  last_block<MAX - 1>(M - m, m, block);
 }
 
 // One int8 weight of a call: its int32 sums and, for a whole linear, the rescaled float32 output.
@@ -142,7 +76,10 @@ void rescale_range(const IntJob& job, const float* x_scale, int64_t M, int64_t n
 
 // All jobs of one quantized input q [M, K] in one parallel region over all their output channels (one
 // thread fork and join instead of one per weight); each thread rescales the channels it summed.
-void run_jobs(const int8_t* q, const float* x_scale, const std::vector<IntJob>& jobs, int64_t M, int64_t K) {
+void run_jobs(Int8Path path, const int8_t* q, const float* x_scale, const std::vector<IntJob>& jobs, int64_t M,
+              int64_t K) {
+  std::vector<uint8_t> u;
+  prepare_rows(path, q, M * K, u);
   std::vector<int64_t> first(jobs.size() + 1, 0);
   for (size_t i = 0; i < jobs.size(); ++i) first[i + 1] = first[i] + jobs[i].N;
   at::parallel_for(0, first.back(), 16, [&](int64_t a, int64_t b) {
@@ -150,7 +87,7 @@ void run_jobs(const int8_t* q, const float* x_scale, const std::vector<IntJob>& 
       const int64_t n0 = std::max(a, first[i]) - first[i], n1 = std::min(b, first[i + 1]) - first[i];
       if (n0 >= n1) continue;
       const IntJob& job = jobs[i];
-      row_blocks<8>(M, [&](auto rows, int64_t m) { dot_block<decltype(rows)::value>(q, job.w, job.acc, m, job.N, K, n0, n1); });
+      int8_dot(path, q, u.data(), job.w, job.acc, M, job.N, K, n0, n1);
       if (job.y) rescale_range(job, x_scale, M, n0, n1);
     }
   });
@@ -265,30 +202,21 @@ std::pair<torch::Tensor, torch::Tensor> quantize(const torch::Tensor& x) {
 
 }  // namespace
 
-// x [M, K] float32, w [N, K] int8 -> exact int32 [M, N] of the per-token-quantized x times w, and x_scale [M, 1].
-std::vector<torch::Tensor> quantized_int_mm(torch::Tensor x, torch::Tensor w) {
-  x = x.contiguous();
-  w = w.contiguous();
-  auto [q, scale] = quantize(x);
-  check_int8_weight(w, x.size(1));
-  const int64_t M = x.size(0), N = w.size(0);
-  auto out = torch::empty({M, N}, x.options().dtype(torch::kInt32));
-  run_jobs(q.data_ptr<int8_t>(), nullptr, {IntJob{w.data_ptr<int8_t>(), N, out.data_ptr<int32_t>()}}, M, x.size(1));
-  return {out, scale};
-}
-
-// x [M, K] int8 (already quantized), w [N, K] int8 -> exact int32 [M, N]. The kernel takes |x| <= 127, so
-// x = max(x, -127) + d with d in {-1, 0}, and rows holding -128 get a second pass over d.
-torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w) {
+// x [M, K] int8 (already quantized), w [N, K] int8 -> exact int32 [M, N], on `path` (see int8_dot.cpp).
+// maddubs takes |x| <= 127, so there x = max(x, -127) + d with d in {-1, 0}, and rows holding -128 get a
+// second pass over d; the dpbusd paths take every int8 value.
+torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w, const std::string& path) {
   TORCH_CHECK(x.dtype() == torch::kInt8 && x.dim() == 2 && x.size(1) % 16 == 0, "int8 x [M, K], K % 16 == 0");
   w = w.contiguous();
   check_int8_weight(w, x.size(1));
+  const Int8Path p = parse_int8_path(path);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto clamped = x.clamp_min(-127).contiguous();
+  auto input = p == Int8Path::Maddubs ? x.clamp_min(-127).contiguous() : x.contiguous();
   auto out = torch::empty({M, N}, x.options().dtype(torch::kInt32));
-  run_jobs(clamped.data_ptr<int8_t>(), nullptr, {IntJob{w.data_ptr<int8_t>(), N, out.data_ptr<int32_t>()}}, M, K);
+  run_jobs(p, input.data_ptr<int8_t>(), nullptr, {IntJob{w.data_ptr<int8_t>(), N, out.data_ptr<int32_t>()}}, M, K);
+  if (p != Int8Path::Maddubs) return out;
   auto low = x.eq(-128);
-  if (low.any().item<bool>()) out += int8_mm(low.to(torch::kInt8).neg(), w);  // d: -1 where x was -128
+  if (low.any().item<bool>()) out += int8_mm(low.to(torch::kInt8).neg(), w, path);  // d: -1 where x was -128
   return out;
 }
 
@@ -317,7 +245,8 @@ std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::
     jobs.push_back(IntJob{w[i].data_ptr<int8_t>(), N, acc.back().data_ptr<int32_t>(), out.back().data_ptr<float>(),
                           w_scale[i].data_ptr<float>(), bias[i].numel() ? bias[i].data_ptr<float>() : nullptr});
   }
-  run_jobs(q.data_ptr<int8_t>(), x_scale.data_ptr<float>(), jobs, M, K);
+  static const Int8Path fastest = parse_int8_path("auto");
+  run_jobs(fastest, q.data_ptr<int8_t>(), x_scale.data_ptr<float>(), jobs, M, K);
   return out;
 }
 

@@ -11,8 +11,8 @@ is exact, so verifying k draft tokens together gives bit-identical rows to decod
 Int32 backends (registry `INT_MM`): `int_mm` (torch._int_mm; weight stored [N, K] and passed as `.t()`,
 faster than a contiguous [K, N] copy in bench/bench_linear.py; rows padded above 16 on CUDA),
 `blocked_float` (float32 GEMMs over K blocks of <= 1024, where every partial sum is an integer below 2^24
-and therefore exact: the same int32 result), `avx2` (quasar's own kernel, native.py), and `reference` (int64, for
-tests). `auto` uses `int_mm` on CUDA and, on CPU, the AVX2 kernel fused with the activation quantization
+and therefore exact: the same int32 result), `avx2` (quasar's own kernel, native.py; AVX-512 VNNI's vpdpbusd
+inside it where the CPU has it), and `reference` (int64, for tests). `auto` uses `int_mm` on CUDA and, on CPU, the AVX2 kernel fused with the activation quantization
 and the rescale (one call per linear), else `blocked_float`: on this AVX2 machine (no VNNI) torch 2.13's CPU
 `_int_mm` costs ~3x `blocked_float` at 1 row and ~8x at 6 rows (bench/bench_linear.py). All backends give
 bit-identical results, so they can be swapped freely.

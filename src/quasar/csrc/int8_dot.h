@@ -1,0 +1,19 @@
+// The int8 dot-product kernels (int8_dot.cpp), as linear_avx2.cpp and bindings.cpp see them.
+#pragma once
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+enum class Int8Path { Maddubs, DpbusdEmulated, Dpbusd };
+
+// The paths this CPU runs, fastest first ("dpbusd" only with AVX-512 VNNI).
+std::vector<std::string> int8_paths();
+// "auto" (the fastest) or one of int8_paths(); anything else is an error that lists them.
+Int8Path parse_int8_path(const std::string& name);
+// What a path needs besides q [count bytes]: the dpbusd paths read u = q + 128 as uint8.
+void prepare_rows(Int8Path path, const int8_t* q, int64_t count, std::vector<uint8_t>& u);
+// acc [M, N] int32, channels [n0, n1) = q [M, K] . w [N, K]^T, exactly; q in [-127, 127] for "maddubs".
+void int8_dot(Int8Path path, const int8_t* q, const uint8_t* u, const int8_t* w, int32_t* acc, int64_t M, int64_t N,
+              int64_t K, int64_t n0, int64_t n1);
