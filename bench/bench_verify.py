@@ -7,6 +7,11 @@ step, k = 5) tokens after `context` cached tokens, in a cache of the size the en
 the weight bytes one forward reads; the achieved bytes/s against the read bandwidth measured here; and
 the W8A8 T=6 time over the bf16 T=1 time against the ideal byte ratio. Verifiers alternate forward by
 forward, so slow phases of the machine hit all of them alike.
+
+It also measures the compute roof: the multiply-adds per second of the int8 and the bf16 linear kernels
+on a weight that stays in the last-level cache, at T rows. A forward cannot beat max(bytes / bandwidth, its
+linears' multiply-adds / roof) (attention left out), so the floor says how close to the ideal byte ratio
+this CPU can get at all: without VNNI, 6 rows of int8 dot products cost more than reading the weights.
 """
 
 from __future__ import annotations
@@ -18,12 +23,14 @@ import time
 
 import torch
 
+from quasar import native
 from quasar.bench.bandwidth import bytes_per_forward, read_bandwidth
 from quasar.engine import CACHE_BUCKET
 from quasar.loading import load
 from quasar.verifiers import load_verifier
 
 SIZES = (1, 6)
+ROOF_SHAPE = (1536, 1536)  # N, K of the roof's weight: 2.4 MB int8, 4.7 MB bf16, hot in a 32 MB L3
 
 
 def load_all(model: str, w8a8: str | None, floats: bool) -> dict[str, torch.nn.Module]:
@@ -53,6 +60,44 @@ def measure(models: dict[str, torch.nn.Module], context: int, rounds: int) -> di
     return {name: {n: statistics.median(t[2:]) for n, t in per.items()} for name, per in times.items()}
 
 
+def macs_per_token(model: torch.nn.Module) -> dict[str, int]:
+    """Multiply-adds of one token's linears by weight kind: 'int8' (W8A8) and 'float' (bf16 or fp32; the
+    lm_head, and every linear of a float verifier). The input embedding is a lookup, not a product."""
+    embedding = model.model.embed_tokens.weight
+    macs = {"int8": 0, "float": 0}
+    seen = set()
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or weight.dim() != 2 or weight.data_ptr() in seen or module is model.model.embed_tokens:
+            continue
+        seen.add(weight.data_ptr())
+        macs["int8" if weight.dtype == torch.int8 else "float"] += weight.numel()
+    if model.lm_head.weight is embedding and embedding.data_ptr() not in seen:
+        macs["float"] += embedding.numel()
+    return macs
+
+
+@torch.inference_mode()
+def compute_roof(rows: int, reps: int = 200) -> dict[str, float]:
+    """Multiply-adds per second of quasar's int8 (W8A8) and bf16 linear kernels at `rows` rows, weight hot
+    in cache: the best a forward's linears can do once memory is not the limit."""
+    kernel = native.kernel()
+    N, K = ROOF_SHAPE
+    x, no_bias = torch.randn(rows, K), torch.empty(0)
+    w8, scale, w16 = torch.randint(-127, 128, (N, K), dtype=torch.int8), torch.rand(N), torch.randn(N, K).bfloat16()
+    calls = {"int8": lambda: kernel.w8a8_linear(x, w8, scale, no_bias),
+             "float": lambda: kernel.float_act_linear(x, w16, no_bias, no_bias)}
+    roof = {}
+    for name, call in calls.items():
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        roof[name] = rows * N * K / min(times)  # the minimum: the roof, not a typical call
+    return roof
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
@@ -66,7 +111,9 @@ def main() -> None:
     bandwidth = read_bandwidth()
     medians = measure(models, args.context, args.rounds)
     nbytes = {name: bytes_per_forward(m) for name, m in models.items()}
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads; context {args.context}")
+    kernel = native.kernel()
+    int8_path = kernel.int8_paths()[0] if kernel else "torch"
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads; int8 {int8_path}; context {args.context}")
     print(f"{'verifier':24} {'MB read':>8} {'T=1 ms':>8} {'T=6 ms':>8} {'T=1 GB/s':>9} {'T=6 GB/s':>9} {'T=6 % bw':>9}")
     for name, per in medians.items():
         gbs = {n: nbytes[name] / per[n] / 1e9 for n in SIZES}
@@ -75,9 +122,23 @@ def main() -> None:
     ideal = nbytes["w8a8"] / nbytes["bf16"]
     ratio = medians["w8a8"][6] / medians["bf16"][1]
     print(f"w8a8 T=6 / bf16 T=1 = {ratio:.3f}; ideal byte ratio {ideal:.3f}; ratio / ideal = {ratio / ideal:.2f} (target <= 1.15)")
+    floors = {}
+    if kernel is not None:
+        roofs = {n: compute_roof(n) for n in SIZES}
+        print("compute roof (weight in cache), multiply-adds/s: " + "; ".join(
+            f"T={n}: int8 {r['int8'] / 1e9:.0f} G, bf16 {r['float'] / 1e9:.0f} G" for n, r in roofs.items()))
+        for name in ("bf16", "w8a8"):
+            macs = macs_per_token(models[name])
+            floors[name] = {n: max(nbytes[name] / bandwidth, sum(n * macs[kind] / roofs[n][kind] for kind in macs))
+                            for n in SIZES}
+            print(f"floor of a {name} forward (max of bytes / bandwidth and multiply-adds / roof, no attention): "
+                  + ", ".join(f"T={n} {floors[name][n] * 1e3:.2f} ms" for n in SIZES))
+        best = floors["w8a8"][6] / medians["bf16"][1]
+        print(f"so w8a8 T=6 / bf16 T=1 can reach {best:.3f} at best here: ratio / ideal >= {best / ideal:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bandwidth": bandwidth, "bytes": nbytes, "medians": medians, "ratio": ratio, "ideal": ideal}, f, indent=2)
+            json.dump({"bandwidth": bandwidth, "int8_path": int8_path, "bytes": nbytes, "medians": medians,
+                       "ratio": ratio, "ideal": ideal, "floors": floors}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from quasar import native
 from quasar.bench import bandwidth, plots
 from quasar.bench.methods import MethodOptions, Pool, build_methods
 from quasar.bench.metrics import BASELINES, Record, divergences, summarize
@@ -62,8 +63,9 @@ def draw(out: Path, rows: list[dict[str, Any]], records: list[Record], wall: dic
 
 
 def machine() -> dict[str, Any]:
+    kernel = native.kernel()
     return {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "int8_path": kernel.int8_paths()[0] if kernel else "torch"}
 
 
 def bench(options: BenchOptions) -> tuple[RunResult, dict[str, Any]]:
