@@ -79,3 +79,22 @@ def test_token_alone_equals_token_in_verify_block(kind, model_dir):
         alone = torch.cat([model(ids[:, i : i + 1], plain)[0] for i in range(20, 26)])  # [6, V]
         together = model(ids[:, 20:26], verify)[0]  # [6, V]
     assert torch.equal(alone, together)
+
+
+@pytest.mark.parametrize("D,H,H_kv", [(64, 9, 3), (128, 12, 2), (72, 6, 2), (8, 4, 4)])
+def test_attention_rows_are_independent_of_the_rows_attended_with_them(D, H, H_kv):
+    """The kernel attends the rows of a kv head together, key block by key block (blocks of 4096 / D keys):
+    a verify block of 8 tokens over ~300 cached keys must give each token the output it gets alone."""
+    torch.manual_seed(D)
+    T, start, S = 8, 300, 320
+    q, k, v = torch.randn(T, H * D), torch.randn(T, H_kv * D), torch.randn(T, H_kv * D)
+    cos, sin = torch.randn(T, D), torch.randn(T, D)
+    cache = torch.randn(2, H_kv, S, D)
+    kernel = native.kernel()
+    k_together, v_together = cache[0].clone(), cache[1].clone()
+    together = kernel.decode_attention(q, k, v, cos, sin, k_together, v_together, start)  # [T, H * D]
+    k_alone, v_alone = cache[0].clone(), cache[1].clone()
+    alone = torch.cat([kernel.decode_attention(q[t : t + 1], k[t : t + 1], v[t : t + 1], cos[t : t + 1], sin[t : t + 1],
+                                               k_alone, v_alone, start + t) for t in range(T)])
+    assert torch.equal(together, alone)
+    assert torch.equal(k_together, k_alone) and torch.equal(v_together, v_alone)

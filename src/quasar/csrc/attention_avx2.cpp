@@ -7,6 +7,8 @@
 // A row reads only its own query and the keys up to its position, so a token scored alone (decode)
 // and inside [last, *draft] (verify) gets bitwise the same output, whatever T and the cache size are:
 // the property that makes greedy speculative decoding equal plain decoding, without padding.
+// The rows that share a kv head (its query heads, every new token) go through the keys together, in
+// blocks that stay in the L1 cache (attend_rows): that changes the cache traffic, not a single result.
 #include "kernels.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -58,14 +60,11 @@ inline void rope(const float* x, const float* cos, const float* sin, float* out,
   }
 }
 
-// One query row against keys 0..last of one kv head: out[D]. Independent dot products run four at a
-// time and the weighted sum of values keeps one accumulator per 8 dims, for instruction-level parallelism;
-// every sum still runs in one fixed order (over d for a score, over j for an output dim).
-void attend(const float* q, const float* keys, const float* values, int64_t last, int64_t D, float scale,
-            float* scores, float* out) {
-  const int64_t n = last + 1, padded = (n + 7) / 8 * 8;
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
+// Scores s_j = (q . k_j) * scale for keys [j0, j1): each one float32 chain of FMAs over d, then hsum8.
+// Four keys run at a time for instruction-level parallelism; the grouping does not change any result.
+void score_range(const float* q, const float* keys, int64_t j0, int64_t j1, int64_t D, float scale, float* scores) {
+  int64_t j = j0;
+  for (; j + 4 <= j1; j += 4) {
     const float *k0 = keys + j * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t d = 0; d < D; d += 8) {
@@ -80,13 +79,18 @@ void attend(const float* q, const float* keys, const float* values, int64_t last
     scores[j + 2] = hsum8(a2) * scale;
     scores[j + 3] = hsum8(a3) * scale;
   }
-  for (; j < n; ++j) scores[j] = dot(q, keys + j * D, D) * scale;
+  for (; j < j1; ++j) scores[j] = dot(q, keys + j * D, D) * scale;
+}
+
+// scores[0, n) -> e_j = exp(s_j - max s) in place (zero-padded to a multiple of 8); returns sum_j e_j.
+float softmax_numerators(float* scores, int64_t n) {
+  const int64_t padded = (n + 7) / 8 * 8;
   float top = -INFINITY;
-  for (j = 0; j < n; ++j) top = std::max(top, scores[j]);
-  for (j = n; j < padded; ++j) scores[j] = top;  // exp(0) = 1, zeroed below
+  for (int64_t j = 0; j < n; ++j) top = std::max(top, scores[j]);
+  for (int64_t j = n; j < padded; ++j) scores[j] = top;  // exp(0) = 1, zeroed below
   __m256 total = _mm256_setzero_ps();
   const __m256 top8 = _mm256_set1_ps(top);
-  for (j = 0; j < padded; j += 8) {
+  for (int64_t j = 0; j < padded; j += 8) {
     __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), top8));
     if (j + 8 > n) {  // the lanes past the last key count zero
       const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -96,18 +100,62 @@ void attend(const float* q, const float* keys, const float* values, int64_t last
     _mm256_storeu_ps(scores + j, e);
     total = _mm256_add_ps(total, e);
   }
-  const __m256 norm = _mm256_set1_ps(hsum8(total));
-  constexpr int64_t kBlock = 64;  // 8 accumulators of 8 dims
+  return hsum8(total);
+}
+
+// acc[W] += sum_{j in [j0, j1)} e_j v_j[d0 : d0 + W], in order of j, one accumulator per 8 dims (kept in
+// registers: W is a compile-time 8..64).
+template <int W>
+void weigh_values(const float* e, const float* values, int64_t j0, int64_t j1, int64_t D, int64_t d0, float* acc_out) {
+  __m256 acc[W / 8];
+  for (int b = 0; b < W / 8; ++b) acc[b] = _mm256_loadu_ps(acc_out + 8 * b);
+  for (int64_t j = j0; j < j1; ++j) {
+    const __m256 ej = _mm256_set1_ps(e[j]);
+    const float* vj = values + j * D + d0;
+    for (int b = 0; b < W / 8; ++b) acc[b] = _mm256_fmadd_ps(ej, _mm256_loadu_ps(vj + 8 * b), acc[b]);
+  }
+  for (int b = 0; b < W / 8; ++b) _mm256_storeu_ps(acc_out + 8 * b, acc[b]);
+}
+
+using WeighFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, int64_t, float*);
+constexpr WeighFn kWeigh[8] = {weigh_values<8>, weigh_values<16>, weigh_values<24>, weigh_values<32>,
+                               weigh_values<40>, weigh_values<48>, weigh_values<56>, weigh_values<64>};
+
+// One query row of a kv head: its query, its last visible key, where its output goes.
+struct Row {
+  const float* q;
+  int64_t last;
+  float* out;
+};
+
+// Rows sharing one kv head against keys 0..last of each, D dims. Keys and values are read in blocks of
+// 16 KB, and each block serves every row while it sits in the L1 cache: per row, the same operations in
+// the same order as attending to it alone (scores over d, softmax, the weighted sum over j in order), so
+// a row's output never depends on the other rows, only the cache traffic does.
+void attend_rows(const std::vector<Row>& rows, const float* keys, const float* values, int64_t D, float scale,
+                 std::vector<float>& scores) {
+  int64_t n_max = 0;
+  for (const Row& r : rows) n_max = std::max(n_max, r.last + 1);
+  const int64_t stride = (n_max + 7) / 8 * 8, block = std::max<int64_t>(8, 4096 / D);
+  scores.resize(rows.size() * stride);
+  for (int64_t j0 = 0; j0 < n_max; j0 += block)
+    for (size_t r = 0; r < rows.size(); ++r)
+      score_range(rows[r].q, keys, j0, std::min(j0 + block, rows[r].last + 1), D, scale, scores.data() + r * stride);
+  std::vector<float> norm(rows.size());
+  for (size_t r = 0; r < rows.size(); ++r) norm[r] = softmax_numerators(scores.data() + r * stride, rows[r].last + 1);
+  constexpr int64_t kBlock = 64;  // output dims per pass: 8 accumulators of 8
   for (int64_t d0 = 0; d0 < D; d0 += kBlock) {
     const int64_t width = std::min(kBlock, D - d0);
-    __m256 acc[kBlock / 8];
-    for (int64_t b = 0; b < width / 8; ++b) acc[b] = _mm256_setzero_ps();
-    for (j = 0; j < n; ++j) {
-      const __m256 e = _mm256_set1_ps(scores[j]);
-      const float* vj = values + j * D + d0;
-      for (int64_t b = 0; b < width / 8; ++b) acc[b] = _mm256_fmadd_ps(e, _mm256_loadu_ps(vj + 8 * b), acc[b]);
+    for (const Row& r : rows) std::fill(r.out + d0, r.out + d0 + width, 0.f);
+    for (int64_t j0 = 0; j0 < n_max; j0 += block)
+      for (size_t r = 0; r < rows.size(); ++r)
+        kWeigh[width / 8 - 1](scores.data() + r * stride, values, j0, std::min(j0 + block, rows[r].last + 1), D, d0,
+                              rows[r].out + d0);
+    for (size_t r = 0; r < rows.size(); ++r) {
+      const __m256 n8 = _mm256_set1_ps(norm[r]);
+      for (int64_t d = d0; d < d0 + width; d += 8)
+        _mm256_storeu_ps(rows[r].out + d, _mm256_div_ps(_mm256_loadu_ps(rows[r].out + d), n8));
     }
-    for (int64_t b = 0; b < width / 8; ++b) _mm256_storeu_ps(out + d0 + 8 * b, _mm256_div_ps(acc[b], norm));
   }
 }
 
@@ -138,13 +186,23 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
     }
   }
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  const int64_t group = H / H_kv;
+  const int64_t group = H / H_kv, per_kv = T * group;
+  // Work items: the rows of one kv head, split in `chunks` parts so that there are at least two items per
+  // thread; rows of an item share every key block read.
+  const int64_t chunks = std::min(per_kv, std::max<int64_t>(1, (2 * at::get_num_threads() + H_kv - 1) / H_kv));
+  const int64_t chunk = (per_kv + chunks - 1) / chunks;
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores((start + T + 7) / 8 * 8);
+  at::parallel_for(0, H_kv * chunks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores;
+    std::vector<Row> rows;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / H, h = i % H, kv = h / group;
-      attend(qr + i * D, ck + kv * S * D, cv + kv * S * D, start + t, D, scale, scores.data(), op + i * D);
+      const int64_t kv = i / chunks, first = (i % chunks) * chunk;
+      rows.clear();
+      for (int64_t r = first; r < std::min(first + chunk, per_kv); ++r) {
+        const int64_t t = r / group, h = kv * group + r % group;
+        rows.push_back(Row{qr + (t * H + h) * D, start + t, op + (t * H + h) * D});
+      }
+      if (!rows.empty()) attend_rows(rows, ck + kv * S * D, cv + kv * S * D, D, scale, scores);
     }
   });
   return out;
