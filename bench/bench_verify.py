@@ -113,7 +113,8 @@ def main() -> None:
     nbytes = {name: bytes_per_forward(m) for name, m in models.items()}
     kernel = native.kernel()
     int8_path = kernel.int8_paths()[0] if kernel else "torch"
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads; int8 {int8_path}; context {args.context}")
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads; int8 {int8_path}; "
+          f"context {args.context}")
     print(f"{'verifier':24} {'MB read':>8} {'T=1 ms':>8} {'T=6 ms':>8} {'T=1 GB/s':>9} {'T=6 GB/s':>9} {'T=6 % bw':>9}")
     for name, per in medians.items():
         gbs = {n: nbytes[name] / per[n] / 1e9 for n in SIZES}

@@ -153,15 +153,12 @@ void prepare_rows(Int8Path path, const int8_t* q, int64_t count, std::vector<uin
 
 void int8_dot(Int8Path path, const int8_t* q, const uint8_t* u, const int8_t* w, int32_t* acc, int64_t M, int64_t N,
               int64_t K, int64_t n0, int64_t n1) {
-  switch (path) {
-    case Int8Path::Maddubs:
-      row_blocks<8>(M, [&](auto rows, int64_t m) { maddubs_block<decltype(rows)::value>(q, w, acc, m, N, K, n0, n1); });
-      break;
-    case Int8Path::DpbusdEmulated:
-      row_blocks<8>(M, [&](auto rows, int64_t m) { emulated::dpbusd_block<decltype(rows)::value>(u, w, acc, m, N, K, n0, n1); });
-      break;
-    case Int8Path::Dpbusd:
-      row_blocks<8>(M, [&](auto rows, int64_t m) { vnni::dpbusd_block<decltype(rows)::value>(u, w, acc, m, N, K, n0, n1); });
-      break;
-  }
+  row_blocks<8>(M, [&](auto rows, int64_t m) {
+    constexpr int MB = decltype(rows)::value;
+    switch (path) {
+      case Int8Path::Maddubs: return maddubs_block<MB>(q, w, acc, m, N, K, n0, n1);
+      case Int8Path::DpbusdEmulated: return emulated::dpbusd_block<MB>(u, w, acc, m, N, K, n0, n1);
+      case Int8Path::Dpbusd: return vnni::dpbusd_block<MB>(u, w, acc, m, N, K, n0, n1);
+    }
+  });
 }

@@ -4,10 +4,11 @@
 //   y[m, n] = (sum_k q(x)[m, k] * w[n, k]) * x_scale[m] * w_scale[n] + bias[n]
 //   x_scale[m] = max_k |x[m, k]| / 127 (1 for an all-zero row), q(x) = clamp(round_half_even(x / x_scale))
 //
-// The quantization matches quasar.quant.int8.quantize_tokens bit for bit, the dot products are exact
-// in int32 (int8_dot.cpp: the fastest instruction set this CPU has), and every row is computed the same way whatever the
-// other rows are: verifying k tokens together gives the rows that decoding them one by one gives. Weights
-// [N, K] stream from memory once per call; the quantized activations (int8, M * K bytes) stay in cache.
+// The quantization matches quasar.quant.int8.quantize_tokens bit for bit, the dot products are exact in
+// int32 (int8_dot.cpp, on the fastest instruction set this CPU has), and every row is computed the same
+// way whatever the other rows are: verifying k tokens together gives the rows that decoding them one by
+// one gives. Weights [N, K] stream from memory once per call; the quantized activations (int8, M * K
+// bytes) stay in cache.
 #include "kernels.h"
 #include "blocking.h"
 #include "int8_dot.h"
