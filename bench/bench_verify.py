@@ -63,17 +63,12 @@ def measure(models: dict[str, torch.nn.Module], context: int, rounds: int) -> di
 def macs_per_token(model: torch.nn.Module) -> dict[str, int]:
     """Multiply-adds of one token's linears by weight kind: 'int8' (W8A8) and 'float' (bf16 or fp32; the
     lm_head, and every linear of a float verifier). The input embedding is a lookup, not a product."""
-    embedding = model.model.embed_tokens.weight
     macs = {"int8": 0, "float": 0}
-    seen = set()
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if weight is None or weight.dim() != 2 or weight.data_ptr() in seen or module is model.model.embed_tokens:
+        if module is model.model.embed_tokens or weight is None or weight.dim() != 2:
             continue
-        seen.add(weight.data_ptr())
         macs["int8" if weight.dtype == torch.int8 else "float"] += weight.numel()
-    if model.lm_head.weight is embedding and embedding.data_ptr() not in seen:
-        macs["float"] += embedding.numel()
     return macs
 
 

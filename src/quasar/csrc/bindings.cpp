@@ -1,4 +1,5 @@
 // The Python module of quasar's CPU kernels (linear_avx2.cpp, int8_dot.cpp, attention_avx2.cpp, decoder_layer.cpp).
+#include "int8_dot.h"
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
