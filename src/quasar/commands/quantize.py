@@ -30,9 +30,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--model", default="default", help="float model: 'default', a .gguf file or a HF directory")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    parser.add_argument("--scheme", choices=("w8a8", "w8a16"), default="w8a8", help="(default: %(default)s)")
-    parser.add_argument("--alpha", default="auto", help="smoothing strength: auto (searched per group), none, "
-                        "or a number in [0, 1] (default: %(default)s)")
+    parser.add_argument("--scheme", default="w8a8", help="w8a8 (int8 scales per group of 64 inputs), w8a8:gN "
+                        "(groups of N, a multiple of 32 dividing every layer's input size), w8a8:pc (per channel "
+                        "and token, the paper's), or w8a16 (weights only) (default: %(default)s)")
+    parser.add_argument("--alpha", help="smoothing strength: auto (searched per smoothing group), none, "
+                        "or a number in [0, 1] (default: auto, or the alpha in --scheme)")
     parser.add_argument("--quantize-lm-head", action="store_true", help="also quantize lm_head (off by default)")
     parser.add_argument("--no-output-smoothing", action="store_true",
                         help="smooth only norm -> linears, not v -> o and up -> down")
@@ -46,17 +48,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from quasar.quant.checkpoint import save_quantized
-    from quasar.quant.recipe import QuantRecipe, quantize_model
-    from quasar.quant.smoothquant import parse_alpha
+    from quasar.quant.recipe import parse_scheme, quantize_model
 
-    recipe = QuantRecipe(
-        args.scheme, parse_alpha(args.alpha), calibration_spec(args), args.quantize_lm_head,
-        not args.no_output_smoothing, ignore=tuple(args.keep_float),
-    )
+    scheme = f"{args.scheme}:{args.alpha}" if args.alpha and args.scheme.startswith("w8a8") else args.scheme
+    recipe = parse_scheme(scheme, calibration_spec(args), lm_head=args.quantize_lm_head,
+                          output_groups=not args.no_output_smoothing, ignore=tuple(args.keep_float))
     if Path(args.out).exists() and not args.overwrite:
         raise ValueError(f"{args.out} already exists; pass --overwrite to replace it")
     loaded = load(args.model, "fp32", args.cache_dir)
     block = quantize_model(loaded, recipe)
     save_quantized(loaded, block, args.out, overwrite=args.overwrite)
-    print(f"wrote {args.out} ({block['scheme']}, alpha {block['alpha']}, {len(block['alphas'])} smoothing groups)")
+    print(f"wrote {args.out} ({recipe.name}, {len(block['alphas'])} smoothing groups)")
     return 0

@@ -1,4 +1,4 @@
-// The Python module of quasar's CPU kernels (linear_avx2.cpp, int8_dot.cpp, attention_avx2.cpp, decoder_layer.cpp).
+// The Python module of quasar's CPU kernels (linear_avx2.cpp, int8_dot.cpp, int8_group.cpp, attention_avx2.cpp, decoder_layer.cpp).
 #include "int8_dot.h"
 #include "kernels.h"
 
@@ -6,6 +6,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_linear", &w8a8_linear, "per-token int8 quantization, exact int32 GEMM, rescale and bias");
   m.def("w8a8_linear_many", &w8a8_linear_many, "several W8A8 linears of one input, quantized once");
   m.def("int8_mm", &int8_mm, "exact int8 x int8 -> int32 with w [N, K]", pybind11::arg("x"), pybind11::arg("w"),
+        pybind11::arg("path") = "auto");
+  m.def("int8_group_mm", &int8_group_mm, "group-wise int8 product of quantized q and w with their scales",
+        pybind11::arg("q"), pybind11::arg("x_scale"), pybind11::arg("w"), pybind11::arg("w_scale"),
         pybind11::arg("path") = "auto");
   m.def("int8_paths", &int8_paths, "the int8 dot-product paths this CPU runs, fastest first");
   m.def("float_act_linear", &float_act_linear, "float32 x times int8 or bfloat16 w, fixed-order fp32 sums");

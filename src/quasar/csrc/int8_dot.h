@@ -17,3 +17,8 @@ void prepare_rows(Int8Path path, const int8_t* q, int64_t count, std::vector<uin
 // acc [M, N] int32, channels [n0, n1) = q [M, K] . w [N, K]^T, exactly; q in [-127, 127] for "maddubs".
 void int8_dot(Int8Path path, const int8_t* q, const uint8_t* u, const int8_t* w, int32_t* acc, int64_t M, int64_t N,
               int64_t K, int64_t n0, int64_t n1);
+// out [M, N] float32, channels [n0, n1) = sum over groups g of G inputs of x_scale [M, K/G] * w_scale [N, K/G]
+// times the exact int32 dot of the group (int8_group.cpp); G a multiple of 32 dividing K, |q| <= 127.
+void int8_group_dot(Int8Path path, const int8_t* q, const uint8_t* u, const float* x_scale, const int8_t* w,
+                    const float* w_scale, float* out, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0,
+                    int64_t n1);

@@ -19,42 +19,54 @@
 
 namespace {
 
-// Quantize each row of x [M, K] to int8 values in [-127, 127]; write the row scales. The same operations
-// as quantize_tokens (IEEE division by the scale, round half to even, clamp), eight lanes at a time.
-void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scale) {
+// Quantize each group of G values of each row of x [M, K] to int8 values in [-127, 127]; write the scales
+// [M, K / G] (G = K: one scale per row). The same operations as quasar.quant.int8.quantize_tokens (IEEE
+// division by the scale, round half to even, clamp), eight lanes at a time; G is a multiple of 16.
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* q, float* scale) {
   const __m256 sign_bit = _mm256_set1_ps(-0.f), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = x + m * K;
-    __m256 top = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(row + k)));
-    __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-    const float absmax = std::max(_mm_cvtss_f32(t), _mm_cvtss_f32(_mm_movehdup_ps(t)));
-    const float s = absmax > 0.f ? absmax / 127.f : 1.f;
-    scale[m] = s;
-    const __m256 s8 = _mm256_set1_ps(s);
-    for (int64_t k = 0; k < K; k += 16) {
-      __m256i v[2];
-      for (int h = 0; h < 2; ++h) {
-        __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + k + 8 * h), s8), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        v[h] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < K; g += G) {
+      const float* row = x + m * K + g;
+      __m256 top = _mm256_setzero_ps();
+      for (int64_t k = 0; k < G; k += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(row + k)));
+      __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+      t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+      const float absmax = std::max(_mm_cvtss_f32(t), _mm_cvtss_f32(_mm_movehdup_ps(t)));
+      const float s = absmax > 0.f ? absmax / 127.f : 1.f;
+      scale[(m * K + g) / G] = s;
+      const __m256 s8 = _mm256_set1_ps(s);
+      for (int64_t k = 0; k < G; k += 16) {
+        __m256i v[2];
+        for (int h = 0; h < 2; ++h) {
+          __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(row + k + 8 * h), s8), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          v[h] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+        }
+        const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(v[0], v[1]), 0xD8);  // 16 int16 in order
+        const __m128i w8 = _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + g + k), w8);
       }
-      const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(v[0], v[1]), 0xD8);  // 16 int16 in order
-      const __m128i w8 = _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + m * K + k), w8);
     }
-  }
 }
 
 // One int8 weight of a call: its int32 sums and, for a whole linear, the rescaled float32 output.
+// Per channel (G = 0): acc [M, N], y = acc * x_scale[m] * w_scale[n] (+ bias[n]); y nullptr: int32 only.
+// Per group of G inputs: no acc; y = sum_g x_scale[m, g] * w_scale[n, g] * dot_g (+ bias[n]).
 struct IntJob {
   const int8_t* w;
   int64_t N;
   int32_t* acc;          // [M, N]
-  float* y = nullptr;    // [M, N] = acc * x_scale[m] * w_scale[n] (+ bias[n]); nullptr: int32 only
+  float* y = nullptr;    // [M, N]
   const float* w_scale = nullptr;
   const float* bias = nullptr;
+  int64_t G = 0;
 };
+
+// y[m, n] += bias[n] for channels [n0, n1).
+void add_bias(const IntJob& job, int64_t M, int64_t n0, int64_t n1) {
+  if (!job.bias) return;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < n1; ++n) job.y[m * job.N + n] += job.bias[n];
+}
 
 // y = acc * x_scale[m] * w_scale[n] (+ bias[n]) for channels [n0, n1), rounded as the torch reference.
 void rescale_range(const IntJob& job, const float* x_scale, int64_t M, int64_t n0, int64_t n1) {
@@ -88,6 +100,11 @@ void run_jobs(Int8Path path, const int8_t* q, const float* x_scale, const std::v
       const int64_t n0 = std::max(a, first[i]) - first[i], n1 = std::min(b, first[i + 1]) - first[i];
       if (n0 >= n1) continue;
       const IntJob& job = jobs[i];
+      if (job.G) {
+        int8_group_dot(path, q, u.data(), x_scale, job.w, job.w_scale, job.y, M, job.N, K, job.G, n0, n1);
+        add_bias(job, M, n0, n1);
+        continue;
+      }
       int8_dot(path, q, u.data(), job.w, job.acc, M, job.N, K, n0, n1);
       if (job.y) rescale_range(job, x_scale, M, n0, n1);
     }
@@ -191,14 +208,26 @@ void check_int8_weight(const torch::Tensor& w, int64_t K) {
   TORCH_CHECK(w.dtype() == torch::kInt8 && w.dim() == 2 && w.size(1) == K, "int8 w [N, K] expected");
 }
 
-// x [M, K] float32 -> (int8 q [M, K], float32 x_scale [M, 1]), as quantize_tokens.
-std::pair<torch::Tensor, torch::Tensor> quantize(const torch::Tensor& x) {
+// x [M, K] float32 -> (int8 q [M, K], float32 x_scale [M, K / G]), as quantize_tokens (G = K: per row).
+std::pair<torch::Tensor, torch::Tensor> quantize(const torch::Tensor& x, int64_t G) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) % 16 == 0, "float32 x [M, K], K % 16 == 0");
   const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(G % 16 == 0 && K % G == 0, "group size ", G, " must be a multiple of 16 dividing K = ", K);
   auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
-  auto scale = torch::empty({M, 1}, x.options());
-  quantize_rows(x.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), scale.data_ptr<float>());
+  auto scale = torch::empty({M, K / G}, x.options());
+  quantize_rows(x.data_ptr<float>(), M, K, G, q.data_ptr<int8_t>(), scale.data_ptr<float>());
   return {q, scale};
+}
+
+// The group size of a W8A8 weight's scales: 0 for w_scale [N] (per channel), K / groups for [N, groups].
+int64_t group_size(const torch::Tensor& w_scale, int64_t N, int64_t K) {
+  TORCH_CHECK(w_scale.dtype() == torch::kFloat32 && w_scale.size(0) == N && w_scale.dim() <= 2,
+              "float32 w_scale [N] or [N, K / G] expected");
+  if (w_scale.dim() == 1) return 0;
+  const int64_t groups = w_scale.size(1), G = groups ? K / groups : 0;
+  TORCH_CHECK(groups > 0 && G * groups == K && G % 32 == 0, "w_scale [N, K / G] needs a group size G that is a "
+              "multiple of 32 dividing K = ", K, ", got ", groups, " groups");
+  return G;
 }
 
 }  // namespace
@@ -221,14 +250,37 @@ torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w, const std::string& path)
   return out;
 }
 
+// Group-wise int8 product without the quantization, for tests: q [M, K] int8 (|q| <= 127 on "maddubs"),
+// x_scale [M, K / G], w [N, K] int8, w_scale [N, K / G] float32 -> float32 [M, N] on `path`.
+torch::Tensor int8_group_mm(torch::Tensor q, torch::Tensor x_scale, torch::Tensor w, torch::Tensor w_scale,
+                            const std::string& path) {
+  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2, "int8 q [M, K] expected");
+  q = q.contiguous();
+  w = w.contiguous();
+  w_scale = w_scale.contiguous();
+  x_scale = x_scale.contiguous();
+  const int64_t M = q.size(0), K = q.size(1), N = w.size(0);
+  check_int8_weight(w, K);
+  TORCH_CHECK(w_scale.dim() == 2, "w_scale [N, K / G] expected");
+  const int64_t G = group_size(w_scale, N, K);
+  TORCH_CHECK(x_scale.dtype() == torch::kFloat32 && x_scale.dim() == 2 && x_scale.size(0) == M &&
+              x_scale.size(1) == K / G, "float32 x_scale [M, K / G] expected");
+  const Int8Path p = parse_int8_path(path);
+  TORCH_CHECK(p != Int8Path::Maddubs || q.min().item<int>() > -128, "the maddubs path takes q in [-127, 127]");
+  auto y = torch::empty({M, N}, x_scale.options());
+  run_jobs(p, q.data_ptr<int8_t>(), x_scale.data_ptr<float>(),
+           {IntJob{w.data_ptr<int8_t>(), N, nullptr, y.data_ptr<float>(), w_scale.data_ptr<float>(), nullptr, G}}, M, K);
+  return y;
+}
+
 // Several W8A8 linears of the same input (q/k/v, gate/up): x is quantized once, one parallel region sums
 // and rescales all of them. Each result is bitwise the torch reference of its linear:
 // y [M, N] = acc * x_scale[m] * w_scale[n] (+ bias[n]).
 std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::Tensor> w,
                                             std::vector<torch::Tensor> w_scale, std::vector<torch::Tensor> bias) {
-  TORCH_CHECK(w.size() == w_scale.size() && w.size() == bias.size(), "one scale and one bias per weight");
+  TORCH_CHECK(w.size() == w_scale.size() && w.size() == bias.size() && !w.empty(), "one scale and one bias per weight");
+  TORCH_CHECK(x.dim() == 2, "x [M, K] expected");
   x = x.contiguous();
-  auto [q, x_scale] = quantize(x);
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<IntJob> jobs;
   std::vector<torch::Tensor> acc, out;
@@ -238,14 +290,17 @@ std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::
     const int64_t N = w[i].size(0);
     w_scale[i] = w_scale[i].contiguous();
     bias[i] = bias[i].contiguous();
-    TORCH_CHECK(w_scale[i].dtype() == torch::kFloat32 && w_scale[i].numel() == N, "float32 w_scale [N] expected");
+    const int64_t G = group_size(w_scale[i], N, K);
+    TORCH_CHECK(jobs.empty() || jobs[0].G == G, "the linears of one input must share their group size");
     TORCH_CHECK(bias[i].numel() == 0 || (bias[i].dtype() == torch::kFloat32 && bias[i].numel() == N),
                 "float32 bias [N] or empty expected");
-    acc.push_back(torch::empty({M, N}, x.options().dtype(torch::kInt32)));
+    acc.push_back(G ? torch::Tensor() : torch::empty({M, N}, x.options().dtype(torch::kInt32)));
     out.push_back(torch::empty({M, N}, x.options()));
-    jobs.push_back(IntJob{w[i].data_ptr<int8_t>(), N, acc.back().data_ptr<int32_t>(), out.back().data_ptr<float>(),
-                          w_scale[i].data_ptr<float>(), bias[i].numel() ? bias[i].data_ptr<float>() : nullptr});
+    jobs.push_back(IntJob{w[i].data_ptr<int8_t>(), N, G ? nullptr : acc.back().data_ptr<int32_t>(),
+                          out.back().data_ptr<float>(), w_scale[i].data_ptr<float>(),
+                          bias[i].numel() ? bias[i].data_ptr<float>() : nullptr, G});
   }
+  auto [q, x_scale] = quantize(x, jobs[0].G ? jobs[0].G : K);
   static const Int8Path fastest = parse_int8_path("auto");
   run_jobs(fastest, q.data_ptr<int8_t>(), x_scale.data_ptr<float>(), jobs, M, K);
   return out;

@@ -58,8 +58,11 @@ class _Sums:
         )
 
 
-def _layer_outputs(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """logits [1, T, V] and the residual stream [1, T, hidden] after every decoder layer."""
+def _layer_outputs(model: nn.Module | Any, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """logits [1, T, V] and the residual stream [1, T, hidden] after every decoder layer (None for a peer
+    that only gives logits: an object with `logits(ids)`)."""
+    if not isinstance(model, nn.Module):
+        return model.logits(ids), None
     outputs: list[torch.Tensor] = []
     handles = [layer.register_forward_hook(lambda m, a, out: outputs.append(out.float())) for layer in model.model.layers]
     try:
@@ -80,14 +83,18 @@ def _accumulate(sums: _Sums, ids: torch.Tensor, ref: tuple, cand: tuple) -> None
     sums.nll_q -= logp_q[:-1].gather(1, targets[:, None]).sum().item()
     sums.tokens += ids.shape[1]
     sums.predicted += ids.shape[1] - 1
+    if hidden_q is None:  # a logits-only peer: no per-layer errors
+        sums.err.fill_(float("nan"))
+        return
     for i, (hf, hq) in enumerate(zip(hidden_f, hidden_q)):
         sums.err[i] += (hq - hf).double().pow(2).sum().item()
         sums.norm[i] += hf.double().pow(2).sum().item()
 
 
 @torch.inference_mode()
-def compare(reference: nn.Module, candidates: dict[str, nn.Module], windows: list[torch.Tensor]) -> list[FidelityReport]:
-    """Run the float `reference` and every candidate over each window [1, T]; one report per candidate."""
+def compare(reference: nn.Module, candidates: dict[str, Any], windows: list[torch.Tensor]) -> list[FidelityReport]:
+    """Run the float `reference` and every candidate (a quasar model, or a peer with `logits(ids)`) over each
+    window [1, T]; one report per candidate."""
     from quasar.progress import progress
 
     sums = {name: _Sums(len(reference.model.layers)) for name in candidates}

@@ -5,6 +5,12 @@ per token (row) at run time: x ~ x_int8 [M, K] * x_scale [M, 1], scale = row abs
 all-zero row, which then stays zero). The int8 x int8 product is accumulated exactly in int32 and rescaled:
 y = (x_int8 @ w_int8.T) * x_scale * w_scale + bias.
 
+Group-wise W8A8 (`group_size` G, as llama.cpp's Q8_0 with G = 32): one scale per output channel and group
+of G inputs, w_scale [N, K/G], and one per token and group, x_scale [M, K/G]; each group's int8 product is
+exact in int32 and y = sum_g x_scale[:, g] * w_scale[:, g] * (x_int8[:, g] @ w_int8[:, g].T) + bias.
+Finer scales follow outliers closely: on the default model KL(float || w8a8) falls from 0.011 per
+channel/token to 0.002 with G = 64 (docs/quantization.md).
+
 Per-token scales make a row's result independent of the other rows in the batch, and int32 accumulation
 is exact, so verifying k draft tokens together gives bit-identical rows to decoding them one at a time.
 
@@ -33,20 +39,47 @@ NO_BIAS = torch.empty(0)
 EXACT_FLOAT_BLOCK = 1024  # 1024 * 127 * 127 < 2**24: float32 sums of this many int8 products are exact
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] float -> (int8 [N, K], scale [N] float32), symmetric per output channel."""
-    w = weight.float()
-    absmax = w.abs().amax(dim=1)  # [N]
+def quantize_groups(t: torch.Tensor, group_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [R, K] -> (int8 [R, K], scale [R, K/G] float32): symmetric, one scale per row and group of G
+    columns (G = 0: the whole row); an all-zero group gets scale 1 and stays zero."""
+    t = t.float()
+    R, K = t.shape
+    G = group_size or K
+    groups = t.view(R, K // G, G)  # [R, K/G, G]
+    absmax = groups.abs().amax(dim=2, keepdim=True)  # [R, K/G, 1]
     scale = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))
-    return torch.round(w / scale[:, None]).clamp_(-QMAX, QMAX).to(torch.int8), scale
+    return torch.round(groups / scale).clamp_(-QMAX, QMAX).to(torch.int8).view(R, K), scale[..., 0]
 
 
-def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (int8 [M, K], scale [M, 1] float32), symmetric per token; zero rows get scale 1."""
-    x = x.float()
-    absmax = x.abs().amax(dim=1, keepdim=True)  # [M, 1]
-    scale = torch.where(absmax > 0, absmax / QMAX, torch.ones_like(absmax))
-    return torch.round(x / scale).clamp_(-QMAX, QMAX).to(torch.int8), scale
+def quantize_weight(weight: torch.Tensor, group_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] float -> (int8 [N, K], scale float32): [N] per output channel, [N, K/G] per group."""
+    w_int8, scale = quantize_groups(weight, group_size)
+    return w_int8, scale if group_size else scale[:, 0]
+
+
+def quantize_tokens(x: torch.Tensor, group_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (int8 [M, K], scale float32): [M, 1] per token, [M, K/G] per token and group."""
+    return quantize_groups(x, group_size)
+
+
+def check_group_size(group_size: int, in_features: int, name: str = "a linear") -> None:
+    """G = 0 (per channel / per token), or a multiple of 32 that divides the layer's K."""
+    if group_size and (group_size % 32 or in_features % group_size):
+        raise ValueError(f"group size {group_size} does not divide the {in_features} inputs of {name} "
+                         "(it must be a multiple of 32 that divides every quantized layer's input size)")
+
+
+def grouped_product(x_int8, x_scale, w_int8, w_scale, int_mm) -> torch.Tensor:
+    """sum_g x_scale[:, g] * w_scale[:, g] * int_mm(x_int8[:, g], w_int8[:, g]) -> [M, N] float32.
+    x_int8 [M, K], x_scale [M, K/G], w_int8 [N, K], w_scale [N, K/G]."""
+    G = x_int8.shape[1] // x_scale.shape[1]
+    y = None
+    for g in range(x_scale.shape[1]):
+        cols = slice(g * G, (g + 1) * G)
+        part = int_mm(x_int8[:, cols].contiguous(), w_int8[:, cols].contiguous()).float()  # [M, N], exact
+        part = part * x_scale[:, g : g + 1] * w_scale[:, g]
+        y = part if y is None else y.add_(part)
+    return y
 
 
 # ---- int8 x int8 -> int32 backends ---------------------------------------------------------------
@@ -116,23 +149,26 @@ def fused_kernel(backend: str, x: torch.Tensor, in_features: int):
 
 
 class Int8Linear(nn.Module):
-    """W8A8 linear: dynamic per-token int8 activations x per-channel int8 weights, int32 accumulation."""
+    """W8A8 linear: dynamic int8 activations x int8 weights, int32 accumulation; scales per token and output
+    channel (group_size 0) or per group of `group_size` inputs of each (see the module docstring)."""
 
     row_independent = True  # per-token scales and exact int32 sums, on every backend
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, backend: str = "auto") -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, backend: str = "auto", group_size: int = 0) -> None:
         super().__init__()
         if backend not in INT_MM:
             raise ValueError(f"unknown int8 backend {backend!r}; choose from {', '.join(INT_MM)}")
-        self.in_features, self.out_features, self.backend = in_features, out_features, backend
+        check_group_size(group_size, in_features)
+        self.in_features, self.out_features, self.backend, self.group_size = in_features, out_features, backend, group_size
+        scale_shape = (out_features, in_features // group_size) if group_size else (out_features,)
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))  # [N, K]
-        self.register_buffer("weight_scale", torch.ones(out_features))  # [N] float32
+        self.register_buffer("weight_scale", torch.ones(scale_shape))  # [N] or [N, K/G] float32
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)  # [N] float32
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, backend: str = "auto") -> Int8Linear:
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, backend)
-        layer.weight, layer.weight_scale = quantize_weight(linear.weight.detach())
+    def from_float(cls, linear: nn.Linear, backend: str = "auto", group_size: int = 0) -> Int8Linear:
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, backend, group_size)
+        layer.weight, layer.weight_scale = quantize_weight(linear.weight.detach(), group_size)
         if linear.bias is not None:
             layer.bias = linear.bias.detach().float().clone()
         return layer.to(linear.weight.device)
@@ -141,12 +177,15 @@ class Int8Linear(nn.Module):
         """x [..., K] -> [..., N] in x's dtype."""
         rows = x.reshape(-1, self.in_features)  # [M, K]
         kernel = fused_kernel(self.backend, rows, self.in_features)
-        if kernel is not None:  # one call: per-token quantization, exact int32 GEMM, rescale, bias
+        if kernel is not None:  # one call: quantization, exact int32 dot products, rescale, bias
             y = kernel.w8a8_linear(rows.float(), self.weight, self.weight_scale, NO_BIAS if self.bias is None else self.bias)
             return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        x_int8, x_scale = quantize_tokens(rows)
-        acc = INT_MM[self.backend](x_int8, self.weight)  # [M, N] int32
-        y = acc.float() * x_scale * self.weight_scale
+        x_int8, x_scale = quantize_tokens(rows, self.group_size)
+        if self.group_size:
+            y = grouped_product(x_int8, x_scale, self.weight, self.weight_scale, INT_MM[self.backend])
+        else:
+            acc = INT_MM[self.backend](x_int8, self.weight)  # [M, N] int32
+            y = acc.float() * x_scale * self.weight_scale
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -162,7 +201,8 @@ class Int8Linear(nn.Module):
         """layer(x) for each layer, with x quantized once where the fused kernel runs (bitwise the same)."""
         rows = x.reshape(-1, layers[0].in_features)  # [M, K]
         kernel = fused_kernel(layers[0].backend, rows, layers[0].in_features)
-        if kernel is None or any(layer.backend != layers[0].backend for layer in layers):
+        alike = all((layer.backend, layer.group_size) == (layers[0].backend, layers[0].group_size) for layer in layers)
+        if kernel is None or not alike:
             return [layer(x) for layer in layers]
         ys = kernel.w8a8_linear_many(
             rows.float(),
@@ -173,7 +213,8 @@ class Int8Linear(nn.Module):
         return [y.to(x.dtype).reshape(*x.shape[:-1], layer.out_features) for y, layer in zip(ys, layers)]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, backend={self.backend}"
+        groups = f", group_size={self.group_size}" if self.group_size else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, backend={self.backend}{groups}"
 
 
 class Int8WeightOnlyLinear(nn.Module):

@@ -11,10 +11,15 @@ from torch import nn
 from quasar import __version__
 from quasar.loading import LoadedModel
 from quasar.quant.calibration import Calibration, CalibrationSpec, calibrate, calibration_texts, token_windows
-from quasar.quant.schemes import config_dict, quantize_, scheme_config
-from quasar.quant.smoothquant import SmoothConfig, row_sites, smooth_
+from quasar.quant.schemes import check_targets, config_dict, quantize_, scheme_config, target_linears
+from quasar.quant.smoothquant import SmoothConfig, parse_alpha, row_sites, smooth_
 
 log = logging.getLogger("quasar")
+
+
+# The group size of plain `w8a8`: the finest scales that keep the speed (the table in docs/quantization.md).
+DEFAULT_W8A8_GROUP = 64
+SCHEME_FORMS = "w8a8[:pc|:gN][:auto|:none|:ALPHA] or w8a16 (e.g. w8a8, w8a8:g32, w8a8:pc:0.5)"
 
 
 @dataclass(frozen=True)
@@ -28,26 +33,61 @@ class QuantRecipe:
     output_groups: bool = True  # smooth v -> o and up -> down too
     backend: str = "auto"
     ignore: tuple[str, ...] = ()  # fnmatch patterns of linears kept in float, e.g. "model.layers.29.*"
+    group_size: int = DEFAULT_W8A8_GROUP  # w8a8 scales per group of G inputs; 0: per channel and token
 
     @property
     def smoothing(self) -> SmoothConfig | None:
         if self.scheme != "w8a8" or self.alpha is None:
             return None
-        return SmoothConfig(alpha=self.alpha, output_groups=self.output_groups)
+        return SmoothConfig(alpha=self.alpha, output_groups=self.output_groups, group_size=self.group_size)
+
+    @property
+    def name(self) -> str:
+        """The verifier name that gives this recipe: 'w8a8:g64', 'w8a8:pc:0.5', 'w8a16'."""
+        if self.scheme != "w8a8":
+            return self.scheme
+        alpha = "" if self.alpha == "auto" else f":{'none' if self.alpha is None else self.alpha}"
+        return f"w8a8:{f'g{self.group_size}' if self.group_size else 'pc'}{alpha}"
 
     def scheme_config(self) -> Any:
-        return scheme_config(self.scheme, lm_head=self.lm_head, backend=self.backend, ignore=self.ignore)
+        options = {"group_size": self.group_size} if self.scheme == "w8a8" else {}
+        return scheme_config(self.scheme, lm_head=self.lm_head, backend=self.backend, ignore=self.ignore, **options)
 
     def settings(self) -> dict[str, Any]:
         smoothing = self.smoothing
         return {
             "scheme": self.scheme,
+            "group_size": self.group_size if self.scheme == "w8a8" else None,
             "alpha": self.alpha if smoothing else None,
             "calibration": asdict(self.calib) if smoothing else None,
             "lm_head": self.lm_head,
             "output_groups": self.output_groups if smoothing else None,
             **({"ignore": list(self.ignore)} if self.ignore else {}),
         }
+
+
+def parse_scheme(name: str, calib: CalibrationSpec | None = None, **options: Any) -> QuantRecipe:
+    """A scheme name -> its recipe: 'w8a8' (group size DEFAULT_W8A8_GROUP, alpha auto), 'w8a8:g32', 'w8a8:pc'
+    (per channel and token, the paper's), 'w8a8:g64:0.5', 'w8a8:none' (no smoothing), 'w8a16'."""
+    scheme, *parts = name.split(":")
+    if scheme not in ("w8a8", "w8a16") or (scheme == "w8a16" and parts):
+        raise ValueError(f"unknown quantization scheme {name!r}; use {SCHEME_FORMS}")
+    group, alpha = DEFAULT_W8A8_GROUP, "auto"
+    for part in parts:
+        if part == "pc":
+            group = 0
+        elif part[:1] == "g" and part[1:].isdigit():
+            group = int(part[1:])
+            if group < 32 or group % 32:
+                raise ValueError(f"scheme {name!r}: the group size must be a multiple of 32, not {group}")
+        else:
+            try:
+                alpha = parse_alpha(part)
+            except ValueError:
+                raise ValueError(f"scheme {name!r}: {part!r} is neither pc, gN nor an alpha; use {SCHEME_FORMS}") from None
+    if scheme == "w8a16":
+        return QuantRecipe("w8a16", None, calib or CalibrationSpec(), group_size=0, **options)
+    return QuantRecipe("w8a8", alpha, calib or CalibrationSpec(), group_size=group, **options)
 
 
 def calibrate_model(loaded: LoadedModel, spec: CalibrationSpec, smoothing: SmoothConfig) -> Calibration:
@@ -63,6 +103,7 @@ def quantize_model(loaded: LoadedModel, recipe: QuantRecipe, calib: Calibration 
     model: nn.Module = loaded.model
     alphas: dict[str, float | None] = {}
     smoothing = recipe.smoothing
+    check_targets(model, recipe.scheme_config(), target_linears(model, recipe.scheme_config()))  # before any work
     if smoothing is not None:
         calib = calib or calibrate_model(loaded, recipe.calib, smoothing)
         alphas = smooth_(model, calib, smoothing)

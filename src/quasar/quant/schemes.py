@@ -13,16 +13,18 @@ from typing import Any
 
 from torch import nn
 
-from quasar.quant.int8 import Int8Linear, Int8WeightOnlyLinear
+from quasar.quant.int8 import Int8Linear, Int8WeightOnlyLinear, check_group_size
 
 
 @dataclass(frozen=True)
 class W8A8Config:
-    """Int8 weights per output channel, int8 activations per token, int32 accumulation."""
+    """Int8 weights and dynamic int8 activations, int32 accumulation; scales per output channel and token
+    (group_size 0) or per group of `group_size` inputs of each."""
 
     backend: str = "auto"
     lm_head: bool = False
     ignore: tuple[str, ...] = ()  # fnmatch patterns of linears kept in float (mixed precision)
+    group_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,8 @@ def register_scheme(config_type: type, scheme: Scheme) -> None:
 
 register_scheme(W8A8Config, Scheme(
     "w8a8",
-    lambda linear, cfg: Int8Linear.from_float(linear, cfg.backend),
-    lambda k, n, bias, cfg: Int8Linear(k, n, bias, cfg.backend),
+    lambda linear, cfg: Int8Linear.from_float(linear, cfg.backend, cfg.group_size),
+    lambda k, n, bias, cfg: Int8Linear(k, n, bias, cfg.backend, cfg.group_size),
 ))
 register_scheme(W8A16Config, Scheme(
     "w8a16",
@@ -93,10 +95,18 @@ def swap_module_(model: nn.Module, name: str, layer: nn.Module) -> None:
         model.forget_row_check()
 
 
+def check_targets(model: nn.Module, config: Any, names: list[str]) -> None:
+    """Refuse a scheme that cannot quantize every target (a group size that does not divide a layer's K)
+    before anything is swapped."""
+    for name in names:
+        check_group_size(getattr(config, "group_size", 0), model.get_submodule(name).in_features, name)
+
+
 def quantize_(model: nn.Module, config: Any) -> list[str]:
     """Replace the target linears of `model` in place by quantized layers; returns their names."""
     scheme = SCHEMES[type(config)]
     names = target_linears(model, config)
+    check_targets(model, config, names)
     for name in names:
         swap_module_(model, name, scheme.from_float(model.get_submodule(name), config))
     return names
@@ -106,6 +116,7 @@ def prepare_empty_(model: nn.Module, config: Any) -> list[str]:
     """Replace the target linears by empty quantized layers of the same shapes (to load a checkpoint into)."""
     scheme = SCHEMES[type(config)]
     names = target_linears(model, config)
+    check_targets(model, config, names)
     for name in names:
         linear = model.get_submodule(name)
         swap_module_(model, name, scheme.empty(linear.in_features, linear.out_features, linear.bias is not None, config))

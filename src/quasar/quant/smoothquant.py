@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from quasar.quant.calibration import Calibration
-from quasar.quant.int8 import quantize_tokens, quantize_weight
+from quasar.quant.int8 import quantize_groups
 
 log = logging.getLogger("quasar")
 
@@ -49,6 +49,7 @@ class SmoothConfig:
     alpha: float | str | None = "auto"  # a float, "auto" (search per group) or None (no smoothing)
     grid: tuple[float, ...] = ALPHA_GRID
     output_groups: bool = True  # also smooth v -> o and up -> down
+    group_size: int = 0  # the W8A8 scales the alpha search simulates: 0 per channel/token, else per G inputs
 
     def groups(self) -> tuple[SmoothGroup, ...]:
         return SMOOTH_GROUPS if self.output_groups else tuple(g for g in SMOOTH_GROUPS if g.folds_into == "norm")
@@ -78,13 +79,18 @@ def tie_heads(x: torch.Tensor, n_kv: int, group: int) -> torch.Tensor:
     return x.view(n_kv, group, -1).amax(dim=1).reshape(-1)
 
 
-def group_error(rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None) -> float:
+def dequantized(t: torch.Tensor, group_size: int) -> torch.Tensor:
+    """t [R, K] rounded to int8 with its scales and back (fake quantization)."""
+    t_int8, scale = quantize_groups(t, group_size)
+    G = group_size or t.shape[1]
+    return (t_int8.float().view(t.shape[0], -1, G) * scale[..., None]).view(t.shape)
+
+
+def group_error(rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, group_size: int = 0) -> float:
     """Relative error of W8A8 (x / s) (W * s)^T against x W^T; rows [R, K], weight [N, K], scales [K]."""
     reference = rows @ weight.t()  # [R, N]
     s = torch.ones(rows.shape[1]) if scales is None else scales
-    x_int8, x_scale = quantize_tokens(rows / s)
-    w_int8, w_scale = quantize_weight(weight * s)
-    approx = (x_int8.float() @ w_int8.float().t()) * x_scale * w_scale
+    approx = dequantized(rows / s, group_size) @ dequantized(weight * s, group_size).t()
     return ((approx - reference).pow(2).sum() / reference.pow(2).sum().clamp(min=1e-12)).item()
 
 
@@ -134,9 +140,9 @@ def choose_alpha(site: _Site, config: SmoothConfig) -> float | None:
         return config.alpha
     if site.rows is None:
         raise ValueError(f"alpha search needs sampled calibration rows for {site.names[0]}")
-    weight = site.weight()
-    errors = {None: group_error(site.rows, weight, None)}
-    errors.update({a: group_error(site.rows, weight, site.scales(a)) for a in config.grid})
+    weight, G = site.weight(), config.group_size
+    errors = {None: group_error(site.rows, weight, None, G)}
+    errors.update({a: group_error(site.rows, weight, site.scales(a), G) for a in config.grid})
     return min(errors, key=errors.get)
 
 
