@@ -32,7 +32,9 @@ def test_help_explains_every_subcommand():
 
 
 def test_generate_json_on_default_model(default_model):
-    result = quasar("generate", "What is the capital of France?", "--max-new-tokens", "12", "--json")
+    # "What is the capital of France?" alone opens on a near tie in the float model itself ("The" 0.152 vs
+    # "L" 0.140, the start of "L'Étoile, ..."), which any int8 rounding may flip; this prompt does not.
+    result = quasar("generate", "What is the capital of France? Answer with one word.", "--max-new-tokens", "12", "--json")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert "Paris" in out["text"]

@@ -37,7 +37,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein 
 
 @pytest.fixture(scope="module")
 def w8a8(tiny_model_dir, tmp_path_factory) -> LoadedModel:
-    return load_verifier(tiny_model_dir, "w8a8", cache_dir=tmp_path_factory.mktemp("cache"))
+    """The per-channel/per-token scheme vLLM's int8 kernels run (the default `w8a8` is group-wise)."""
+    return load_verifier(tiny_model_dir, "w8a8:pc", cache_dir=tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +121,10 @@ def test_export_command_writes_the_directory_atomically(tiny_model_dir, w8a8, tm
     out.mkdir()
     (out / "stale.txt").write_text("from an older export")
     cache = w8a8.directory.parent.parent  # the cache the fixture quantized into: no second calibration
-    subprocess.run([sys.executable, "-m", "quasar", "export", "--model", str(tiny_model_dir), "--cache-dir", str(cache),
-                    "--format", "compressed-tensors", "--out", str(out)], check=True, capture_output=True, timeout=600)
+    result = subprocess.run([sys.executable, "-m", "quasar", "export", "--model", str(tiny_model_dir), "--cache-dir",
+                             str(cache), "--format", "compressed-tensors", "--out", str(out)],
+                            check=True, capture_output=True, text=True, timeout=600)
+    assert "exporting w8a8:pc, the nearest scheme vLLM runs" in result.stderr  # the default w8a8 is w8a8:g32
     assert not (out / "stale.txt").exists()
     assert "quantization_config" in json.loads((out / "config.json").read_text())
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".exported")]  # no temp sibling left
@@ -133,6 +136,23 @@ def test_export_refuses_a_float_model(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="no quantized linears"):
         export(tiny_model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_group_scales_vllm_cannot_run(tiny_model_dir, tmp_path):
+    """A group-wise model is never written as if it were per channel: the writer refuses it, and a quantized
+    g32 directory (no float weights to re-quantize from) is refused by the command with the reason."""
+    from quasar.cli import main
+    from quasar.export import export
+
+    grouped = load_verifier(tiny_model_dir, "w8a8:g32", cache_dir=tmp_path / "cache")
+    with pytest.raises(ValueError, match="per group of 32 inputs"):
+        export(grouped, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    checkpoint = tmp_path / "g32"
+    assert main(["quantize", "--model", str(tiny_model_dir), "--scheme", "w8a8:g32", "--out", str(checkpoint),
+                 "--calib-samples", "1", "--seq-len", "32"]) == 0
+    assert main(["export", "--model", str(checkpoint), "--out", str(tmp_path / "ct")]) == 1
+    assert not (tmp_path / "ct").exists()
 
 
 def test_vllm_dry_run_points_at_the_export(tiny_model_dir, w8a8, tmp_path):

@@ -38,29 +38,41 @@ def test_held_out_text_is_disjoint_from_calibration():
     assert len(held_out) == 100 and len(calib) == 200 and not held_out & calib
 
 
+# llama.cpp Q8_0 of the same weights on the same kind of held-out tokens (issue 13): the bound the default
+# verifier must meet. Measured here: Q8_0 KL 0.0037, top-1 0.9701; w8a8 (g32) KL 0.0013, top-1 0.9818.
+Q8_0_KL, Q8_0_TOP1 = 0.0036, 0.97
+
+
 @pytest.fixture(scope="module")
-def default_w8a8_auto(default_model):
-    """W8A8 --alpha auto on the real default model, calibrated on 4 x 512 tokens, judged on 512 held-out tokens."""
+def default_w8a8(default_model):
+    """The default `w8a8` verifier exactly as `generate` and `serve` load it (its cached quantization, bf16
+    lm_head), judged on 3 x 512 held-out GSM8K tokens that calibration never saw."""
+    from quasar.verifiers import load_verifier
+
+    verifier = load_verifier("default", "w8a8").model
+    windows = held_out_windows(default_model.tokenizer, None, 3, 512)
+    return compare(default_model.model, {"w8a8": verifier}, windows)[0]
+
+
+@pytest.mark.slow
+def test_default_verifier_is_at_least_as_faithful_as_llama_cpp_q8_0(default_w8a8):
+    report = default_w8a8
+    assert report.tokens == 1536
+    assert report.kl_mean <= Q8_0_KL
+    assert report.top1 >= Q8_0_TOP1
+    assert report.ppl_quant <= 1.01 * report.ppl_float
+
+
+@pytest.mark.slow
+def test_per_channel_w8a8_is_coarser_than_the_default(default_model, default_w8a8):
+    """The paper's per-channel/per-token scheme stays available by name, and the group-wise default beats it."""
     spec = CalibrationSpec(samples=4, seq_len=512)
     quantized = copy.deepcopy(default_model)
-    quantize_model(quantized, QuantRecipe("w8a8", "auto", spec), calibrate_model(default_model, spec, SmoothConfig()))
-    windows = held_out_windows(default_model.tokenizer, None, 1, 512)
-    return compare(default_model.model, {"w8a8:auto": quantized.model}, windows)[0]
-
-
-@pytest.mark.slow
-def test_default_model_w8a8_auto_kl_and_agreement(default_w8a8_auto):
-    report = default_w8a8_auto
-    assert report.kl_mean <= 0.02
-    assert report.top1 >= 0.93  # measured 0.950 on 2,048 held-out tokens; the issue's 0.98 target: see the xfail below
-    assert report.ppl_quant <= 1.03 * report.ppl_float
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(reason="SmolLM2-135M: even weight-only int8 (W8A16) agrees on only ~0.97 of top-1 tokens; "
-                   "W8A8 auto reaches ~0.95 (see the quant note)", strict=False)
-def test_default_model_w8a8_auto_reaches_098_top1(default_w8a8_auto):
-    assert default_w8a8_auto.top1 >= 0.98
+    quantize_model(quantized, QuantRecipe("w8a8", "auto", spec, group_size=0), calibrate_model(default_model, spec, SmoothConfig()))
+    windows = held_out_windows(default_model.tokenizer, None, 3, 512)
+    per_channel = compare(default_model.model, {"w8a8:pc": quantized.model}, windows)[0]
+    assert per_channel.kl_mean > 2 * default_w8a8.kl_mean
+    assert per_channel.top1 < default_w8a8.top1
 
 
 def test_cli_fidelity_table_of_all_variants(tiny_model_dir, capsys):
@@ -72,7 +84,36 @@ def test_cli_fidelity_table_of_all_variants(tiny_model_dir, capsys):
             "--calib-samples", "1", "--seq-len", "32"]
     assert main([*args, "--json"]) == 0
     reports = json.loads(capsys.readouterr().out)["reports"]
-    assert [r["name"] for r in reports] == ["w8a8:none", "w8a8:0.5", "w8a8:auto", "w8a16"]
+    assert [r["name"] for r in reports] == ["w8a8:pc", "w8a8:g64", "w8a8:g32", "w8a16"]
     assert all(r["tokens"] == 32 and 0 <= r["top1"] <= 1 for r in reports)
     assert main([*args, "--verifier", "w8a16"]) == 0
     assert "relative error of the residual stream" in capsys.readouterr().out
+
+
+def test_cli_fidelity_bad_input_is_one_line(tiny_model_dir, capsys):
+    from quasar.cli import main
+
+    args = ["fidelity", "--model", str(tiny_model_dir), "--samples", "1", "--eval-seq-len", "32", "--calib-samples", "1",
+            "--seq-len", "32"]
+    for bad, message in ((["--verifier", "w8a9"], "unknown quantization scheme"),
+                         (["--verifier", "w8a8:g48"], "multiple of 32"),
+                         (["--verifier", "w8a8:g96"], "does not divide"),
+                         (["--peer", "vllm"], "unknown fidelity peer")):
+        assert main([*args, *bad]) == 1
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_fidelity_without_llama_cpp_says_how_to_install_it(tiny_model_dir, capsys, monkeypatch):
+    from quasar.cli import main
+    from quasar.quant import llamacpp_peer
+
+    monkeypatch.setattr(llamacpp_peer, "available", lambda: False)
+    args = ["fidelity", "--model", str(tiny_model_dir), "--samples", "1", "--eval-seq-len", "32", "--calib-samples", "1",
+            "--seq-len", "32", "--verifier", "w8a16", "--peer", "llamacpp", "--json"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    assert "pip install llama-cpp-python" in captured.err
+    import json
+
+    assert [r["name"] for r in json.loads(captured.out)["reports"]] == ["w8a16"]

@@ -5,6 +5,10 @@ W8A8 ("int-quantized"): every decoder-layer linear stores `weight` int8 [N, K] a
 so nothing is stored for them. The SmoothQuant factors are already folded into the RMSNorm weights, so
 norms, embeddings and lm_head are plain float tensors. `config.json` gains `quantization_config`;
 lm_head is listed in `ignore`. The directory is written atomically (temp sibling + rename).
+
+Group-wise W8A8 (`w8a8:gN`, quasar's default) has no vLLM int8 kernel: vLLM's W8A8 int8 layers take
+per-channel weights and per-token activations. `vllm_scheme` names the nearest scheme vLLM runs
+(`w8a8:pc`, same smoothing), and `export` refuses grouped layers rather than write what vLLM would misread.
 """
 
 from __future__ import annotations
@@ -38,6 +42,22 @@ FORMATS = ("compressed-tensors",)
 TOKENIZER_FILES_SKIP = ("config.json", "model.safetensors", "model.safetensors.index.json")
 
 
+def vllm_scheme(verifier: str) -> tuple[str, str | None]:
+    """The verifier to export for vLLM, and the one line that says why when it differs from `verifier`:
+    'w8a8' / 'w8a8:g32:0.5' -> 'w8a8:pc' / 'w8a8:pc:0.5'."""
+    from quasar.quant.recipe import parse_scheme
+
+    recipe = parse_scheme(verifier)
+    if recipe.scheme != "w8a8":
+        raise ValueError(f"vLLM's int8 hand-off exports w8a8 schemes, not {verifier!r}")
+    if not recipe.group_size:
+        return verifier, None
+    nearest = parse_scheme(verifier.replace(f"g{recipe.group_size}", "pc") if ":g" in verifier else f"{verifier}:pc").name
+    return nearest, (f"{recipe.name} scales int8 weights and activations per group of {recipe.group_size} inputs, "
+                     f"which vLLM's int8 kernels do not run (per-channel weights, per-token activations only); "
+                     f"exporting {nearest}, the nearest scheme vLLM runs")
+
+
 def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in model.named_modules() if type(m) in SCHEMES}
 
@@ -47,6 +67,11 @@ def quantization_config(model: nn.Module) -> dict[str, Any]:
     layers = quantized_layers(model)
     if not layers:
         raise ValueError("the model has no quantized linears; load it with a quantized verifier (--verifier w8a8)")
+    grouped = sorted({m.group_size for m in layers.values() if getattr(m, "group_size", 0)})
+    if grouped:
+        raise ValueError(f"the model's int8 scales are per group of {grouped[0]} inputs, which the compressed-tensors "
+                         "int8 scheme vLLM runs cannot express; export a per-channel model (--verifier w8a8:pc, or "
+                         "`quasar quantize --scheme w8a8:pc`)")
     kinds = {type(m) for m in layers.values()}
     if len(kinds) > 1:
         raise ValueError("mixed quantization schemes cannot be exported as one config group")

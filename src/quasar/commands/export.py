@@ -13,7 +13,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "export", help="export the W8A8 model for vLLM (compressed-tensors)",
         description="Write the quantized verifier in the compressed-tensors int8 layout that llm-compressor "
         "produces and vLLM loads: int8 per-channel weights + weight_scale, dynamic per-token int8 activations, "
-        "lm_head left in float. The directory is written atomically.",
+        "lm_head left in float. vLLM has no kernel for quasar's group-wise scales (w8a8 = w8a8:g32), so a "
+        "grouped --verifier exports its nearest per-channel scheme (w8a8:pc), and says so. The directory is "
+        "written atomically.",
     )
     add_model_args(parser, verifier_default="w8a8")
     parser.add_argument("--format", choices=("compressed-tensors",), default="compressed-tensors",
@@ -23,10 +25,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quasar.export import export
+    from quasar.export import export, vllm_scheme
     from quasar.verifiers import load_verifier
 
-    target = load_verifier(args.model, verifier_name(args), args.cache_dir)
+    verifier, note = vllm_scheme(verifier_name(args))
+    if note:
+        print(f"quasar: {note}", file=sys.stderr)
+    target = load_verifier(args.model, verifier, args.cache_dir)
     out = export(target, args.out, args.format)
     print(f"quasar: wrote {out}", file=sys.stderr)
     return 0

@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--model", default="default", help="float model: 'default', a .gguf file or a HF directory")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    parser.add_argument("--scheme", default="w8a8", help="w8a8 (int8 scales per group of 64 inputs), w8a8:gN "
+    parser.add_argument("--scheme", default="w8a8", help="w8a8 (int8 scales per group of 32 inputs, as w8a8:g32), w8a8:gN "
                         "(groups of N, a multiple of 32 dividing every layer's input size), w8a8:pc (per channel "
                         "and token, the paper's), or w8a16 (weights only) (default: %(default)s)")
     parser.add_argument("--alpha", help="smoothing strength: auto (searched per smoothing group), none, "

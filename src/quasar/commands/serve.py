@@ -85,13 +85,17 @@ def vllm_model(model: str, verifier: str, cache_dir: str | None, export_dir: str
         path = resolve(model)
         directory = gguf_directory(path, sha256_file(path), cache_dir) if path.is_file() else path
         return directory, {"fp32": "float32", "bf16": "bfloat16"}[verifier]
-    if verifier != "w8a8":
+    if not verifier.startswith("w8a8"):
         raise ValueError(f"the vLLM hand-off supports --verifier fp32, bf16 or w8a8, not {verifier!r}")
-    from quasar.export import export
+    from quasar.export import export, vllm_scheme
     from quasar.loading import cache_root
 
+    verifier, note = vllm_scheme(verifier)
+    if note:
+        print(f"quasar: {note}", file=sys.stderr)
     target = load_verifier(model, verifier, cache_dir)
-    out = Path(export_dir) if export_dir else cache_root(cache_dir) / "exports" / f"{target.source_sha256}-w8a8-ct"
+    name = verifier.replace(":", "-")
+    out = Path(export_dir) if export_dir else cache_root(cache_dir) / "exports" / f"{target.source_sha256}-{name}-ct"
     if not (out / "config.json").exists():
         export(target, out)
     return out, "float32" if str(target.model.dtype) == "torch.float32" else "bfloat16"

@@ -12,6 +12,7 @@
 
 #include <immintrin.h>
 #include <algorithm>
+#include <vector>
 
 namespace {
 
@@ -137,6 +138,34 @@ using F = Float256;
 #include "group_block.h"
 }  // namespace narrow
 
+// G = 32 on 512-bit registers: one register holds two groups (lanes 0-7 and 8-15), so a row costs one
+// vpdpbusd, one conversion and one fused multiply-add per 64 inputs, as with G = 64. The row scales come
+// expanded to one float per lane (x_scale2 [M, K / 4]: x_scale[m, 2p] in lanes 0-7 of pair p, x_scale[m,
+// 2p + 1] in lanes 8-15); the weight scales of a pair are spread the same way once per channel and pair.
+template <int MB>
+void pair_block(const uint8_t* x, const float* x_scale2, const int8_t* w, const float* w_scale, float* out,
+                int64_t m0, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  using V = DpbusdPath<Vnni512Base>;
+  const int64_t groups = K / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* wn = w + n * K;
+    const float* sn = w_scale + n * groups;
+    __m512 facc[MB];
+    for (int i = 0; i < MB; ++i) facc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < K; c += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(wn + c + kPrefetch), _MM_HINT_T0);
+      const __m512i start = V::group_start(wn + c, 64), wc = V::wload(wn + c);
+      const __m512 ws = _mm512_insertf32x8(_mm512_set1_ps(sn[c / 32]), _mm256_set1_ps(sn[c / 32 + 1]), 1);
+      for (int i = 0; i < MB; ++i) {
+        const __m512i acc = V::dot(start, wc, x + (m0 + i) * K + c);
+        const __m512 xs = _mm512_loadu_ps(x_scale2 + (m0 + i) * (K / 4) + c / 4);
+        facc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(ws, xs), facc[i]);
+      }
+    }
+    for (int i = 0; i < MB; ++i) out[(m0 + i) * N + n] = Float512::sum(facc[i]);
+  }
+}
+
 }  // namespace vnni
 #pragma GCC pop_options
 
@@ -167,6 +196,14 @@ void int8_group_dot(Int8Path path, const int8_t* q, const uint8_t* u, const floa
         emulated::group_block<decltype(rows)::value>(u, x_scale, w, w_scale, out, m, N, K, G, a, b);
       });
     case Int8Path::Dpbusd:
+      if (G == 32 && K % 64 == 0) {
+        std::vector<float> x_scale2(M * K / 4);  // each row scale once per lane of its group
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t j = 0; j < K / 4; ++j) x_scale2[m * (K / 4) + j] = x_scale[m * (K / 32) + j / 8];
+        return tiles<vnni::Vnni512Base::kRows>(M, n0, n1, [&](auto rows, int64_t m, int64_t a, int64_t b) {
+          vnni::pair_block<decltype(rows)::value>(u, x_scale2.data(), w, w_scale, out, m, N, K, a, b);
+        });
+      }
       if (G % 64 == 0)
         return tiles<vnni::Vnni512Base::kRows>(M, n0, n1, [&](auto rows, int64_t m, int64_t a, int64_t b) {
           vnni::wide::group_block<decltype(rows)::value>(u, x_scale, w, w_scale, out, m, N, K, G, a, b);

@@ -103,7 +103,7 @@ def token_windows(tokenizer: Any, texts: list[str], samples: int, seq_len: int) 
     if not windows:
         raise ValueError("the calibration text is empty")
     if len(windows) < samples:
-        log.warning("calibration text yields only %d windows of %d tokens (asked for %d)", len(windows), seq_len, samples)
+        log.info("the text yields %d windows of at most %d tokens (asked for up to %d)", len(windows), seq_len, samples)
     return windows
 
 
@@ -139,7 +139,7 @@ def calibrate(model: nn.Module, windows: list[torch.Tensor], row_sites: set[str]
         if isinstance(module, nn.Linear) and name.startswith("model.layers.")
     ]
     try:
-        for ids in progress(windows, "calibrating"):
+        for ids in progress(windows, f"calibrating on {sum(w.shape[1] for w in windows)} tokens"):
             model(ids.to(model.device), model.new_cache(ids.shape[1]), last_only=True)
             calib.tokens += ids.shape[1]
     finally:

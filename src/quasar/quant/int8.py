@@ -9,7 +9,7 @@ Group-wise W8A8 (`group_size` G, as llama.cpp's Q8_0 with G = 32): one scale per
 of G inputs, w_scale [N, K/G], and one per token and group, x_scale [M, K/G]; each group's int8 product is
 exact in int32 and y = sum_g x_scale[:, g] * w_scale[:, g] * (x_int8[:, g] @ w_int8[:, g].T) + bias.
 Finer scales follow outliers closely: on the default model KL(float || w8a8) falls from 0.011 per
-channel/token to 0.002 with G = 64 (docs/quantization.md).
+channel/token to 0.0013 with G = 32 (docs/quantization.md).
 
 Per-token scales make a row's result independent of the other rows in the batch, and int32 accumulation
 is exact, so verifying k draft tokens together gives bit-identical rows to decoding them one at a time.

@@ -18,7 +18,7 @@ log = logging.getLogger("quasar")
 
 
 # The group size of plain `w8a8`: the finest scales that keep the speed (the table in docs/quantization.md).
-DEFAULT_W8A8_GROUP = 64
+DEFAULT_W8A8_GROUP = 32
 SCHEME_FORMS = "w8a8[:pc|:gN][:auto|:none|:ALPHA] or w8a16 (e.g. w8a8, w8a8:g32, w8a8:pc:0.5)"
 
 

@@ -104,10 +104,12 @@ def check_targets(model: nn.Module, config: Any, names: list[str]) -> None:
 
 def quantize_(model: nn.Module, config: Any) -> list[str]:
     """Replace the target linears of `model` in place by quantized layers; returns their names."""
+    from quasar.progress import progress
+
     scheme = SCHEMES[type(config)]
     names = target_linears(model, config)
     check_targets(model, config, names)
-    for name in names:
+    for name in progress(names, f"quantizing to {scheme.name}"):
         swap_module_(model, name, scheme.from_float(model.get_submodule(name), config))
     return names
 

@@ -154,8 +154,11 @@ def row_sites(model: nn.Module, config: SmoothConfig) -> set[str]:
 
 def smooth_(model: nn.Module, calib: Calibration, config: SmoothConfig) -> dict[str, float | None]:
     """Smooth every group of every decoder layer in place; returns {'model.layers.i.source': alpha}."""
+    from quasar.progress import progress
+
     chosen: dict[str, float | None] = {}
-    for i, layer in enumerate(model.model.layers):
+    what = "searching alpha per smoothing group" if config.alpha == "auto" else "smoothing"
+    for i, layer in enumerate(progress(model.model.layers, what)):
         for group in config.groups():
             site = _Site(layer, f"model.layers.{i}", group, calib, model.config)
             alpha = choose_alpha(site, config)

@@ -1,0 +1,108 @@
+"""Group-wise W8A8 on quasar's kernels: every int8 path gives the exact sum of its groups' int32 products
+times their scales; the whole linear matches the torch reference; rows never depend on the other rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quasar import native
+from quasar.quant.int8 import Int8Linear, quantize_groups
+
+pytestmark = pytest.mark.skipif(native.kernel() is None, reason="no AVX2 kernel on this machine")
+PATHS = native.kernel().int8_paths() if native.kernel() is not None else []
+
+
+def reference(q, x_scale, w, w_scale) -> torch.Tensor:
+    """float64: sum_g x_scale[:, g] * w_scale[:, g] * (q_g . w_g)."""
+    M, K = q.shape
+    groups = x_scale.shape[1]
+    dots = torch.einsum("mgk,ngk->mng", q.double().view(M, groups, -1), w.double().view(w.shape[0], groups, -1))
+    return (dots * x_scale.double()[:, None, :] * w_scale.double()[None, :, :]).sum(-1)  # [M, N]
+
+
+@pytest.mark.parametrize("path", ["auto", *PATHS])
+@pytest.mark.parametrize("G,K", [(32, 576), (64, 576), (96, 288), (128, 1536), (64, 64)])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17])
+def test_group_product_is_exact_over_the_whole_int8_range(path, G, K, M):
+    """Power-of-two scales keep every partial sum exact in float32 (K * 127 * 128 < 2^24), so the kernel must
+    equal the float64 reference bit for bit: any wrong int32 group sum, lane, tail chunk (G = 96 on 64-byte
+    registers) or row block (1-8 and more) shows. maddubs takes |q| <= 127 (the quantizer never makes -128)."""
+    gen = torch.Generator().manual_seed(G * 1000 + K + M)
+    low = -127 if path == "maddubs" or (path == "auto" and PATHS[0] == "maddubs") else -128
+    q = torch.randint(low, 128, (M, K), generator=gen, dtype=torch.int8)
+    w = torch.randint(-128, 128, (13, K), generator=gen, dtype=torch.int8)
+    q[0], w[0] = low, -128  # the extremes
+    x_scale = 2.0 ** -torch.randint(0, 3, (M, K // G), generator=gen).float()
+    w_scale = 2.0 ** -torch.randint(0, 3, (13, K // G), generator=gen).float()
+    y = native.kernel().int8_group_mm(q, x_scale, w, w_scale, path)
+    assert torch.equal(y.double(), reference(q, x_scale, w, w_scale))
+    for m in range(M):  # each row alone gives the same bits
+        assert torch.equal(native.kernel().int8_group_mm(q[m : m + 1], x_scale[m : m + 1], w, w_scale, path)[0], y[m])
+
+
+def test_group_product_refuses_what_it_cannot_do():
+    kernel = native.kernel()
+    q, w = torch.zeros(1, 96, dtype=torch.int8), torch.zeros(4, 96, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="multiple of 32 dividing K"):
+        kernel.int8_group_mm(q, torch.ones(1, 2), w, torch.ones(4, 2), "auto")  # G = 48
+    with pytest.raises(RuntimeError, match=r"\[-127, 127\]"):
+        kernel.int8_group_mm(torch.full((1, 96), -128, dtype=torch.int8), torch.ones(1, 3), w, torch.ones(4, 3), "maddubs")
+
+
+@pytest.mark.parametrize("G", [32, 64])
+@pytest.mark.parametrize("M,K,N,bias", [(1, 576, 1536, False), (6, 576, 194, True), (8, 1536, 576, False), (11, 64, 48, True)])
+def test_grouped_linear_matches_the_torch_reference(G, M, K, N, bias):
+    """The fused kernel (quantization, group products, rescale, bias in one call) against the torch path of
+    the same layer: the same int8 activations and scales, sums that differ only in float rounding order."""
+    torch.manual_seed(M + G)
+    linear = torch.nn.Linear(K, N, bias=bias)
+    fused = Int8Linear.from_float(linear, backend="avx2", group_size=G)
+    reference_layer = Int8Linear.from_float(linear, backend="reference", group_size=G)
+    assert fused.weight_scale.shape == (N, K // G)
+    x = torch.randn(M, K) * 3
+    x[0, :G] = 0  # an all-zero group: scale 1, contributes nothing, no NaN
+    y = fused(x)
+    assert not y.isnan().any()
+    assert torch.allclose(y, reference_layer(x), rtol=1e-5, atol=1e-4)
+    q, x_scale = quantize_groups(x, G)
+    expected = reference(q, x_scale, fused.weight, fused.weight_scale) + (linear.bias.double() if bias else 0)
+    assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_grouped_rows_do_not_depend_on_the_other_rows():
+    torch.manual_seed(0)
+    layer = Int8Linear.from_float(torch.nn.Linear(576, 1536), backend="avx2", group_size=64)
+    x = torch.randn(8, 576)
+    together = layer(x)
+    for m in range(1, 8):
+        assert torch.equal(layer(x[:m]), together[:m])
+    assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(8)]), together)
+
+
+def test_grouped_forward_many_equals_one_call_per_layer():
+    torch.manual_seed(2)
+    layers = [Int8Linear.from_float(torch.nn.Linear(576, n, bias=b), group_size=64) for n, b in ((576, True), (192, False))]
+    x = torch.randn(1, 6, 576)
+    for got, layer in zip(Int8Linear.forward_many(layers, x), layers):
+        assert torch.equal(got, layer(x))
+
+
+def test_kernel_quantization_matches_quantize_groups():
+    """The kernel's per-group activation quantization is quantize_groups bit for bit: with unit weights at
+    one input, the output of channel n is exactly x_int8[:, n] * x_scale of its group."""
+    torch.manual_seed(4)
+    K, G = 128, 32
+    layer = Int8Linear(K, K, bias=False, backend="avx2", group_size=G)
+    layer.weight = torch.eye(K, dtype=torch.int8)
+    layer.weight_scale = torch.ones(K, K // G)
+    x = torch.randn(5, K) * 7
+    q, x_scale = quantize_groups(x, G)
+    assert torch.equal(layer(x), q.float() * x_scale.repeat_interleave(G, dim=1))
+
+
+def test_a_group_size_that_does_not_divide_k_is_refused():
+    with pytest.raises(ValueError, match="group size 64 does not divide the 96 inputs"):
+        Int8Linear(96, 8, bias=False, group_size=64)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Int8Linear(96, 8, bias=False, group_size=48)
