@@ -1,6 +1,10 @@
 """One verify forward, verifier by verifier, against the memory wall (issue 7, targets 1 and 5).
 
     python bench/bench_verify.py [--model default] [--w8a8 DIR] [--no-float] [--context 256] [--rounds 30]
+                                 [--also w8a8:pc,w8a8:g64] [--int8-path auto|dpbusd|maddubs]
+
+`w8a8` is the default scheme (w8a8:g32); `--also` adds other quantized verifiers as rows. `--int8-path
+maddubs` runs every W8A8 linear on the AVX2 path, to measure on a VNNI CPU what an AVX2-only CPU runs.
 
 For each verifier: the median time of one forward scoring T = 1 (a decode step) and T = 6 (a verify
 step, k = 5) tokens after `context` cached tokens, in a cache of the size the engine would allocate;
@@ -33,10 +37,11 @@ SIZES = (1, 6)
 ROOF_SHAPE = (1536, 1536)  # N, K of the roof's weight: 2.4 MB int8, 4.7 MB bf16, hot in a 32 MB L3
 
 
-def load_all(model: str, w8a8: str | None, floats: bool) -> dict[str, torch.nn.Module]:
+def load_all(model: str, w8a8: str | None, floats: bool, also: list[str]) -> dict[str, torch.nn.Module]:
     models = {"fp32": load_verifier(model, "fp32").model, "bf16 (torch F.linear)": load(model, "bf16").model} if floats else {}
     models["bf16"] = load_verifier(model, "bf16").model
     models["w8a8"] = load_verifier(w8a8 or model, "w8a8").model
+    models.update({name: load_verifier(model, name).model for name in also})
     return models
 
 
@@ -100,14 +105,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--w8a8", help="a quantized checkpoint (quasar quantize) to use as the w8a8 verifier")
     parser.add_argument("--no-float", action="store_true", help="skip the fp32 and torch-bf16 rows (big models)")
+    parser.add_argument("--also", default="", help="comma-separated quantized verifiers to add, e.g. w8a8:pc,w8a8:g64")
+    parser.add_argument("--int8-path", default="auto", help="the int8 path of every W8A8 linear: auto (the fastest "
+                        "this CPU has), dpbusd, maddubs or dpbusd-emulated")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
-    models = load_all(args.model, args.w8a8, not args.no_float)
+    kernel = native.kernel()
+    int8_path = kernel.use_int8_path(args.int8_path) if kernel else "torch"
+    models = load_all(args.model, args.w8a8, not args.no_float, [v for v in args.also.split(",") if v])
     bandwidth = read_bandwidth()
     medians = measure(models, args.context, args.rounds)
     nbytes = {name: bytes_per_forward(m) for name, m in models.items()}
-    kernel = native.kernel()
-    int8_path = kernel.int8_paths()[0] if kernel else "torch"
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads; int8 {int8_path}; "
           f"context {args.context}")
     print(f"{'verifier':24} {'MB read':>8} {'T=1 ms':>8} {'T=6 ms':>8} {'T=1 GB/s':>9} {'T=6 GB/s':>9} {'T=6 % bw':>9}")

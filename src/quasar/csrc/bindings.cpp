@@ -10,6 +10,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_group_mm", &int8_group_mm, "group-wise int8 product of quantized q and w with their scales",
         pybind11::arg("q"), pybind11::arg("x_scale"), pybind11::arg("w"), pybind11::arg("w_scale"),
         pybind11::arg("path") = "auto");
+  m.def("use_int8_path", &use_int8_path, "run every later W8A8 linear on this int8 path ('auto': the fastest); "
+        "for benchmarks of what another CPU kind runs; returns the path's name");
   m.def("int8_paths", &int8_paths, "the int8 dot-product paths this CPU runs, fastest first");
   m.def("float_act_linear", &float_act_linear, "float32 x times int8 or bfloat16 w, fixed-order fp32 sums");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, sums in a fixed order");

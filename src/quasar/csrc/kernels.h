@@ -9,6 +9,8 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scal
 std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::Tensor> w,
                                             std::vector<torch::Tensor> w_scale, std::vector<torch::Tensor> bias);
 torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w, const std::string& path);
+// Chooses the int8 path of every later W8A8 linear ("auto" or one of int8_paths()); returns its name.
+std::string use_int8_path(const std::string& name);
 torch::Tensor int8_group_mm(torch::Tensor q, torch::Tensor x_scale, torch::Tensor w, torch::Tensor w_scale,
                             const std::string& path);
 torch::Tensor float_act_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor bias);

@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
 namespace {
@@ -250,6 +251,22 @@ torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w, const std::string& path)
   return out;
 }
 
+// The path every W8A8 linear runs on: the fastest this CPU has, unless a benchmark chose another (to
+// measure on this machine what a CPU without VNNI would run; every path gives the same results).
+std::atomic<int>& linear_path_slot() {
+  static std::atomic<int> slot{static_cast<int>(parse_int8_path("auto"))};
+  return slot;
+}
+
+Int8Path linear_path() { return static_cast<Int8Path>(linear_path_slot().load(std::memory_order_relaxed)); }
+
+std::string use_int8_path(const std::string& name) {
+  const Int8Path chosen = parse_int8_path(name);
+  linear_path_slot().store(static_cast<int>(chosen));
+  if (chosen == Int8Path::Dpbusd) return "dpbusd";
+  return chosen == Int8Path::Maddubs ? "maddubs" : "dpbusd-emulated";
+}
+
 // Group-wise int8 product without the quantization, for tests: q [M, K] int8 (|q| <= 127 on "maddubs"),
 // x_scale [M, K / G], w [N, K] int8, w_scale [N, K / G] float32 -> float32 [M, N] on `path`.
 torch::Tensor int8_group_mm(torch::Tensor q, torch::Tensor x_scale, torch::Tensor w, torch::Tensor w_scale,
@@ -301,8 +318,7 @@ std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::
                           bias[i].numel() ? bias[i].data_ptr<float>() : nullptr, G});
   }
   auto [q, x_scale] = quantize(x, jobs[0].G ? jobs[0].G : K);
-  static const Int8Path fastest = parse_int8_path("auto");
-  run_jobs(fastest, q.data_ptr<int8_t>(), x_scale.data_ptr<float>(), jobs, M, K);
+  run_jobs(linear_path(), q.data_ptr<int8_t>(), x_scale.data_ptr<float>(), jobs, M, K);
   return out;
 }
 
