@@ -15,7 +15,7 @@ PATHS = native.kernel().int8_paths() if native.kernel() is not None else []
 
 def reference(q, x_scale, w, w_scale) -> torch.Tensor:
     """float64: sum_g x_scale[:, g] * w_scale[:, g] * (q_g . w_g)."""
-    M, K = q.shape
+    M = q.shape[0]
     groups = x_scale.shape[1]
     dots = torch.einsum("mgk,ngk->mng", q.double().view(M, groups, -1), w.double().view(w.shape[0], groups, -1))
     return (dots * x_scale.double()[:, None, :] * w_scale.double()[None, :, :]).sum(-1)  # [M, N]

@@ -124,3 +124,54 @@ def test_cli_quantize_then_generate_and_verifier_cache(tiny_model_dir, tmp_path,
         assert main([*gen, "--model", str(tiny_model_dir), "--verifier", "w8a8:0.5", "--cache-dir", str(cache)]) == 0
     assert len(list((cache / "quantized").iterdir())) == 1
     assert len(from_dir["token_ids"]) == 3
+
+
+def test_group_scheme_round_trip_and_block(tiny_model, tmp_path):
+    """w8a8:g32 (the default w8a8) saves [N, K/32] scales, records its group size and reloads bit-identically."""
+    loaded = copy.deepcopy(tiny_model)
+    block = quantize_model(loaded, QuantRecipe("w8a8", "auto", SMALL, group_size=32))
+    assert block["group_size"] == 32
+    down = loaded.model.model.layers[0].mlp.down_proj
+    assert down.group_size == 32 and down.weight_scale.shape == (64, 128 // 32)
+    reloaded = load_quantized(save_quantized(loaded, block, tmp_path / "g32"))
+    assert reloaded.model.model.layers[0].mlp.down_proj.weight_scale.shape == (64, 4)
+    assert torch.equal(_logits(reloaded.model), _logits(loaded.model))
+
+
+@pytest.mark.parametrize("scheme,message", [
+    ("w8a9", "unknown quantization scheme 'w8a9'"),
+    ("w8a8:g48", "multiple of 32"),
+    ("w8a8:g96", "group size 96 does not divide the 64 inputs of model.layers.0.self_attn.q_proj"),
+    ("w8a8:g32:1.5", "is neither pc, gN nor an alpha"),
+    ("w8a16:g32", "unknown quantization scheme"),
+])
+def test_cli_quantize_bad_scheme_is_one_line_and_writes_nothing(tiny_model_dir, tmp_path, capsys, scheme, message):
+    out = tmp_path / "q"
+    args = ["quantize", "--model", str(tiny_model_dir), "--out", str(out), "--scheme", scheme, "--calib-samples", "1",
+            "--seq-len", "32"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_quantize_calibration_file_without_text_writes_nothing(tiny_model_dir, tmp_path, capsys):
+    empty = tmp_path / "calib.jsonl"
+    empty.write_text('{"text": ""}\n')
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(tiny_model_dir), "--out", str(out), "--calib", str(empty)]) == 1
+    assert "calibration text is empty" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.jsonl"]
+
+
+def test_verifier_names_pick_the_scheme(tiny_model_dir, tmp_path):
+    from quasar.verifiers import load_verifier
+
+    cache = tmp_path / "cache"
+    default = load_verifier(tiny_model_dir, "w8a8", cache)
+    assert default.model.model.layers[0].mlp.up_proj.group_size == 32
+    assert load_verifier(tiny_model_dir, "w8a8:pc", cache).model.model.layers[0].mlp.up_proj.group_size == 0
+    assert load_verifier(tiny_model_dir, "w8a8:g64", cache).model.model.layers[0].mlp.up_proj.group_size == 64
+    assert type(default.model.lm_head).__name__ in ("BF16Linear", "Linear")  # bf16 where the kernel runs
+    with pytest.raises(ValueError, match="'x' is neither pc, gN nor an alpha"):
+        load_verifier(tiny_model_dir, "w8a8:x", cache)

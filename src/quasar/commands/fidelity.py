@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 
 from quasar.commands.quantize import add_calibration_args, calibration_spec
 from quasar.loading import load
@@ -57,7 +58,6 @@ def build_variants(loaded, names: list[str], spec) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from quasar.quant.fidelity import compare, held_out_windows
-
     from quasar.quant.llamacpp_peer import peers
     from quasar.quant.verifiers import finish_verifier
 
@@ -81,7 +81,7 @@ def print_tables(reports) -> None:
     print(f"{'verifier':<16}{'tokens':>8}{'KL mean':>10}{'top-1':>8}{'ppl float':>11}{'ppl quant':>11}")
     for r in reports:
         print(f"{r.name:<16}{r.tokens:>8}{r.kl_mean:>10.4f}{r.top1:>8.4f}{r.ppl_float:>11.3f}{r.ppl_quant:>11.3f}")
-    layered = [r for r in reports if not any(e != e for e in r.layer_errors)]  # peers have no layer errors (NaN)
+    layered = [r for r in reports if not any(math.isnan(e) for e in r.layer_errors)]  # peers: NaN, no layers
     if not layered:
         return
     print("\nrelative error of the residual stream after each layer")

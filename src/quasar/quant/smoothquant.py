@@ -110,8 +110,9 @@ class _Site:
     def weight(self) -> torch.Tensor:
         return torch.cat([m.weight.detach().float() for m in self.linears])  # [N_total, K]
 
-    def scales(self, alpha: float) -> torch.Tensor:
-        act, wmax = self.act_absmax, self.weight().abs().amax(dim=0)
+    def scales(self, alpha: float, wmax: torch.Tensor | None = None) -> torch.Tensor:
+        """s [K] for `alpha`; wmax [K] (the weight's column absmax) may be passed when already known."""
+        act, wmax = self.act_absmax, self.weight().abs().amax(dim=0) if wmax is None else wmax
         if not self.tied:
             return smooth_scales(act, wmax, alpha)
         g = self.heads // self.n_kv
@@ -135,14 +136,22 @@ class _Site:
             self.source.bias.div_(src)
 
 
+SEARCH_CHANNELS = 1024  # output channels the alpha search scores (evenly spaced): the error estimate, 20x cheaper on a 1.5B MLP
+
+
 def choose_alpha(site: _Site, config: SmoothConfig) -> float | None:
+    """The candidate with the least output error on the sampled rows. Each output channel is quantized on its
+    own, so scoring an evenly spaced subset of channels measures the same error at a fraction of the cost."""
     if config.alpha != "auto":
         return config.alpha
     if site.rows is None:
         raise ValueError(f"alpha search needs sampled calibration rows for {site.names[0]}")
     weight, G = site.weight(), config.group_size
+    wmax = weight.abs().amax(dim=0)  # [K], over every channel: the scales the group will really get
+    if weight.shape[0] > SEARCH_CHANNELS:
+        weight = weight[torch.linspace(0, weight.shape[0] - 1, SEARCH_CHANNELS).long()]  # [SEARCH_CHANNELS, K]
     errors = {None: group_error(site.rows, weight, None, G)}
-    errors.update({a: group_error(site.rows, weight, site.scales(a), G) for a in config.grid})
+    errors.update({a: group_error(site.rows, weight, site.scales(a, wmax), G) for a in config.grid})
     return min(errors, key=errors.get)
 
 

@@ -54,8 +54,10 @@ def _load(name: str, model: str | Path, cache_dir: str | Path | None) -> LoadedM
     if is_quantized_dir(path):
         loaded = load_quantized(path)
         block = json.loads((path / "config.json").read_text())["quantization"]
-        found = block["scheme"] + (f":g{block['group_size']}" if block.get("group_size") else "")
-        if block["scheme"] != recipe.scheme or (":" in name and block.get("group_size", 0) != recipe.group_size):
+        group = block.get("group_size", 0)
+        found = block["scheme"] + ((f":g{group}" if group else ":pc") if block["scheme"] == "w8a8" else "")
+        explicit = any(part == "pc" or part[:1] == "g" for part in name.split(":")[1:])  # a group named, not only alpha
+        if block["scheme"] != recipe.scheme or (explicit and group != recipe.group_size):
             raise ValueError(f"{path} is a {found} checkpoint, but --verifier asks for {name}")
     else:
         loaded = quantized_cached(model, recipe, cache_dir)
