@@ -106,3 +106,37 @@ def test_a_group_size_that_does_not_divide_k_is_refused():
         Int8Linear(96, 8, bias=False, group_size=64)
     with pytest.raises(ValueError, match="multiple of 32"):
         Int8Linear(96, 8, bias=False, group_size=48)
+
+
+@pytest.mark.parametrize("G", [32, 64, 96])
+@pytest.mark.parametrize("N", [48, 40])  # 48: packed 16-channel blocks on the dpbusd path; 40: not packable
+@pytest.mark.parametrize("M", [1, 3, 6, 8, 11])
+def test_grouped_linear_is_exact_with_dyadic_scales(G, N, M):
+    """The whole fused linear, packed layout included, bit for bit against float64: inputs whose every group
+    holds a +-127 multiple of 2^-e quantize exactly (scale 2^-e), and power-of-two weight scales keep every
+    float sum exact, whatever the layout's summation order."""
+    gen = torch.Generator().manual_seed(G + N + M)
+    K = 192
+    layer = Int8Linear(K, N, bias=False, backend="avx2", group_size=G)
+    layer.weight = torch.randint(-128, 128, (N, K), generator=gen, dtype=torch.int8)
+    layer.weight_scale = 2.0 ** -torch.randint(0, 3, (N, K // G), generator=gen).float()
+    q = torch.randint(-127, 128, (M, K), generator=gen, dtype=torch.int8)
+    q.view(M, K // G, G)[:, :, 0] = 127  # every group's absmax is 127
+    x_scale = 2.0 ** -torch.randint(0, 3, (M, K // G), generator=gen).float()
+    x = (q.float().view(M, K // G, G) * x_scale[..., None]).view(M, K)
+    y = layer(x)
+    assert torch.equal(y.double(), reference(q, x_scale, layer.weight, layer.weight_scale))
+    for m in range(M):
+        assert torch.equal(layer(x[m : m + 1])[0], y[m])
+
+
+def test_packed_weights_follow_the_path_and_the_weights():
+    kernel = native.kernel()
+    layer = Int8Linear.from_float(torch.nn.Linear(64, 32), backend="avx2", group_size=32)
+    w, scale = layer.kernel_weights(kernel)
+    if kernel.int8_path() == "dpbusd":
+        assert w.shape == (2, 16, 16, 4) and scale.shape == (2, 2, 16)
+        layer.weight = layer.weight.clone()  # new weights: packed again, not stale
+        assert layer.kernel_weights(kernel)[0].data_ptr() != w.data_ptr()
+    else:
+        assert w is layer.weight

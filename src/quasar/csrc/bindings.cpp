@@ -12,6 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("path") = "auto");
   m.def("use_int8_path", &use_int8_path, "run every later W8A8 linear on this int8 path ('auto': the fastest); "
         "for benchmarks of what another CPU kind runs; returns the path's name");
+  m.def("int8_path", &int8_path, "the int8 path every W8A8 linear runs on now");
   m.def("int8_paths", &int8_paths, "the int8 dot-product paths this CPU runs, fastest first");
   m.def("float_act_linear", &float_act_linear, "float32 x times int8 or bfloat16 w, fixed-order fp32 sums");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, sums in a fixed order");

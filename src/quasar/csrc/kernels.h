@@ -11,6 +11,7 @@ std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::
 torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w, const std::string& path);
 // Chooses the int8 path of every later W8A8 linear ("auto" or one of int8_paths()); returns its name.
 std::string use_int8_path(const std::string& name);
+std::string int8_path();  // the path W8A8 linears run on now
 torch::Tensor int8_group_mm(torch::Tensor q, torch::Tensor x_scale, torch::Tensor w, torch::Tensor w_scale,
                             const std::string& path);
 torch::Tensor float_act_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor bias);

@@ -60,6 +60,7 @@ struct IntJob {
   const float* w_scale = nullptr;
   const float* bias = nullptr;
   int64_t G = 0;
+  bool packed = false;  // w [N/16][K/4][16][4], w_scale [N/16][K/G][16] (int8_group.cpp), dpbusd only
 };
 
 // y[m, n] += bias[n] for channels [n0, n1).
@@ -92,6 +93,8 @@ void rescale_range(const IntJob& job, const float* x_scale, int64_t M, int64_t n
 // thread fork and join instead of one per weight); each thread rescales the channels it summed.
 void run_jobs(Int8Path path, const int8_t* q, const float* x_scale, const std::vector<IntJob>& jobs, int64_t M,
               int64_t K) {
+  for (const IntJob& job : jobs)
+    TORCH_CHECK(!job.packed || path == Int8Path::Dpbusd, "packed int8 weights need the dpbusd path (AVX-512 VNNI)");
   std::vector<uint8_t> u;
   prepare_rows(path, q, M * K, u);
   std::vector<int64_t> first(jobs.size() + 1, 0);
@@ -101,6 +104,11 @@ void run_jobs(Int8Path path, const int8_t* q, const float* x_scale, const std::v
       const int64_t n0 = std::max(a, first[i]) - first[i], n1 = std::min(b, first[i + 1]) - first[i];
       if (n0 >= n1) continue;
       const IntJob& job = jobs[i];
+      if (job.packed) {  // whole 16-channel blocks: those that start in [n0, n1)
+        int8_group_dot_packed(u.data(), x_scale, job.w, job.w_scale, job.y, M, job.N, K, job.G, n0, n1);
+        add_bias(job, M, (n0 + 15) / 16 * 16, std::min((n1 + 15) / 16 * 16, job.N));
+        continue;
+      }
       if (job.G) {
         int8_group_dot(path, q, u.data(), x_scale, job.w, job.w_scale, job.y, M, job.N, K, job.G, n0, n1);
         add_bias(job, M, n0, n1);
@@ -260,6 +268,11 @@ std::atomic<int>& linear_path_slot() {
 
 Int8Path linear_path() { return static_cast<Int8Path>(linear_path_slot().load(std::memory_order_relaxed)); }
 
+std::string int8_path() {
+  const Int8Path p = linear_path();
+  return p == Int8Path::Dpbusd ? "dpbusd" : p == Int8Path::Maddubs ? "maddubs" : "dpbusd-emulated";
+}
+
 std::string use_int8_path(const std::string& name) {
   const Int8Path chosen = parse_int8_path(name);
   linear_path_slot().store(static_cast<int>(chosen));
@@ -303,11 +316,17 @@ std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::
   std::vector<torch::Tensor> acc, out;
   for (size_t i = 0; i < w.size(); ++i) {
     w[i] = w[i].contiguous();
-    check_int8_weight(w[i], K);
-    const int64_t N = w[i].size(0);
+    const bool packed = w[i].dim() == 4;  // [N/16][K/4][16][4] with w_scale [N/16][K/G][16]
+    TORCH_CHECK(!packed || (w[i].dtype() == torch::kInt8 && w[i].size(1) * 4 == K && w[i].size(2) == 16 &&
+                            w[i].size(3) == 4 && w_scale[i].dim() == 3 && w_scale[i].size(2) == 16),
+                "packed int8 w [N/16, K/4, 16, 4] with w_scale [N/16, K/G, 16] expected");
+    if (!packed) check_int8_weight(w[i], K);
+    const int64_t N = packed ? w[i].size(0) * 16 : w[i].size(0);
     w_scale[i] = w_scale[i].contiguous();
     bias[i] = bias[i].contiguous();
-    const int64_t G = group_size(w_scale[i], N, K);
+    const int64_t G = packed ? K / w_scale[i].size(1) : group_size(w_scale[i], N, K);
+    TORCH_CHECK(!packed || (w_scale[i].dtype() == torch::kFloat32 && G * w_scale[i].size(1) == K && G % 32 == 0),
+                "packed w_scale [N/16, K/G, 16] needs a group size G that is a multiple of 32 dividing K");
     TORCH_CHECK(jobs.empty() || jobs[0].G == G, "the linears of one input must share their group size");
     TORCH_CHECK(bias[i].numel() == 0 || (bias[i].dtype() == torch::kFloat32 && bias[i].numel() == N),
                 "float32 bias [N] or empty expected");
@@ -315,7 +334,7 @@ std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::
     out.push_back(torch::empty({M, N}, x.options()));
     jobs.push_back(IntJob{w[i].data_ptr<int8_t>(), N, G ? nullptr : acc.back().data_ptr<int32_t>(),
                           out.back().data_ptr<float>(), w_scale[i].data_ptr<float>(),
-                          bias[i].numel() ? bias[i].data_ptr<float>() : nullptr, G});
+                          bias[i].numel() ? bias[i].data_ptr<float>() : nullptr, G, packed});
   }
   auto [q, x_scale] = quantize(x, jobs[0].G ? jobs[0].G : K);
   run_jobs(linear_path(), q.data_ptr<int8_t>(), x_scale.data_ptr<float>(), jobs, M, K);

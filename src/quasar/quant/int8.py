@@ -173,12 +173,28 @@ class Int8Linear(nn.Module):
             layer.bias = linear.bias.detach().float().clone()
         return layer.to(linear.weight.device)
 
+    def kernel_weights(self, kernel) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight, scale) as the kernel reads them: on the dpbusd path a group-wise layer's weights packed 16
+        channels x 4 inputs per register ([N/16, K/4, 16, 4], scales [N/16, K/G, 16]; int8_group.cpp), made
+        once and kept beside the plain ones (which checkpoints and exports keep using)."""
+        if not self.group_size or self.out_features % 16 or kernel.int8_path() != "dpbusd":
+            return self.weight, self.weight_scale
+        key = (self.weight.data_ptr(), self.weight_scale.data_ptr())
+        if getattr(self, "_packed_key", None) != key:
+            N, K = self.weight.shape
+            self._packed = (
+                self.weight.view(N // 16, 16, K // 4, 4).permute(0, 2, 1, 3).contiguous(),
+                self.weight_scale.view(N // 16, 16, -1).permute(0, 2, 1).contiguous(),
+            )
+            self._packed_key = key
+        return self._packed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         rows = x.reshape(-1, self.in_features)  # [M, K]
         kernel = fused_kernel(self.backend, rows, self.in_features)
         if kernel is not None:  # one call: quantization, exact int32 dot products, rescale, bias
-            y = kernel.w8a8_linear(rows.float(), self.weight, self.weight_scale, NO_BIAS if self.bias is None else self.bias)
+            y = kernel.w8a8_linear(rows.float(), *self.kernel_weights(kernel), NO_BIAS if self.bias is None else self.bias)
             return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         x_int8, x_scale = quantize_tokens(rows, self.group_size)
         if self.group_size:
@@ -192,9 +208,10 @@ class Int8Linear(nn.Module):
 
     def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(kind 0 = W8A8, weight, scale, bias) for quasar's fused decoder-layer kernel, None where it can't run."""
-        if fused_kernel(self.backend, self.weight, self.in_features) is None:
+        kernel = fused_kernel(self.backend, self.weight, self.in_features)
+        if kernel is None:
             return None
-        return 0, self.weight, self.weight_scale, NO_BIAS if self.bias is None else self.bias
+        return 0, *self.kernel_weights(kernel), NO_BIAS if self.bias is None else self.bias
 
     @staticmethod
     def forward_many(layers: list[Int8Linear], x: torch.Tensor) -> list[torch.Tensor]:
@@ -204,10 +221,11 @@ class Int8Linear(nn.Module):
         alike = all((layer.backend, layer.group_size) == (layers[0].backend, layers[0].group_size) for layer in layers)
         if kernel is None or not alike:
             return [layer(x) for layer in layers]
+        weights = [layer.kernel_weights(kernel) for layer in layers]
         ys = kernel.w8a8_linear_many(
             rows.float(),
-            [layer.weight for layer in layers],
-            [layer.weight_scale for layer in layers],
+            [w for w, _ in weights],
+            [scale for _, scale in weights],
             [NO_BIAS if layer.bias is None else layer.bias for layer in layers],
         )
         return [y.to(x.dtype).reshape(*x.shape[:-1], layer.out_features) for y, layer in zip(ys, layers)]
