@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ def vllm_scheme(verifier: str) -> tuple[str, str | None]:
         raise ValueError(f"vLLM's int8 hand-off exports w8a8 schemes, not {verifier!r}")
     if not recipe.group_size:
         return verifier, None
-    nearest = parse_scheme(verifier.replace(f"g{recipe.group_size}", "pc") if ":g" in verifier else f"{verifier}:pc").name
+    nearest = replace(recipe, group_size=0).name
     return nearest, (f"{recipe.name} scales int8 weights and activations per group of {recipe.group_size} inputs, "
                      f"which vLLM's int8 kernels do not run (per-channel weights, per-token activations only); "
                      f"exporting {nearest}, the nearest scheme vLLM runs")

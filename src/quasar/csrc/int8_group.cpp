@@ -88,14 +88,10 @@ using F = Float256;
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")
 namespace vnni {
 
-struct Vnni256Base {
-  using reg = __m256i;
-  static constexpr int64_t kBytes = 32;
+// The emulated base with the real instruction (AVX2 helpers inline into AVX-512 code; not the reverse), and
+// twice the rows: AVX-512 has 32 registers.
+struct Vnni256Base : Emulated256Base {
   static constexpr int kRows = 8;
-  static reg zero() { return _mm256_setzero_si256(); }
-  static reg c128() { return _mm256_set1_epi8(static_cast<char>(0x80)); }
-  static reg load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
-  static reg sub(reg a, reg b) { return _mm256_sub_epi32(a, b); }
   static reg dpbusd(reg acc, reg a, reg b) { return _mm256_dpbusd_epi32(acc, a, b); }
 };
 

@@ -276,8 +276,7 @@ std::string int8_path() {
 std::string use_int8_path(const std::string& name) {
   const Int8Path chosen = parse_int8_path(name);
   linear_path_slot().store(static_cast<int>(chosen));
-  if (chosen == Int8Path::Dpbusd) return "dpbusd";
-  return chosen == Int8Path::Maddubs ? "maddubs" : "dpbusd-emulated";
+  return int8_path();
 }
 
 // Group-wise int8 product without the quantization, for tests: q [M, K] int8 (|q| <= 127 on "maddubs"),
