@@ -24,7 +24,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from quasar.loading import LoadedModel, atomic_directory
+from quasar.files import atomic_directory
+from quasar.loading import LoadedModel
 from quasar.models.config import CAUSAL_LM_CLASSES
 from quasar.quant.int8 import Int8Linear
 

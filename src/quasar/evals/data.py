@@ -15,7 +15,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
 
-from quasar.loading import sha256_file
+from quasar.files import sha256_file
 
 Item = TypeVar("Item")
 

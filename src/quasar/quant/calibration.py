@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quasar.loading import sha256_file
+from quasar.files import sha256_file
 from quasar.progress import progress
 
 log = logging.getLogger("quasar")

@@ -17,15 +17,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from quasar.loading import (
-    LoadedModel,
-    ModelLoadError,
-    atomic_directory,
-    load_tokenizer,
-    read_config,
-    read_safetensors,
-    sha256_file,
-)
+from quasar.files import ModelLoadError, atomic_directory, sha256_file
+from quasar.loading import LoadedModel, load_tokenizer, read_config, read_safetensors
 from quasar.models.config import ModelConfig
 from quasar.models.llama import Transformer, rope_inv_freq
 from quasar.quant.schemes import prepare_empty_, scheme_config
