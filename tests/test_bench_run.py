@@ -11,12 +11,14 @@ import sys
 import pytest
 
 from quasar.bench import bandwidth
-from quasar.bench.methods import EngineMethod, MethodOptions, Output, Pool, build_method
+from quasar.bench.base import MethodOptions, Pool
+from quasar.bench.methods import EngineMethod, build_method
 from quasar.bench.metrics import divergences
 from quasar.bench.peers import step_lengths
 from quasar.bench.runner import RunConfig, run
 from quasar.bench.suites import BenchItem
 from quasar.engine import Engine
+from quasar.outputs import RequestOutput
 from quasar.stats import GenerationStats
 
 PLOTS = ("accept_lengths.png", "speedup_by_category.png", "speedup_vs_temperature.png", "verify_forward.png")
@@ -64,9 +66,9 @@ class ScriptedMethod:
         self.calls.append(messages[0]["content"])
         if messages[0]["content"] == self.stop_at:
             raise KeyboardInterrupt
-        stats = GenerationStats(new_tokens=len(self.tokens))
+        stats = GenerationStats(new_tokens=len(self.tokens), decode_s=0.01)
         stats.record_step(0, 0, len(self.tokens))
-        return Output("text", list(self.tokens), stats, 0.01)
+        return RequestOutput(text="text", token_ids=list(self.tokens), stats=stats)
 
 
 ITEMS = [BenchItem(f"q{i}", "math", (f"question {i}",)) for i in range(3)]
@@ -139,17 +141,17 @@ def test_transformers_peer_counts_its_steps(tiny_model_dir, mode):
     for params in (greedy, sampled):
         out = method.generate(messages, params)
         n, lengths = len(out.token_ids), out.stats.accept_lengths
-        assert (n == 12 if params.ignore_eos else 1 <= n <= 12) and out.wall_time > 0
+        assert (n == 12 if params.ignore_eos else 1 <= n <= 12) and out.stats.wall_s > 0
         assert sum(lengths) in (n - 1, n)  # every token but the prefill's comes from a counted step
         if mode == "ar":
             assert set(lengths) <= {1}
 
 
 def test_quantized_checkpoint_serves_the_int8_verifiers_only(monkeypatch):
-    from quasar.bench import methods
+    from quasar.bench import base
 
     calls = []
-    monkeypatch.setattr(methods, "load_verifier", lambda model, name, cache_dir: calls.append((model, name)) or name)
+    monkeypatch.setattr(base, "load_verifier", lambda model, name, cache_dir: calls.append((model, name)) or name)
     pool = Pool(MethodOptions(model="float-model", quantized="ckpt"))
     for name in ("bf16", "w8a8", "w8a16", "w8a8:0.5"):
         pool.verifier(name)
@@ -167,7 +169,7 @@ def test_a_failing_method_is_reported_and_dropped_not_fatal(tmp_path):
         name = "fine"
 
         def generate(self, messages, params):
-            return Output("ok", [1], GenerationStats(new_tokens=1), 0.01)
+            return RequestOutput(text="ok", token_ids=[1], stats=GenerationStats(new_tokens=1, decode_s=0.01))
 
     items = [BenchItem(f"q{i}", "writing", ("hi",)) for i in range(3)]
     result = run([Broken(), Fine()], items, RunConfig(max_new_tokens=4), tmp_path / "a.jsonl")
@@ -184,7 +186,7 @@ def test_a_method_failing_mid_run_keeps_its_finished_answers(tmp_path):
             Flaky.calls += 1
             if Flaky.calls > 2:  # warm-up and q0 succeed, q1 fails
                 raise RuntimeError("boom")
-            return Output("ok", [1], GenerationStats(new_tokens=1), 0.01)
+            return RequestOutput(text="ok", token_ids=[1], stats=GenerationStats(new_tokens=1, decode_s=0.01))
 
     items = [BenchItem(f"q{i}", "writing", ("hi",)) for i in range(3)]
     result = run([Flaky()], items, RunConfig(max_new_tokens=4), tmp_path / "a.jsonl")

@@ -15,14 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quasar.engine import Completion, Decoder, Engine
+from quasar.engine import Decoder, Engine
 from quasar.generate import autoregressive
 from quasar.loading import LoadedModel
+from quasar.outputs import RequestOutput
+from quasar.prompt import Messages
 from quasar.sampling import SamplingParams
-from quasar.stats import GenerationStats
 from quasar.verifiers import load_verifier
-
-Messages = list[dict[str, str]]
 
 
 @dataclass(frozen=True)
@@ -57,24 +56,6 @@ def build_engine(
     return Engine(target, build_decoder(target, decode, cache_dir), max_context=max_context)
 
 
-@dataclass
-class RequestOutput:
-    """One finished request: the prompt as given, the generated text and token ids, and its statistics."""
-
-    prompt: str | Messages
-    text: str
-    token_ids: list[int]
-    stats: GenerationStats
-
-    @property
-    def finish_reason(self) -> str:
-        return self.stats.finish_reason
-
-    @classmethod
-    def of(cls, prompt: str | Messages, completion: Completion) -> RequestOutput:
-        return cls(prompt, completion.text, completion.token_ids, completion.stats)
-
-
 class LLM:
     """A model loaded once for generation: `generate` (batch of prompts), `stream` (pieces), `chat`."""
 
@@ -102,13 +83,12 @@ class LLM:
         """Complete each prompt (raw text unless chat=True), one after another, in order."""
         params = params or SamplingParams()
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        return [RequestOutput.of(p, self.engine.generate(self.engine.encode(p, chat), params)) for p in prompts]
+        return [self.engine.generate(self.engine.encode(p, chat), params, p) for p in prompts]
 
-    def stream(self, prompt: str | Messages, params: SamplingParams | None = None, chat: bool | None = None) -> Iterator[str]:
+    def stream(self, prompt: str | Messages, params: SamplingParams | None = None, chat: bool = False) -> Iterator[str]:
         """Text pieces as they are generated; stopping the iteration early stops the generation.
-        A string prompt is raw text unless chat=True; a list of messages always uses the chat template."""
-        run = self.engine.run(self.engine.encode(prompt, False if chat is None and isinstance(prompt, str) else chat),
-                              params or SamplingParams())
+        A string prompt is raw text unless chat=True; a list of messages is a conversation (quasar.prompt.encode)."""
+        run = self.engine.run(self.engine.encode(prompt, chat), params or SamplingParams(), prompt)
         try:
             yield from run
         finally:
@@ -119,5 +99,6 @@ class LLM:
         """Answer one conversation (a list of {'role', 'content'} dicts), or each of several."""
         params = params or SamplingParams()
         if messages and isinstance(messages[0], dict):
-            return RequestOutput.of(messages, self.engine.generate(self.engine.encode(list(messages)), params))
+            conversation = list(messages)
+            return self.engine.generate(self.engine.encode(conversation), params, conversation)
         return [self.chat(conversation, params) for conversation in messages]  # type: ignore[misc]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from quasar.detokenize import IncrementalDetokenizer
@@ -13,9 +12,10 @@ from quasar.generate import StopRule, autoregressive
 from quasar.kv_cache import KVCache
 from quasar.loading import LoadedModel
 from quasar.models.llama import Transformer
+from quasar.outputs import RequestOutput
+from quasar.prompt import Messages, encode
 from quasar.sampling import SamplingParams
 from quasar.stats import GenerationStats
-
 
 CACHE_BUCKET = 256  # KV cache sizes are multiples of this
 
@@ -36,28 +36,14 @@ class Decoder(Protocol):
     ) -> Iterator[list[int]]: ...
 
 
-@dataclass
-class Completion:
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    stats: GenerationStats = field(default_factory=GenerationStats)
-
-    @property
-    def finish_reason(self) -> str:
-        return self.stats.finish_reason
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "token_ids": self.token_ids, "stats": self.stats.to_dict()}
-
-
 class Run:
-    """One request in flight: iterate it for text pieces; `completion` holds the result so far.
+    """One request in flight: iterate it for text pieces; `output` holds the result so far.
 
     Closing the iterator early (a client that went away) stops generation at once."""
 
-    def __init__(self, pieces: Callable[[Completion], Iterator[str]]) -> None:
-        self.completion = Completion()
-        self._pieces = pieces(self.completion)
+    def __init__(self, output: RequestOutput, pieces: Callable[[RequestOutput], Iterator[str]]) -> None:
+        self.output = output
+        self._pieces = pieces(output)
 
     def __iter__(self) -> Iterator[str]:
         return self._pieces
@@ -65,10 +51,10 @@ class Run:
     def close(self) -> None:
         self._pieces.close()
 
-    def result(self) -> Completion:
+    def result(self) -> RequestOutput:
         for _ in self._pieces:
             pass
-        return self.completion
+        return self.output
 
 
 class Engine:
@@ -92,16 +78,10 @@ class Engine:
     def tokenizer(self) -> Any:
         return self.target.tokenizer
 
-    def encode(self, prompt: str | list[dict[str, str]], chat: bool | None = None) -> list[int]:
-        """Text or chat messages -> prompt token ids. chat=None: use the chat template if there is one."""
-        tokenizer = self.tokenizer
-        if isinstance(prompt, list) or (chat if chat is not None else bool(tokenizer.chat_template)):
-            if not tokenizer.chat_template:
-                raise ValueError("this model's tokenizer has no chat template; use a plain prompt")
-            messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return tokenizer.encode(text, add_special_tokens=False)
-        return tokenizer.encode(prompt)
+    def encode(self, prompt: str | Messages, chat: bool | None = None) -> list[int]:
+        """Text or chat messages -> prompt token ids (`quasar.prompt.encode`: chat=None uses the chat
+        template when there is one)."""
+        return encode(self.tokenizer, prompt, chat)
 
     def fresh_cache(self, needed: int) -> KVCache:
         """An empty cache of `needed` positions rounded up to a multiple of CACHE_BUCKET. Its size is a
@@ -113,8 +93,9 @@ class Engine:
         self.cache.reset()
         return self.cache
 
-    def run(self, prompt_ids: list[int], params: SamplingParams) -> Run:
-        """Start a request; nothing is computed until the Run is iterated."""
+    def run(self, prompt_ids: list[int], params: SamplingParams, prompt: str | Messages | None = None) -> Run:
+        """Start a request (`prompt`, when given, is what `prompt_ids` were encoded from; it is only
+        reported); nothing is computed until the Run is iterated."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         room = self.max_context - len(prompt_ids)
@@ -125,8 +106,8 @@ class Engine:
         budget = min(params.max_new_tokens, room)
         cache_len = min(len(prompt_ids) + budget + self.cache_slack, self.max_context + self.cache_slack)
 
-        def pieces(completion: Completion) -> Iterator[str]:
-            stats = completion.stats
+        def pieces(output: RequestOutput) -> Iterator[str]:
+            stats = output.stats
             stats.prompt_tokens = len(prompt_ids)
             detok = IncrementalDetokenizer(self.tokenizer, params.stop)
             start = time.perf_counter()
@@ -134,7 +115,7 @@ class Engine:
             stream = self.decoder(self.target.model, cache, prompt_ids, params, StopRule(params, self.eos, budget), stats)
             try:
                 for tokens in stream:
-                    completion.token_ids.extend(tokens)
+                    output.token_ids.extend(tokens)
                     piece = detok.add(tokens)
                     if piece:
                         yield piece
@@ -146,15 +127,16 @@ class Engine:
                     yield tail
             finally:
                 stream.close()
-                stats.new_tokens = len(completion.token_ids)
+                stats.new_tokens = len(output.token_ids)
                 stats.decode_s = time.perf_counter() - start - stats.prefill_s
-                completion.text = detok.text
+                output.text = detok.text
 
-        return Run(pieces)
+        return Run(RequestOutput(prompt, list(prompt_ids)), pieces)
 
     @property
     def eos(self) -> tuple[int, ...]:
         return self.target.eos_token_ids
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
-        return self.run(prompt_ids, params).result()
+    def generate(self, prompt_ids: list[int], params: SamplingParams, prompt: str | Messages | None = None
+                 ) -> RequestOutput:
+        return self.run(prompt_ids, params, prompt).result()

@@ -32,9 +32,13 @@ class GenerationStats:
     finish_reason: str = "length"
 
     @property
+    def wall_s(self) -> float:
+        """Seconds from the request to its last token, prompt processing included."""
+        return self.prefill_s + self.decode_s
+
+    @property
     def tokens_per_s(self) -> float:
-        total = self.prefill_s + self.decode_s
-        return self.new_tokens / total if total > 0 else 0.0
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
     @property
     def mean_accepted_tokens(self) -> float:
@@ -59,6 +63,7 @@ class GenerationStats:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out.update(
+            wall_s=self.wall_s,
             tokens_per_s=self.tokens_per_s,
             mean_accepted_tokens=self.mean_accepted_tokens,
             acceptance_rate=self.acceptance_rate,

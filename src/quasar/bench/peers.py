@@ -1,20 +1,23 @@
 """Peers run side by side with quasar: transformers (plain and prompt lookup) and llama.cpp.
 
-Peers get the same prompt token ids and token budget as quasar's methods. Their verify steps are
-counted from outside: a forward pre-hook records where each transformers forward starts.
+Peers get the same prompt token ids (`quasar.prompt.encode`) and token budget as quasar's methods. Their
+verify steps are counted from outside: a forward pre-hook records where each transformers forward starts.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from quasar.bench.methods import Messages, Output, PeerMissingError, encode
+from quasar.bench.base import PeerMissingError, Pool
 from quasar.loading import load_tokenizer, resolve
+from quasar.outputs import RequestOutput
+from quasar.prompt import Messages, encode
 from quasar.sampling import SamplingParams
 from quasar.stats import GenerationStats
 
@@ -64,7 +67,7 @@ class HFMethod:
                 "top_k": params.top_k}
 
     @torch.inference_mode()
-    def generate(self, messages: Messages, params: SamplingParams) -> Output:
+    def generate(self, messages: Messages, params: SamplingParams) -> RequestOutput:
         ids = encode(self.tokenizer, messages)
         if params.seed is not None:
             torch.manual_seed(params.seed)
@@ -80,10 +83,12 @@ class HFMethod:
             handle.remove()
         wall = time.perf_counter() - start
         new = out[0, len(ids):].tolist()
-        stats = GenerationStats(prompt_tokens=len(ids), new_tokens=len(new), decode_s=wall)
+        stats = GenerationStats(prompt_tokens=len(ids), new_tokens=len(new), decode_s=wall,
+                                finish_reason=finish_reason(new, self.eos, params))
         for emitted in step_lengths(starts, len(ids), len(ids) + len(new)):
             stats.record_step(proposed=0, accepted=0, emitted=emitted)  # drafts are not visible from outside
-        return Output(self.tokenizer.decode(new, skip_special_tokens=True), new, stats, wall)
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        return RequestOutput(list(messages), ids, text=text, token_ids=new, stats=stats)
 
 
 class LlamaCppMethod:
@@ -91,7 +96,7 @@ class LlamaCppMethod:
 
     INSTALL = "llama-cpp-python is not installed; install it with: pip install llama-cpp-python"
 
-    def __init__(self, name: str, pool: Any, precision: str, pld_tokens: int | None) -> None:
+    def __init__(self, name: str, pool: Pool, precision: str, pld_tokens: int | None) -> None:
         if importlib.util.find_spec("llama_cpp") is None:
             raise PeerMissingError(self.INSTALL)
         from llama_cpp import Llama
@@ -111,7 +116,7 @@ class LlamaCppMethod:
         self.llm = Llama(str(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(), draft_model=draft,
                          logits_all=draft is not None, verbose=False)
 
-    def generate(self, messages: Messages, params: SamplingParams) -> Output:
+    def generate(self, messages: Messages, params: SamplingParams) -> RequestOutput:
         ids = encode(self.tokenizer, messages)
         eos = {self.llm.token_eos()}
         new: list[int] = []
@@ -124,5 +129,26 @@ class LlamaCppMethod:
             if (token in eos and not params.ignore_eos) or len(new) >= params.max_new_tokens:
                 break
         wall = time.perf_counter() - start
-        stats = GenerationStats(prompt_tokens=len(ids), new_tokens=len(new), decode_s=wall)
-        return Output(self.tokenizer.decode(new, skip_special_tokens=True), new, stats, wall)
+        stats = GenerationStats(prompt_tokens=len(ids), new_tokens=len(new), decode_s=wall,
+                                finish_reason=finish_reason(new, eos, params))
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        return RequestOutput(list(messages), ids, text=text, token_ids=new, stats=stats)
+
+
+def finish_reason(new: list[int], eos: Collection[int], params: SamplingParams) -> str:
+    """'stop' when the answer ended at an end-of-sequence token, else 'length' (as quasar's engine says)."""
+    return "stop" if new and new[-1] in eos and not params.ignore_eos else "length"
+
+
+def build_hf(name: str, pool: Pool) -> HFMethod:
+    mode = name.partition(":")[2]
+    if mode not in ("ar", "pld"):
+        raise ValueError(f"unknown transformers peer {name!r}; choose hf:ar or hf:pld")
+    return HFMethod(name, pool.directory(), pool.options.pld_tokens if mode == "pld" else None)
+
+
+def build_llamacpp(name: str, pool: Pool) -> LlamaCppMethod:
+    _, mode, precision = (name.split(":") + ["q8_0"])[:3]
+    if mode not in ("ar", "pld") or precision not in ("q8_0", "f16"):
+        raise ValueError(f"unknown llama.cpp peer {name!r}; choose llamacpp:{{ar,pld}}[:f16|:q8_0]")
+    return LlamaCppMethod(name, pool, precision, pool.options.pld_tokens if mode == "pld" else None)

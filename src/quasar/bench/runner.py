@@ -17,7 +17,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from quasar.bench.methods import Method
+from quasar.bench.base import Method
 from quasar.bench.metrics import Record
 from quasar.bench.suites import BenchItem
 from quasar.engine import PromptTooLongError
@@ -54,7 +54,7 @@ def answer(method: Method, item: BenchItem, params: SamplingParams, temperature:
         messages.append({"role": "assistant", "content": out.text})
         choice["turns"].append(out.text)
         choice["new_tokens"].append(len(out.token_ids))
-        choice["wall_time"].append(out.wall_time)
+        choice["wall_time"].append(out.stats.wall_s)
         choice["decoding_steps"].append(out.stats.verify_steps)
         choice["accept_lengths"].extend(out.stats.accept_lengths)
         choice["token_ids"].append(out.token_ids)

@@ -16,7 +16,8 @@ import torch
 
 from quasar import native
 from quasar.bench import bandwidth, plots
-from quasar.bench.methods import MethodOptions, Pool, build_methods
+from quasar.bench.base import MethodOptions, Pool
+from quasar.bench.methods import build_methods
 from quasar.bench.metrics import BASELINES, Record, divergences, summarize
 from quasar.bench.report import write_summary
 from quasar.bench.runner import RunConfig, RunResult, run

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from quasar.bench.methods import MethodOptions
+from quasar.bench.base import MethodOptions
 from quasar.bench.report import print_summary
 from quasar.bench.runner import RunConfig
 from quasar.bench.session import BenchOptions, bench

@@ -15,7 +15,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from quasar.engine import Completion, Engine
+from quasar.engine import Engine
+from quasar.outputs import RequestOutput
 from quasar.server.metrics import Metrics
 from quasar.server.protocol import BadRequest, ChatRequest, CompletionRequest, Envelope, budget, error_body, parse
 from quasar.server.scheduler import Job, QueueFullError, Scheduler
@@ -55,7 +56,7 @@ class Guard:
 def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = 64) -> FastAPI:
     metrics = Metrics()
 
-    def finished(job: Job, completion: Completion, cancelled: bool) -> None:
+    def finished(job: Job, completion: RequestOutput, cancelled: bool) -> None:
         first = None if job.first_piece is None else job.first_piece - job.submitted
         metrics.record(completion.stats, time.perf_counter() - job.submitted, first, cancelled)
 
@@ -163,7 +164,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             except Exception as e:  # generation failed after the 200 went out: say so in the stream
                 yield event(error_body(f"generation failed: {e}", "server_error"))
                 return
-            completion = job.run.completion
+            completion = job.run.output
             yield event(envelope.chunk(None, finish_reason=completion.finish_reason))
             if include_usage:
                 yield event(envelope.usage_chunk(completion))

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from quasar.engine import Completion
+from quasar.outputs import RequestOutput
 from quasar.sampling import SamplingParams
 
 
@@ -124,7 +124,7 @@ def budget(requested: int | None, prompt_tokens: int, max_context: int) -> int:
     return requested if requested is not None else room
 
 
-def usage(completion: Completion) -> dict[str, Any]:
+def usage(completion: RequestOutput) -> dict[str, Any]:
     """OpenAI usage plus the speculative statistics of the request."""
     stats = completion.stats
     return {
@@ -154,7 +154,7 @@ class Envelope:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, completion: Completion) -> dict[str, Any]:
+    def full(self, completion: RequestOutput) -> dict[str, Any]:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
                       "logprobs": None, "finish_reason": completion.finish_reason}
@@ -172,5 +172,5 @@ class Envelope:
             choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish_reason}
         return self._wrap([choice], chunk=True)
 
-    def usage_chunk(self, completion: Completion) -> dict[str, Any]:
+    def usage_chunk(self, completion: RequestOutput) -> dict[str, Any]:
         return self._wrap([], chunk=True) | {"usage": usage(completion)}

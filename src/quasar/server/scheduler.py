@@ -16,7 +16,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from quasar.engine import Completion, Run
+from quasar.engine import Run
+from quasar.outputs import RequestOutput
 
 log = logging.getLogger("quasar")
 
@@ -51,13 +52,13 @@ class Job:
             else:
                 return
 
-    async def completion(self) -> Completion:
+    async def completion(self) -> RequestOutput:
         async for _ in self.pieces():
             pass
-        return self.run.completion
+        return self.run.output
 
 
-Finished = Callable[[Job, Completion, bool], None]  # (job, completion, cancelled) -> None
+Finished = Callable[[Job, RequestOutput, bool], None]  # (job, completion, cancelled) -> None
 
 
 class Scheduler:
@@ -137,5 +138,5 @@ class Scheduler:
         finally:
             job.run.close()
         if self.on_finish is not None:
-            self.on_finish(job, job.run.completion, job.cancelled.is_set())
+            self.on_finish(job, job.run.output, job.cancelled.is_set())
         job.emit("done", None)

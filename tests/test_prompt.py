@@ -1,0 +1,60 @@
+"""One rule from prompts to token ids (`quasar.prompt.encode`), shared by the engine and the bench's methods."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from quasar.bench.methods import EngineMethod
+from quasar.bench.peers import HFMethod
+from quasar.engine import Engine
+from quasar.loading import load_tokenizer
+from quasar.prompt import encode
+from quasar.sampling import SamplingParams
+
+ONE_TOKEN = SamplingParams(max_new_tokens=1)
+TEXT = "Name three rivers in Europe."
+TWO_TURNS = [
+    {"role": "user", "content": TEXT},
+    {"role": "assistant", "content": "The Rhine, the Danube and the Loire."},
+    {"role": "user", "content": "Which is longest?"},
+]
+
+
+@pytest.fixture(scope="module", params=["chat template", "no chat template"])
+def tokenizer(request, tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    assert tokenizer.chat_template  # the default model's tokenizer has one
+    if request.param == "no chat template":
+        tokenizer.chat_template = None
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def hf_peer(tiny_model_dir) -> HFMethod:
+    return HFMethod("hf:ar", tiny_model_dir, None)
+
+
+def test_bench_methods_and_the_engine_give_the_same_ids(tokenizer, tiny_model, hf_peer, monkeypatch):
+    engine = Engine(dataclasses.replace(tiny_model, tokenizer=tokenizer))
+    monkeypatch.setattr(hf_peer, "tokenizer", tokenizer)
+    for conversation in ([{"role": "user", "content": TEXT}], TWO_TURNS):
+        expected = engine.encode(conversation)
+        for method in (EngineMethod("ar:fp32", engine), hf_peer):
+            out = method.generate(conversation, ONE_TOKEN)
+            assert out.prompt_token_ids == expected, method.name
+            assert out.prompt == conversation and out.stats.prompt_tokens == len(expected)
+    assert engine.encode(TEXT) == engine.encode([{"role": "user", "content": TEXT}])  # the CLI's default
+
+
+def test_the_rule_with_and_without_a_chat_template(tokenizer):
+    raw = tokenizer.encode(TEXT)
+    assert encode(tokenizer, TEXT, chat=False) == raw
+    if tokenizer.chat_template:
+        rendered = tokenizer.apply_chat_template(TWO_TURNS, add_generation_prompt=True, tokenize=False)
+        assert encode(tokenizer, TWO_TURNS) == tokenizer.encode(rendered, add_special_tokens=False)
+        assert encode(tokenizer, TEXT) != raw
+    else:  # the turns' contents joined by blank lines, encoded as text
+        assert encode(tokenizer, TEXT) == encode(tokenizer, TEXT, chat=True) == raw
+        assert encode(tokenizer, TWO_TURNS) == tokenizer.encode("\n\n".join(m["content"] for m in TWO_TURNS))
