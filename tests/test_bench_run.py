@@ -17,6 +17,7 @@ from quasar.bench.metrics import divergences
 from quasar.bench.peers import step_lengths
 from quasar.bench.runner import RunConfig, run
 from quasar.bench.suites import BenchItem
+from quasar.cli import main
 from quasar.engine import Engine
 from quasar.outputs import RequestOutput
 from quasar.stats import GenerationStats
@@ -56,6 +57,33 @@ def test_quick_bench_cli_on_a_tiny_model(tiny_model_dir, tmp_path):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_an_earlier_run_is_refused_without_overwrite(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "bench"
+    out.mkdir()
+    earlier = '{"question_id": "from an earlier run"}\n'
+    (out / "answers.jsonl").write_text(earlier)
+    args = ["bench", "--model", str(tiny_model_dir), "--methods", "ar:fp32", "--limit", "1", "--categories", "math",
+            "--max-new-tokens", "2", "--no-memory-wall", "--no-plots", "--out", str(out)]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and err.count("\n") == 1
+    assert [p.name for p in out.iterdir()] == ["answers.jsonl"] and (out / "answers.jsonl").read_text() == earlier
+    assert main([*args, "--overwrite"]) == 0
+    records = [json.loads(line) for line in (out / "answers.jsonl").read_text().splitlines()]
+    assert [(r["question_id"], r["model_id"]) for r in records] == [("mt-111", "ar:fp32")]
+    assert json.loads((out / "summary.json").read_text())["config"]["prompts"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["bench"]  # no temporary sibling left behind
+
+
+def test_overwrite_replaces_only_a_bench_output(tiny_model_dir, tmp_path, capsys):
+    """--overwrite replaces the whole directory, so one holding files bench did not write is refused."""
+    (tmp_path / "notes.txt").write_text("mine")
+    args = ["bench", "--model", str(tiny_model_dir), "--methods", "ar:fp32", "--out", str(tmp_path), "--overwrite"]
+    assert main(args) == 1
+    assert "notes.txt" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
 class ScriptedMethod:
     """A fake method: emits fixed tokens; raises KeyboardInterrupt on the question named `stop_at`."""
 
@@ -90,7 +118,6 @@ def test_ctrl_c_keeps_finished_prompts(tmp_path, caplog):
 
 
 def test_greedy_speculative_matches_plain_decoding_through_the_bench(tiny_model, tmp_path):
-    pytest.importorskip("quasar.speculative")
     from quasar.drafters import build_drafter
     from quasar.speculative import Speculative
 

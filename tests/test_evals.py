@@ -180,3 +180,45 @@ def test_eval_command_refuses_unknown_names_before_loading(args, message, capsys
     assert main(["eval", "--model", "/nonexistent/model", "--limit", "1", *args]) == 1
     err = capsys.readouterr().err
     assert message in err and "does not exist" not in err
+
+
+def test_an_existing_report_is_refused_without_overwrite(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    out.write_text('{"earlier": "run"}')
+    args = ["eval", "--model", str(tiny_model_dir), "--tasks", "mmlu", "--limit", "1", "--json", "--out", str(out)]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and err.count("\n") == 1
+    assert out.read_text() == '{"earlier": "run"}'
+    assert main([*args, "--overwrite"]) == 0
+    assert len(json.loads(out.read_text())["items"]["fp32/mmlu"]) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]  # no temporary file left
+
+
+SAVE_UNDER_A_SIZE_LIMIT = """
+import resource, signal, sys
+from quasar.commands.eval import save
+from quasar.evals.runner import EvalConfig, EvalReport, TaskScore
+from quasar.evals.task import ItemResult
+
+report = EvalReport(EvalConfig(tasks=("mmlu",)))
+items = [ItemResult(f"mmlu/{i}", True, "A", "x" * 100) for i in range(1000)]  # about 150 kB of JSON
+report.scores[("fp32", "mmlu")] = TaskScore("mmlu", "fp32", items, 1.0)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+try:
+    save(report, __import__("pathlib").Path(sys.argv[1]))
+except OSError as e:
+    print("failed:", e.strerror)
+"""
+
+
+def test_a_report_write_that_stops_midway_keeps_the_previous_report(tmp_path):
+    """A save cut off midway (here by the file-size limit, as a full disk would) leaves the last complete report."""
+    out = tmp_path / "report.json"
+    out.write_text('{"previous": "complete"}')
+    proc = subprocess.run([sys.executable, "-c", SAVE_UNDER_A_SIZE_LIMIT, str(out)], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert "failed: File too large" in proc.stdout, proc.stderr
+    assert json.loads(out.read_text()) == {"previous": "complete"}
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]

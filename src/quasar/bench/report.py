@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from quasar.bench.metrics import BASELINES
+from quasar.files import atomic_write_text
 
 COLUMNS = (  # (row key, header, format)
     ("category", "category", "{}"),
@@ -76,8 +77,8 @@ def markdown(rows: list[dict[str, Any]], divergent: list[dict[str, Any]], header
 
 
 def write_summary(out: Path, summary: dict[str, Any]) -> None:
-    """summary.json (everything) and summary.md (the tables and divergences)."""
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    """summary.json (everything) and summary.md (the tables and divergences), each written atomically."""
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     header = "# quasar bench summary\n\n" + "\n".join(f"- {k}: {v}" for k, v in summary["config"].items()) + "\n"
     header += "".join(f"- failed: {method} stopped at {error}\n" for method, error in summary.get("failed", {}).items())
-    (out / "summary.md").write_text(markdown(summary["rows"], summary["divergences"], header))
+    atomic_write_text(out / "summary.md", markdown(summary["rows"], summary["divergences"], header))

@@ -1,8 +1,9 @@
 """Run every method on every prompt in one process: warm-up first, then interleaved prompt by prompt
 (method order rotated from prompt to prompt), same prompts, same token budget, same seeds.
 
-Each finished prompt appends one Spec-Bench answer record per method to answers.jsonl at once, so
+Each finished prompt appends one Spec-Bench answer record per method to answers.jsonl in one write, so
 Ctrl-C loses at most the prompt in flight; a prompt is written only when every method has answered it.
+answers.jsonl must not exist yet: an earlier run's answers are never truncated.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def run(methods: list[Method], items: list[BenchItem], config: RunConfig, answer
         raise ValueError("no method to run")
     answers.parent.mkdir(parents=True, exist_ok=True)
     total = len(items) * len(config.temperatures)
-    with open(answers, "w") as out, tqdm(total=total, unit="prompt", desc="bench", disable=None, dynamic_ncols=True) as bar:
+    with open(answers, "x") as out, tqdm(total=total, unit="prompt", desc="bench", disable=None, dynamic_ncols=True) as bar:
         done, active = 0, list(methods)
         try:
             warm_up(active, config.warmup_tokens, result)
@@ -134,7 +135,7 @@ def run(methods: list[Method], items: list[BenchItem], config: RunConfig, answer
                     result.skipped.append(item.question_id)
                     batch = []
                 batch.sort(key=lambda r: [m.name for m in methods].index(r["model_id"]))
-                out.writelines(json.dumps(record) + "\n" for record in batch)
+                out.write("".join(json.dumps(record) + "\n" for record in batch))  # whole, even on Ctrl-C
                 out.flush()
                 result.records.extend(batch)
                 done += 1

@@ -1,7 +1,9 @@
 """One `quasar bench` session: build the methods, run them, measure the memory wall, write the outputs.
 
 Outputs in the out directory: answers.jsonl (Spec-Bench answer records), summary.json, summary.md and
-the PNG plots; the summary table is also printed.
+the PNG plots; the summary table is also printed. The run writes them into a temporary sibling of out that
+replaces out when the run ends (or stops on Ctrl-C), so out always holds one whole run: a run that is killed
+leaves the previous one in place, and its partial answers in the sibling (`.OUT.tmp.*`).
 """
 
 from __future__ import annotations
@@ -16,14 +18,17 @@ import torch
 
 from quasar import native
 from quasar.bench import bandwidth, plots
-from quasar.bench.base import MethodOptions, Pool
+from quasar.bench.base import Method, MethodOptions, Pool
 from quasar.bench.methods import build_methods
 from quasar.bench.metrics import BASELINES, Record, divergences, summarize
 from quasar.bench.report import write_summary
 from quasar.bench.runner import RunConfig, RunResult, run
-from quasar.bench.suites import load_suite
+from quasar.bench.suites import BenchItem, load_suite
+from quasar.files import atomic_directory
 
 log = logging.getLogger("quasar")
+PLOTS = ("accept_lengths.png", "speedup_by_category.png", "speedup_vs_temperature.png", "verify_forward.png")
+OUTPUTS = ("answers.jsonl", "summary.json", "summary.md", *PLOTS)  # what a run writes, and all --overwrite replaces
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class BenchOptions:
     model: MethodOptions = field(default_factory=MethodOptions)
     memory_wall: bool = True  # the bandwidth probe and verify-forward curves
     plots: bool = True
+    overwrite: bool = False  # replace an earlier run in `out`
 
 
 def memory_wall(pool: Pool) -> dict[str, Any]:
@@ -52,14 +58,15 @@ def memory_wall(pool: Pool) -> dict[str, Any]:
 
 def draw(out: Path, rows: list[dict[str, Any]], records: list[Record], wall: dict[str, Any] | None) -> list[str]:
     baseline = next((b for b in BASELINES if any(r["method"] == b for r in rows)), None)
-    made = [plots.accept_length_distribution(records, out / "accept_lengths.png")]
+    accept, by_category, by_temperature, verify = (out / name for name in PLOTS)
+    made = [plots.accept_length_distribution(records, accept)]
     if baseline:
-        made.append(plots.speedup_by_category(rows, baseline, out / "speedup_by_category.png"))
-        made.append(plots.speedup_vs_temperature(rows, baseline, out / "speedup_vs_temperature.png"))
+        made.append(plots.speedup_by_category(rows, baseline, by_category))
+        made.append(plots.speedup_vs_temperature(rows, baseline, by_temperature))
     else:
         log.warning("no baseline method (%s) in the run: no speedup plots", " or ".join(BASELINES))
     if wall and wall["curves"]:
-        made.append(plots.verify_forward(wall["curves"], wall["bandwidth_bytes_per_s"], out / "verify_forward.png"))
+        made.append(plots.verify_forward(wall["curves"], wall["bandwidth_bytes_per_s"], verify))
     return [p.name for p in made]
 
 
@@ -69,14 +76,43 @@ def machine() -> dict[str, Any]:
             "threads": torch.get_num_threads(), "int8_path": kernel.int8_paths()[0] if kernel else "torch"}
 
 
+def check_out(out: Path, overwrite: bool) -> None:
+    """Refuse, before any work, to replace an earlier run without `overwrite`, or anything but a bench output."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return
+    if not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a directory")
+    if not overwrite:
+        raise ValueError(f"{out} holds an earlier run; pass --overwrite to replace it, or choose another --out")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in OUTPUTS)
+    if foreign:
+        raise ValueError(f"{out} holds files that quasar bench did not write ({', '.join(foreign[:3])}), and "
+                         "--overwrite replaces the whole directory; choose another --out")
+
+
 def bench(options: BenchOptions) -> tuple[RunResult, dict[str, Any]]:
     """Run the benchmark and write every output; returns what ran (interrupted=True after Ctrl-C) and
     the summary."""
+    out = Path(options.out)
+    check_out(out, options.overwrite)
     items = load_suite(options.suite, options.per_category, options.categories)
     pool = Pool(options.model)
     methods = build_methods(list(options.methods), pool)
-    out = Path(options.out)
     log.info("%d prompts x %d methods x %d temperatures", len(items), len(methods), len(options.run.temperatures))
+    result, summary = RunResult(), {}
+
+    def write(tmp: Path) -> None:
+        nonlocal result, summary
+        log.info("writing the run into %s; it replaces %s when the run ends", tmp, out)
+        result, summary = measure(options, items, pool, methods, tmp)
+
+    atomic_directory(out, write)
+    return result, summary
+
+
+def measure(options: BenchOptions, items: list[BenchItem], pool: Pool, methods: list[Method],
+            out: Path) -> tuple[RunResult, dict[str, Any]]:
+    """Run the methods and the memory-wall probe; write answers, summary and plots into out."""
     result = run(methods, items, options.run, out / "answers.jsonl")
     wall = None
     if options.memory_wall and not result.interrupted:

@@ -50,7 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--categories", type=csv, help=f"only these categories, from: {', '.join(CATEGORIES)}")
     parser.add_argument("--k", type=draft_length, default=5, help="draft length for DRAFTER+V, or 'auto' (default: 5)")
     parser.add_argument("--seed", type=int, default=0, help="base seed for sampled runs (default: 0)")
-    parser.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
+    parser.add_argument("--out", default="bench-out", help="output directory, replaced as a whole when the run ends "
+                        "(default: %(default)s)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the earlier run in a non-empty --out")
     parser.add_argument("--quantized", metavar="DIR", help="a checkpoint from `quasar quantize` to use as the "
                         "w8a8 (or w8a16) verifier, instead of quantizing --model on the fly")
     parser.add_argument("--cache-dir", help="where converted and quantized models are cached")
@@ -68,7 +70,7 @@ def options(args: argparse.Namespace) -> BenchOptions:
         run=RunConfig(temperatures=args.temperatures, max_new_tokens=max_new, seed=args.seed),
         model=MethodOptions(model=args.model, cache_dir=args.cache_dir, max_context=args.max_context,
                             k=args.k, quantized=args.quantized),
-        memory_wall=args.memory_wall, plots=args.plots,
+        memory_wall=args.memory_wall, plots=args.plots, overwrite=args.overwrite,
     )
 
 

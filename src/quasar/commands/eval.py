@@ -8,6 +8,7 @@ from pathlib import Path
 
 from quasar.evals.runner import EvalConfig, EvalReport, evaluate
 from quasar.evals.task import TaskOptions
+from quasar.files import atomic_write_text
 
 
 def comma_list(text: str) -> tuple[str, ...]:
@@ -36,11 +37,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--cache-dir", help="where converted and quantized models are cached")
     parser.add_argument("--max-context", type=int, help="context window in tokens (default: the model's)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
-    parser.add_argument("--out", type=Path, help="also write the full report (with every item's answer) as JSON here")
+    parser.add_argument("--out", type=Path, help="also write the full report (with every item's answer) as JSON here, "
+                        "rewritten after every task (an existing file needs --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out report")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out is not None and args.out.exists() and not args.overwrite:
+        raise ValueError(f"{args.out} already exists; pass --overwrite to replace it, or choose another --out")
     config = EvalConfig(
         model=args.model, verifiers=args.verifier, tasks=args.tasks, limit=args.limit,
         options=TaskOptions(max_new_tokens=args.max_new_tokens, timeout_s=args.timeout),
@@ -55,9 +60,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def save(report: EvalReport, out: Path) -> None:
-    """Write the full report; called after every (verifier, task), so an interrupted run keeps what finished."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report.to_dict(with_items=True), indent=2))
+    """Write the full report; called after every (verifier, task), so an interrupted run keeps what finished.
+    Atomic: a run killed while writing leaves the previous complete report, never a truncated one."""
+    atomic_write_text(out, json.dumps(report.to_dict(with_items=True), indent=2))
 
 
 def print_table(report: EvalReport) -> None:
