@@ -86,3 +86,22 @@ def tiny_model_dir(tmp_path_factory, tokenizer_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_dir) -> LoadedModel:
     return load(tiny_model_dir, "fp32")
+
+
+# ---- quasar's CPU kernels: skip where this machine cannot build them, fail where the build broke ---------
+
+from quasar import native  # noqa: E402
+
+needs_kernels = pytest.mark.skipif(native.kernel() is None, reason=f"quasar's CPU kernels: {native.status()}")
+
+
+def pytest_report_header(config) -> str:
+    return f"quasar's CPU kernels: {native.status()}"
+
+
+def pytest_sessionstart(session) -> None:
+    """A machine that can build the kernels (AVX2 and a C++ compiler) but failed to must not pass the suite
+    by skipping every kernel test."""
+    status = native.status()
+    if status.state == "failed":
+        pytest.exit(f"quasar's CPU kernels failed to build on a machine that can build them: {status.reason}", returncode=1)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_hf_model, write_hf_dir
+from conftest import needs_kernels, tiny_hf_model, write_hf_dir
 
-from quasar import native
+from quasar import backends, native
 from quasar.quant.bf16 import use_bf16_linears_
 from quasar.quant.schemes import W8A8Config, W8A16Config, quantize_
 
-pytestmark = pytest.mark.skipif(native.kernel() is None, reason="no AVX2 kernels on this machine")
+pytestmark = needs_kernels
 
 
 def make(kind: str, model_type: str, directory):
@@ -27,6 +27,7 @@ def make(kind: str, model_type: str, directory):
     else:
         quantize_(model, W8A8Config() if kind == "w8a8" else W8A16Config())
         use_bf16_linears_(model, ["lm_head"])
+    assert backends.prepare_(model).startswith("kernels:")
     return model
 
 
@@ -37,22 +38,18 @@ def model_dir(request, tmp_path_factory, tokenizer_dir):
 
 def steps(model, fused: bool) -> list[torch.Tensor]:
     """Prefill 20 tokens, then a verify block of 5 and two single-token steps; logits of each step."""
-    model.forget_row_check()
-    if not fused:
-        model._layer_kernel_args = []  # every layer through the Python modules (same kernels, one by one)
+    backends.prepare_(model, fuse=fused)  # unfused: every layer through the Python modules, same kernels
     torch.manual_seed(0)
     ids = torch.randint(0, 1000, (1, 27))
     cache = model.new_cache(64)
     with torch.inference_mode():
         out = [model(ids[:, :20], cache), model(ids[:, 20:25], cache), model(ids[:, 25:26], cache), model(ids[:, 26:27], cache)]
-    model.forget_row_check()
     return out
 
 
 @pytest.mark.parametrize("kind", ["w8a8", "w8a16", "bf16"])
 def test_fused_layer_equals_the_unfused_kernels(kind, model_dir):
     model = make(kind, "", model_dir)
-    assert model.layer_kernel_args() is not None
     for fused, unfused in zip(steps(model, True), steps(model, False)):
         assert torch.equal(fused, unfused)
 

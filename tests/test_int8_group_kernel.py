@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import needs_kernels
 
-from quasar import native
-from quasar.quant.int8 import Int8Linear, quantize_groups
+from quasar import backends, native
+from quasar.quant.int8 import Int8Linear, KernelInt8Linear, quantize_groups
 
-pytestmark = pytest.mark.skipif(native.kernel() is None, reason="no AVX2 kernel on this machine")
+pytestmark = needs_kernels
 PATHS = native.kernel().int8_paths() if native.kernel() is not None else []
 
 
@@ -57,7 +58,7 @@ def test_grouped_linear_matches_the_torch_reference(G, M, K, N, bias):
     the same layer: the same int8 activations and scales, sums that differ only in float rounding order."""
     torch.manual_seed(M + G)
     linear = torch.nn.Linear(K, N, bias=bias)
-    fused = Int8Linear.from_float(linear, backend="avx2", group_size=G)
+    fused = backends.on_kernel(Int8Linear.from_float(linear, backend="avx2", group_size=G))
     reference_layer = Int8Linear.from_float(linear, backend="reference", group_size=G)
     assert fused.weight_scale.shape == (N, K // G)
     x = torch.randn(M, K) * 3
@@ -72,7 +73,7 @@ def test_grouped_linear_matches_the_torch_reference(G, M, K, N, bias):
 
 def test_grouped_rows_do_not_depend_on_the_other_rows():
     torch.manual_seed(0)
-    layer = Int8Linear.from_float(torch.nn.Linear(576, 1536), backend="avx2", group_size=64)
+    layer = backends.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, 1536), backend="avx2", group_size=64))
     x = torch.randn(8, 576)
     together = layer(x)
     for m in range(1, 8):
@@ -82,9 +83,10 @@ def test_grouped_rows_do_not_depend_on_the_other_rows():
 
 def test_grouped_forward_many_equals_one_call_per_layer():
     torch.manual_seed(2)
-    layers = [Int8Linear.from_float(torch.nn.Linear(576, n, bias=b), group_size=64) for n, b in ((576, True), (192, False))]
+    layers = [backends.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, n, bias=b), group_size=64))
+              for n, b in ((576, True), (192, False))]
     x = torch.randn(1, 6, 576)
-    for got, layer in zip(Int8Linear.forward_many(layers, x), layers):
+    for got, layer in zip(KernelInt8Linear.forward_many(layers, x), layers):
         assert torch.equal(got, layer(x))
 
 
@@ -96,6 +98,7 @@ def test_kernel_quantization_matches_quantize_groups():
     layer = Int8Linear(K, K, bias=False, backend="avx2", group_size=G)
     layer.weight = torch.eye(K, dtype=torch.int8)
     layer.weight_scale = torch.ones(K, K // G)
+    backends.on_kernel(layer)
     x = torch.randn(5, K) * 7
     q, x_scale = quantize_groups(x, G)
     assert torch.equal(layer(x), q.float() * x_scale.repeat_interleave(G, dim=1))
@@ -124,19 +127,19 @@ def test_grouped_linear_is_exact_with_dyadic_scales(G, N, M):
     q.view(M, K // G, G)[:, :, 0] = 127  # every group's absmax is 127
     x_scale = 2.0 ** -torch.randint(0, 3, (M, K // G), generator=gen).float()
     x = (q.float().view(M, K // G, G) * x_scale[..., None]).view(M, K)
+    backends.on_kernel(layer)
     y = layer(x)
     assert torch.equal(y.double(), reference(q, x_scale, layer.weight, layer.weight_scale))
     for m in range(M):
         assert torch.equal(layer(x[m : m + 1])[0], y[m])
 
 
-def test_packed_weights_follow_the_path_and_the_weights():
+def test_weights_are_packed_once_at_load_on_the_dpbusd_path():
     kernel = native.kernel()
-    layer = Int8Linear.from_float(torch.nn.Linear(64, 32), backend="avx2", group_size=32)
-    w, scale = layer.kernel_weights(kernel)
+    layer = backends.on_kernel(Int8Linear.from_float(torch.nn.Linear(64, 32), backend="avx2", group_size=32))
+    w, scale = layer.kernel_weight
     if kernel.int8_path() == "dpbusd":
         assert w.shape == (2, 16, 16, 4) and scale.shape == (2, 2, 16)
-        layer.weight = layer.weight.clone()  # new weights: packed again, not stale
-        assert layer.kernel_weights(kernel)[0].data_ptr() != w.data_ptr()
+        assert layer.state_dict()["weight"].shape == (32, 64)  # checkpoints and exports keep the plain layout
     else:
         assert w is layer.weight

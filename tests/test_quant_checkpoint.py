@@ -10,7 +10,9 @@ import torch
 
 from quasar.cli import main
 from quasar.loading import ModelLoadError, load
+from quasar.models.llama import Linear
 from quasar.quant.calibration import CalibrationSpec
+from quasar.quant.bf16 import BF16Linear
 from quasar.quant.checkpoint import load_quantized, save_quantized
 from quasar.quant.int8 import Int8Linear, Int8WeightOnlyLinear
 from quasar.quant.recipe import QuantRecipe, quantize_model
@@ -36,7 +38,7 @@ def quantized(tiny_model, tmp_path_factory):
 
 def test_save_load_gives_bit_identical_logits(quantized):
     loaded, directory = quantized
-    reloaded = load(directory)  # through the ordinary loader: no float weights involved
+    reloaded = load_quantized(directory)  # no float weights involved
     assert isinstance(reloaded.model.model.layers[0].mlp.down_proj, Int8Linear)
     assert torch.equal(_logits(reloaded.model), _logits(loaded.model))
 
@@ -55,7 +57,7 @@ def test_w8a16_round_trip_with_ignored_linears(tiny_model, tmp_path):
     block = quantize_model(loaded, QuantRecipe("w8a16", None, ignore=("model.layers.1.mlp.*",)))
     reloaded = load_quantized(save_quantized(loaded, block, tmp_path / "w8a16"))
     assert isinstance(reloaded.model.model.layers[1].self_attn.o_proj, Int8WeightOnlyLinear)
-    assert type(reloaded.model.model.layers[1].mlp.up_proj) is torch.nn.Linear  # kept in float
+    assert type(reloaded.model.model.layers[1].mlp.up_proj) is Linear  # kept in float
     assert torch.equal(_logits(reloaded.model), _logits(loaded.model))
 
 
@@ -73,7 +75,7 @@ def test_corrupted_checkpoint_is_refused(quantized, tmp_path):
     data[-100] ^= 0xFF  # one flipped byte inside the tensor data
     weights.write_bytes(bytes(data))
     with pytest.raises(ModelLoadError, match="corrupt"):
-        load(directory)
+        load_quantized(directory)
 
 
 def test_truncated_checkpoint_is_refused(quantized, tmp_path):
@@ -81,7 +83,7 @@ def test_truncated_checkpoint_is_refused(quantized, tmp_path):
     weights = directory / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(ModelLoadError, match="corrupt"):
-        load(directory)
+        load_quantized(directory)
 
 
 def test_output_is_replaced_only_with_overwrite(quantized, tmp_path):
@@ -172,6 +174,53 @@ def test_verifier_names_pick_the_scheme(tiny_model_dir, tmp_path):
     assert default.model.model.layers[0].mlp.up_proj.group_size == 32
     assert load_verifier(tiny_model_dir, "w8a8:pc", cache).model.model.layers[0].mlp.up_proj.group_size == 0
     assert load_verifier(tiny_model_dir, "w8a8:g64", cache).model.model.layers[0].mlp.up_proj.group_size == 64
-    assert type(default.model.lm_head).__name__ in ("BF16Linear", "Linear")  # bf16 where the kernel runs
+    assert isinstance(default.model.lm_head, BF16Linear)  # part of the recipe, on every host
     with pytest.raises(ValueError, match="'x' is neither pc, gN nor an alpha"):
         load_verifier(tiny_model_dir, "w8a8:x", cache)
+
+
+def test_a_name_loads_one_model_and_a_quantized_directory_is_no_float_model(tiny_model_dir, tmp_path, capsys):
+    from quasar.verifiers import load_verifier
+
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(tiny_model_dir), "--out", str(out), "--scheme", "w8a16",
+                 "--calib-samples", "1", "--seq-len", "32"]) == 0
+    with pytest.raises(ModelLoadError, match="quantized checkpoint .*--verifier w8a16"):
+        load(out, "fp32")
+    with pytest.raises(ModelLoadError, match="quantized checkpoint"):
+        load_verifier(out, "fp32")
+    with pytest.raises(ValueError, match="is a w8a16 checkpoint, but --verifier asks for w8a8"):
+        load_verifier(out, "w8a8")
+    assert load_verifier(out, "w8a16").model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_a_warm_cache_loads_no_float_model_and_the_quantizer_code_keys_it(tiny_model_dir, tmp_path, monkeypatch):
+    """The cached checkpoint is found from the source's memoised sha256 alone; a change in the quantization
+    code (its hash) makes a new checkpoint instead of reusing a stale one."""
+    from quasar import loading
+    from quasar.quant import verifiers as quant_verifiers
+    from quasar.verifiers import load_verifier
+
+    cache = tmp_path / "cache"
+    first = load_verifier(tiny_model_dir, "w8a8", cache)
+    loaded_floats = []
+    monkeypatch.setattr(quant_verifiers, "load", lambda *a, **k: loaded_floats.append(a) or loading.load(*a, **k))
+    again = load_verifier(tiny_model_dir, "w8a8", cache)
+    assert loaded_floats == []
+    assert torch.equal(again.model.model.layers[0].mlp.up_proj.weight, first.model.model.layers[0].mlp.up_proj.weight)
+    assert len(list((cache / "quantized").iterdir())) == 1
+    monkeypatch.setattr(quant_verifiers, "quant_code_sha256", lambda: "a fix in the quantizer")
+    load_verifier(tiny_model_dir, "w8a8", cache)
+    assert len(loaded_floats) == 1 and len(list((cache / "quantized").iterdir())) == 2
+
+
+def test_the_bf16_lm_head_does_not_depend_on_the_host(tiny_model_dir, tmp_path):
+    """The recipe rounds the lm_head to bf16 whether or not the kernels run, so a checkpoint (and an export)
+    made on an AVX2 host equals one made on a host without them."""
+    from quasar.quant.recipe import parse_scheme, quantize_model
+
+    loaded = load(tiny_model_dir, "fp32")
+    head = loaded.model.lm_head.weight.detach().clone()
+    quantize_model(loaded, parse_scheme("w8a8", CalibrationSpec(samples=1, seq_len=32)))
+    assert isinstance(loaded.model.lm_head, BF16Linear) and type(loaded.model.lm_head) is BF16Linear  # no backend yet
+    assert torch.equal(loaded.model.lm_head.weight, head.to(torch.bfloat16))

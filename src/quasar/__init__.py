@@ -1,7 +1,6 @@
 """quasar: speculative decoding with a quantized (W8A8) verifier."""
 
-__version__ = "0.1.0"
-
+from quasar.version import __version__
 from quasar.api import LLM, RequestOutput
 from quasar.sampling import SamplingParams
 

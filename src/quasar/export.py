@@ -60,8 +60,13 @@ def vllm_scheme(verifier: str) -> tuple[str, str | None]:
                      f"exporting {nearest}, the nearest scheme vLLM runs")
 
 
+def scheme_type(module: nn.Module) -> type | None:
+    """The SCHEMES key of a quantized layer (on either backend: kernel layers subclass the torch ones)."""
+    return next((kind for kind in SCHEMES if isinstance(module, kind)), None)
+
+
 def quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
-    return {name: m for name, m in model.named_modules() if type(m) in SCHEMES}
+    return {name: m for name, m in model.named_modules() if scheme_type(m) is not None}
 
 
 def quantization_config(model: nn.Module) -> dict[str, Any]:
@@ -74,7 +79,7 @@ def quantization_config(model: nn.Module) -> dict[str, Any]:
         raise ValueError(f"the model's int8 scales are per group of {grouped[0]} inputs, which the compressed-tensors "
                          "int8 scheme vLLM runs cannot express; export a per-channel model (--verifier w8a8:pc, or "
                          "`quasar quantize --scheme w8a8:pc`)")
-    kinds = {type(m) for m in layers.values()}
+    kinds = {scheme_type(m) for m in layers.values()}
     if len(kinds) > 1:
         raise ValueError("mixed quantization schemes cannot be exported as one config group")
     fmt, scheme = SCHEMES[kinds.pop()]

@@ -271,22 +271,32 @@ def gguf_directory(path: Path, sha256: str, cache_dir: str | Path | None = None)
 # ---- entry point ---------------------------------------------------------------------------------
 
 
+def source_sha256(path: Path, cache_dir: str | Path | None = None) -> str:
+    """The identity of a model's source weights (a GGUF file's sha256, or one over a directory's safetensors
+    files), memoised by path, size and mtime so that a warm start does not re-read gigabytes."""
+    if path.is_file():
+        return sha256_memo(path, cache_dir)
+    files = safetensors_files(path)
+    return hashlib.sha256(b"".join(sha256_memo(f, cache_dir).encode() for f in files)).hexdigest()
+
+
+def quantized_block(path: Path) -> dict[str, Any] | None:
+    """The `quantization` block of a checkpoint written by `quasar quantize`, None for anything else."""
+    return read_config(path).get("quantization") if path.is_dir() else None
+
+
 def load(spec: str | Path, dtype: str = "fp32", cache_dir: str | Path | None = None) -> LoadedModel:
-    """Load 'default', a GGUF file or a Hugging Face directory as a float model."""
+    """Load 'default', a GGUF file or a Hugging Face directory as a float model (fp32 or bf16 weights)."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     path = resolve(spec, cache_dir)
-    if path.is_file():
-        sha = sha256_file(path)
-        if str(spec) == "default" and sha != DEFAULT_MODEL_SHA256:
-            raise ModelLoadError(f"{path} has sha256 {sha}, expected {DEFAULT_MODEL_SHA256}; reinstall it")
-        directory = gguf_directory(path, sha, cache_dir)
-    elif "quantization" in read_config(path):  # written by `quasar quantize`: int8 layers, no float weights
-        from quasar.quant.checkpoint import load_quantized
-
-        return load_quantized(path, DTYPES[dtype])
-    else:
-        directory = path
-        sha = hashlib.sha256(b"".join(sha256_file(f).encode() for f in safetensors_files(path))).hexdigest()
+    block = quantized_block(path)
+    if block is not None:
+        raise ModelLoadError(f"{path} is a quantized checkpoint ({block['scheme']}, made by `quasar quantize`), "
+                             f"not a float model; run it with --verifier {block['scheme']}")
+    sha = source_sha256(path, cache_dir)
+    if str(spec) == "default" and sha != DEFAULT_MODEL_SHA256:
+        raise ModelLoadError(f"{path} has sha256 {sha}, expected {DEFAULT_MODEL_SHA256}; reinstall it")
+    directory = gguf_directory(path, sha, cache_dir) if path.is_file() else path
     model, tokenizer = load_directory(directory, DTYPES[dtype])
     return LoadedModel(model, tokenizer, path, directory, sha)

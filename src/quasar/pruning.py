@@ -12,11 +12,10 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from quasar.loading import LoadedModel, load
-from quasar.models.llama import Transformer
-from quasar.verifiers import register
+from quasar import backends
+from quasar.models.llama import Layers, Transformer
 
 
 def keep_layers(model: Transformer, keep: list[int]) -> Transformer:
@@ -30,12 +29,13 @@ def keep_layers(model: Transformer, keep: list[int]) -> Transformer:
     with torch.device("meta"):
         small = Transformer(config)
     small.model.embed_tokens = model.model.embed_tokens
-    small.model.layers = nn.ModuleList(model.model.layers[i] for i in keep)
+    small.model.layers = Layers(model.model.layers[i] for i in keep)
     small.model.norm = model.model.norm
     small.lm_head = model.lm_head
     small.inv_freq = model.inv_freq
     for new_index, layer in enumerate(small.model.layers):
         layer.self_attn.layer = new_index
+    backends.prepare_(small)  # on the kernels when model is: its own fused stack over the shared layers
     return small
 
 
@@ -46,7 +46,6 @@ def dropped_layers(n_layers: int, n_drop: int) -> list[int]:
     return list(range(n_layers - 1 - n_drop, n_layers - 1))
 
 
-@register("pruned")
 def load_pruned(model: str | Path, arg: str | None, cache_dir: str | Path | None = None) -> LoadedModel:
     if not arg or not arg.isdigit():
         raise ValueError(f"pruned needs a layer count: 'pruned:N' (got {arg!r})")

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from quasar.drafters import Drafter
+from quasar.drafters.base import Drafter
 from quasar.generate import StopRule, next_token, prefill
 from quasar.kv_cache import KVCache
-from quasar.models.llama import Transformer
+from quasar.models.llama import FIXED_ROWS, Transformer
 from quasar.sampling import SamplingParams, logits_to_probs
 from quasar.stats import GenerationStats
 from quasar.verify import greedy_verdict, rejection_sample
@@ -29,7 +29,7 @@ class DraftLength:
     of the accepted draft tokens per step. Drafting one more than recently accepted keeps a cheap
     chance to accept longer runs while short acceptance keeps wasted verify rows few."""
 
-    K_MIN, K_MAX, K_START, WEIGHT = 1, 7, 4, 0.5  # k + 1 <= Transformer.fixed_rows
+    K_MIN, K_MAX, K_START, WEIGHT = 1, FIXED_ROWS - 1, 4, 0.5  # k + 1 rows per verify step
 
     def __init__(self, k: int | str) -> None:
         self.adaptive = k == AUTO
@@ -43,12 +43,16 @@ class DraftLength:
         self.k = min(self.K_MAX, max(self.K_MIN, int(self.ema + 0.5) + 1))
 
 
-def parse_k(text: str) -> int | str:
-    """'auto' or a positive integer."""
+def parse_k(text: str | int) -> int | str:
+    """'auto' or an integer 1 <= k < FIXED_ROWS: a verify step scores k + 1 tokens, and the paths that keep
+    speculative output equal to plain decoding bit for bit take at most FIXED_ROWS rows per step."""
     if text == AUTO:
         return AUTO
-    if not text.isdigit() or int(text) < 1:
+    if not str(text).isdigit() or int(text) < 1:
         raise ValueError(f"--k must be a positive integer or 'auto', got {text!r}")
+    if int(text) > DraftLength.K_MAX:
+        raise ValueError(f"--k {text} is too long: a verify step scores k + 1 tokens and the exact verify path "
+                         f"takes at most {FIXED_ROWS}; use --k {DraftLength.K_MAX} or less, or 'auto'")
     return int(text)
 
 
@@ -58,6 +62,9 @@ class Speculative:
 
     drafter: Drafter
     k: int | str = AUTO
+
+    def __post_init__(self) -> None:
+        self.k = parse_k(self.k)
 
     @torch.inference_mode()
     def __call__(

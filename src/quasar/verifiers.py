@@ -1,65 +1,59 @@
-"""Verifier registry: a name such as 'bf16' or 'w8a8' -> a function that loads the target model that way.
+"""Verifiers: a name such as 'fp32', 'bf16', 'w8a8:g64' or 'pruned:8' decides the one model that verifies,
+i.e. whose distribution the output follows. `load_verifier` is the only way commands, the API, the server,
+the bench and fidelity get a target model, so a name means the same model everywhere.
 
-A verifier is the model whose distribution the output follows. New kinds register themselves here
-(quant/ registers w8a8 and w8a16); names may take one argument after a colon ('pruned:8').
+Every loader returns the model with float or quantized weights; `load_verifier` then chooses its backend
+once (quasar.backends: quasar's CPU kernels or torch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
+from quasar import backends
 from quasar.loading import LoadedModel, load
+from quasar.registry import lookup
 
-VerifierLoader = Callable[..., LoadedModel]  # (model_spec, arg, cache_dir=...) -> LoadedModel
-VERIFIERS: dict[str, VerifierLoader] = {}
+# name -> "module:function" loading (model, arg or None, cache_dir) -> LoadedModel
+VERIFIERS: dict[str, str] = {
+    "fp32": "quasar.verifiers:load_fp32",
+    "bf16": "quasar.verifiers:load_bf16",
+    "w8a8": "quasar.quant.verifiers:load_w8a8",
+    "w8a16": "quasar.quant.verifiers:load_w8a16",
+    "pruned": "quasar.pruning:load_pruned",
+}
+FORMS = "fp32, bf16, w8a8[:pc|:gN][:ALPHA], w8a16, pruned:N"
 
 
-def register(name: str) -> Callable[[VerifierLoader], VerifierLoader]:
-    def wrap(fn: VerifierLoader) -> VerifierLoader:
-        VERIFIERS[name] = fn
-        return fn
-
-    return wrap
-
-
-@register("fp32")
-def _fp32(model: str | Path, arg: str | None, cache_dir: str | Path | None = None) -> LoadedModel:
+def load_fp32(model: str | Path, arg: str | None, cache_dir: str | Path | None = None) -> LoadedModel:
+    no_argument("fp32", arg)
     return load(model, "fp32", cache_dir)
 
 
-@register("bf16")
-def _bf16(model: str | Path, arg: str | None, cache_dir: str | Path | None = None) -> LoadedModel:
-    """bf16 weights. On a CPU with quasar's kernels: bf16 weights read by the AVX2 kernel, float32
-    activations and sums (torch's bf16 GEMM is slow without AVX512-BF16, as llama.cpp does for BF16
-    GGUFs); elsewhere the whole model in bf16."""
+def load_bf16(model: str | Path, arg: str | None, cache_dir: str | Path | None = None) -> LoadedModel:
+    """bf16 weights, float32 activations and sums (as llama.cpp runs BF16 GGUFs): on quasar's kernels the
+    weights are widened in registers; the numbers are the same on every host."""
     from quasar.quant.bf16 import float32_activations_, use_bf16_linears_
 
+    no_argument("bf16", arg)
     loaded = load(model, "bf16", cache_dir)
-    if use_bf16_linears_(loaded.model):  # shares the bf16 weights; [] where the kernel cannot run
-        float32_activations_(loaded.model)
+    use_bf16_linears_(loaded.model)  # shares the bf16 weights
+    float32_activations_(loaded.model)
     return loaded
 
 
+def no_argument(name: str, arg: str | None) -> None:
+    if arg:
+        raise ValueError(f"the {name} verifier takes no argument (got {name}:{arg})")
+
+
 def available() -> list[str]:
-    _import_plugins()
     return sorted(VERIFIERS)
 
 
-PLUGINS: tuple[str, ...] = ("quasar.pruning", "quasar.quant.verifiers")  # modules that register more verifiers, imported on first use (heavier)
-
-
-def _import_plugins() -> None:
-    import importlib
-
-    for module in PLUGINS:
-        importlib.import_module(module)
-
-
 def load_verifier(model: str | Path, verifier: str, cache_dir: str | Path | None = None) -> LoadedModel:
-    """'fp32', 'bf16', 'w8a8', 'pruned:8', ... -> the loaded verifier."""
-    _import_plugins()
+    """'fp32', 'bf16', 'w8a8', 'w8a8:pc', 'pruned:8', ... -> the loaded verifier, on its backend."""
     name, _, arg = verifier.partition(":")
-    if name not in VERIFIERS:
-        raise ValueError(f"unknown verifier {verifier!r}; choose from {', '.join(sorted(VERIFIERS))}")
-    return VERIFIERS[name](model, arg or None, cache_dir=cache_dir)
+    loaded = lookup(VERIFIERS, name, "verifier", FORMS)(model, arg or None, cache_dir=cache_dir)
+    backends.prepare_(loaded.model, cache_dir=cache_dir)
+    return loaded

@@ -41,8 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def build_variants(loaded, names: list[str], spec) -> dict:
     """name -> quantized Transformer, all from copies of `loaded` and one shared calibration run."""
     from quasar.quant.recipe import calibrate_model, parse_scheme, quantize_model
+    from quasar.backends import prepare_
     from quasar.quant.smoothquant import SmoothConfig
-    from quasar.quant.verifiers import finish_verifier
 
     recipes = {name: parse_scheme(name, spec) for name in names}
     calib = None
@@ -51,22 +51,28 @@ def build_variants(loaded, names: list[str], spec) -> dict:
     variants = {}
     for name, recipe in recipes.items():
         copy_ = copy.deepcopy(loaded)
-        quantize_model(copy_, recipe, calib)
-        variants[name] = finish_verifier(copy_).model  # the model `generate` and `serve` run
+        quantize_model(copy_, recipe, calib)  # the model `generate` and `serve` run, bf16 lm_head included
+        prepare_(copy_.model)
+        variants[name] = copy_.model
     return variants
 
 
 def run(args: argparse.Namespace) -> int:
     from quasar.quant.fidelity import compare, held_out_windows
+    from quasar.loading import quantized_block, resolve
     from quasar.quant.llamacpp_peer import peers
-    from quasar.quant.verifiers import finish_verifier
+    from quasar.quant.verifiers import checkpoint_name
+    from quasar.verifiers import load_verifier
 
     if args.samples < 1 or args.eval_seq_len < 2:
         raise ValueError("--samples must be >= 1 and --eval-seq-len >= 2")
     loaded = load(args.model, "fp32", args.cache_dir)
     variants = build_variants(loaded, args.verifier or list(DEFAULT_VARIANTS), calibration_spec(args))
     for directory in args.quantized:
-        variants[directory] = finish_verifier(load(directory, "fp32")).model
+        block = quantized_block(resolve(directory))
+        if block is None:
+            raise ValueError(f"--quantized {directory}: not a checkpoint made by `quasar quantize`")
+        variants[directory] = load_verifier(directory, checkpoint_name(block), args.cache_dir).model
     variants.update(peers(args.peer, args.model, args.eval_seq_len, args.cache_dir))
     windows = held_out_windows(loaded.tokenizer, args.data, args.samples, args.eval_seq_len)
     reports = compare(loaded.model, variants, windows)

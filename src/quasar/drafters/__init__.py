@@ -12,53 +12,22 @@ Registry names: 'ngram', 'suffix', 'model:PATH', 'layerskip:N' (see build_drafte
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Protocol
-
-import torch
-
+from quasar.drafters.base import Draft, Drafter, DrafterOptions
 from quasar.loading import LoadedModel
-from quasar.sampling import SamplingParams
+from quasar.registry import lookup
+
+__all__ = ["Draft", "Drafter", "DrafterOptions", "build_drafter"]
 
 
-@dataclass(frozen=True)
-class Draft:
-    tokens: list[int]  # k proposed token ids (k may be 0)
-    probs: torch.Tensor | None = None  # [k, V] the drafter's distributions; None for deterministic drafters
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-
-class Drafter(Protocol):
-    def reset(self) -> None: ...
-
-    def commit(self, tokens: list[int]) -> None: ...
-
-    def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft: ...
-
-
-@dataclass(frozen=True)
-class DrafterOptions:
-    ngram_min: int = 1  # shortest suffix an n-gram drafter matches
-    ngram_max: int = 3  # longest suffix an n-gram drafter matches (the paper: n in 1..3)
-    cache_dir: str | Path | None = None  # for 'model:PATH' drafters loaded from GGUF
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
-
-
-# name -> module with build(arg: str | None, target: LoadedModel, options: DrafterOptions) -> Drafter
+# name -> "module:function" with build(arg: str | None, target: LoadedModel, options: DrafterOptions) -> Drafter
 DRAFTERS: dict[str, str] = {
-    "ngram": "quasar.drafters.ngram",
-    "suffix": "quasar.drafters.suffix",
-    "model": "quasar.drafters.model_drafter",
-    "layerskip": "quasar.drafters.layerskip",
+    "ngram": "quasar.drafters.ngram:build",
+    "suffix": "quasar.drafters.suffix:build",
+    "model": "quasar.drafters.model_drafter:build",
+    "layerskip": "quasar.drafters.layerskip:build",
 }
 NO_DRAFTER = "none"
+FORMS = ", ".join([NO_DRAFTER, "ngram", "suffix", "model:PATH", "layerskip:N"])
 
 
 def build_drafter(spec: str, target: LoadedModel, options: DrafterOptions = DrafterOptions()) -> Drafter | None:
@@ -66,7 +35,4 @@ def build_drafter(spec: str, target: LoadedModel, options: DrafterOptions = Draf
     if spec == NO_DRAFTER:
         return None
     name, _, arg = spec.partition(":")
-    if name not in DRAFTERS:
-        choices = ", ".join([NO_DRAFTER, "ngram", "suffix", "model:PATH", "layerskip:N"])
-        raise ValueError(f"unknown drafter {spec!r}; choose from {choices}")
-    return importlib.import_module(DRAFTERS[name]).build(arg or None, target, options)
+    return lookup(DRAFTERS, name, "drafter", FORMS)(arg or None, target, options)

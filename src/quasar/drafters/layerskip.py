@@ -7,7 +7,7 @@ layers); the drafter has its own, shallower KV cache.
 
 from __future__ import annotations
 
-from quasar.drafters import DrafterOptions
+from quasar.drafters.base import DrafterOptions
 from quasar.drafters.model_drafter import ModelDrafter
 from quasar.loading import LoadedModel
 from quasar.pruning import keep_layers

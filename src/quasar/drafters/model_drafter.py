@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from quasar.drafters import Draft, DrafterOptions
+from quasar.drafters.base import Draft, DrafterOptions
 from quasar.kv_cache import KVCache
 from quasar.loading import LoadedModel
 from quasar.models.llama import Transformer
 from quasar.sampling import SamplingParams, logits_to_probs, sample
+from quasar.verifiers import load_verifier
 
 
 class ModelDrafter:
@@ -87,8 +88,6 @@ def check_same_tokenizer(draft: LoadedModel, target: LoadedModel) -> None:
 def build(arg: str | None, target: LoadedModel, options: DrafterOptions) -> ModelDrafter:
     if not arg:
         raise ValueError("the model drafter needs a path: 'model:PATH' (a Hugging Face directory or .gguf)")
-    from quasar.verifiers import load_verifier
-
     draft = load_verifier(arg, "bf16", options.cache_dir)  # bf16 weights (on CPU: quasar's fused kernels)
     check_same_tokenizer(draft, target)
     return ModelDrafter(draft.model, target.model.config.vocab_size)

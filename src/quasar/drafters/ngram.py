@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from quasar.drafters import Draft, DrafterOptions
+from quasar.drafters.base import Draft, DrafterOptions
 from quasar.loading import LoadedModel
 from quasar.sampling import SamplingParams
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from quasar.drafters import Draft, DrafterOptions
+from quasar.drafters.base import Draft, DrafterOptions
 from quasar.drafters.ngram import NgramIndex
 from quasar.loading import LoadedModel
 from quasar.sampling import SamplingParams

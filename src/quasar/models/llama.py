@@ -13,9 +13,45 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quasar import native
 from quasar.kv_cache import KVCache
 from quasar.models.config import ModelConfig
+
+
+# A token scored alone (plain decoding) and inside [last, *draft] (a verify step) must get bitwise the same
+# logits, or greedy speculative decoding drifts from greedy plain decoding. Float GEMMs round a row
+# differently depending on how many rows come with it, and SDPA depending on the key count. So on this
+# torch path every forward of at most FIXED_ROWS tokens runs at one shape: float linears pad their input to
+# FIXED_ROWS rows, attention pads its queries to FIXED_ROWS rows and attends over the whole cache buffer
+# (masked past each row's position; see Engine.fresh_cache for why buffers of one request have one size).
+# quasar's CPU kernels (models/kernel_layers.py, swapped in at load by quasar.backends) compute every row
+# from its own input alone and need none of this.
+FIXED_ROWS = 8
+
+
+def at_fixed_shape(op, x: torch.Tensor) -> torch.Tensor:
+    """op(x) for x [..., K] with a row-wise op, run on x's rows padded with zero rows to FIXED_ROWS when they
+    are fewer (so one token alone and inside a verify step take the same GEMM shape)."""
+    rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    M = rows.shape[0]
+    y = op(F.pad(rows, (0, 0, 0, FIXED_ROWS - M)))[:M] if M < FIXED_ROWS else op(rows)  # [M, N]
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and names) whose GEMM runs at one shape for up to FIXED_ROWS rows."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:  # a model built on the meta device to load weights into needs no init
+            super().reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return at_fixed_shape(lambda rows: F.linear(rows, self.weight, self.bias), x)
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:  # skipping meta init saves ~1 s of first-use imports at start-up
+            super().reset_parameters()
 
 
 class RMSNorm(nn.Module):
@@ -24,9 +60,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, kernel=None) -> torch.Tensor:
-        if kernel is not None:  # quasar's CPU kernel (float32): one call, row-independent
-            return kernel.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -35,7 +69,8 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [D/2], with llama3-style or linear `rope_scaling` applied."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # on the CPU even inside torch.device('meta') (loaders build models there): meta arithmetic costs ~1 s of imports
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     scaling = config.rope_scaling
     if not scaling:
         return inv_freq
@@ -76,26 +111,28 @@ class Attention(nn.Module):
         self.layer = layer
         self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.n_kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.n_kv * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, hidden, bias=False)
+        self.q_proj = Linear(hidden, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(hidden, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = Linear(hidden, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, hidden, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask, cache: KVCache, kernel=None) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> q [B, T, H, D], k, v [B, T, H_kv, D] (q/k normed where the model has qk_norm)."""
         B, T, _ = x.shape
         q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
-        q = q.view(B, T, self.n_heads, self.head_dim)  # [B, T, H, D]
-        k = k.view(B, T, self.n_kv, self.head_dim)  # [B, T, H_kv, D]
-        v = v.view(B, T, self.n_kv, self.head_dim)  # [B, T, H_kv, D]
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv, self.head_dim)
+        v = v.view(B, T, self.n_kv, self.head_dim)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q, kernel), self.k_norm(k, kernel)
-        if kernel is not None:  # rope, cache write and attention of a few tokens in one call (batch 1)
-            cache_k, cache_v = cache.k[self.layer, 0], cache.v[self.layer, 0]  # [H_kv, S, D]
-            out = kernel.decode_attention(q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), *rope, cache_k, cache_v, cache.length)
-            return self.o_proj(out.view(B, T, self.n_heads * self.head_dim))
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x)
         v = v.transpose(1, 2)  # [B, H_kv, T, D]
         q = apply_rope(q.transpose(1, 2), *rope)  # [B, H, T, D]
         k = apply_rope(k.transpose(1, 2), *rope)  # [B, H_kv, T, D]
@@ -112,9 +149,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, self.gate_proj, self.up_proj)
@@ -129,29 +166,39 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def kernel_args(self) -> tuple[list[torch.Tensor], list[int]] | None:
-        """The tensors and linear kinds of quasar's fused decoder-layer kernel (csrc/decoder_layer.cpp), or
-        None when one of the linears cannot run there."""
-        attn, mlp = self.self_attn, self.mlp
-        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        args = [linear.kernel_args() if hasattr(linear, "kernel_args") else None for linear in linears]
-        if any(a is None for a in args):
-            return None
-        none = torch.empty(0)
-        norms = [self.input_layernorm.weight, self.post_attention_layernorm.weight]
-        norms += [attn.q_norm.weight, attn.k_norm.weight] if hasattr(attn, "q_norm") else [none, none]
-        return norms + [t for a in args for t in a[1:]], [a[0] for a in args]
+    def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward(self, x: torch.Tensor, rope, mask, cache: KVCache, kernel=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x, kernel), rope, mask, cache, kernel)
-        return x + self.mlp(self.post_attention_layernorm(x, kernel))
+
+def attention_mask(cache: KVCache, T: int) -> torch.Tensor | None:
+    """Which keys each query row of a T-token step sees ([rows, S], True = attend), or None for one token
+    attending over length + 1 keys. Up to FIXED_ROWS tokens: FIXED_ROWS rows over the whole buffer (one shape
+    for every decode and verify step of a cache); more (prefill): T rows over length + T keys."""
+    fixed = T <= FIXED_ROWS and cache.length + FIXED_ROWS <= cache.max_len
+    if T == 1 and not fixed:
+        return None
+    query_positions = cache.positions(FIXED_ROWS if fixed else T)  # [rows]
+    keys = torch.arange(cache.max_len if fixed else cache.length + T, device=query_positions.device)  # [S]
+    return keys[None, :] <= query_positions[:, None]  # [rows, S]
+
+
+class Layers(nn.ModuleList):
+    """The decoder layers, run one after another; appends the step's T tokens to the cache."""
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache) -> torch.Tensor:
+        mask = attention_mask(cache, x.shape[1])
+        for layer in self:
+            x = layer(x, rope, mask, cache)
+        cache.advance(x.shape[1])
+        return x
 
 
 class Backbone(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = Layers(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -162,7 +209,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.model = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
@@ -185,81 +232,10 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-    # A token scored alone (plain decoding) and inside [last, *draft] (a verify step) must get bitwise the
-    # same logits, or greedy speculative decoding drifts from greedy plain decoding. Float kernels round a
-    # row differently depending on how many rows come with it (GEMV vs GEMM, blockings) and on the key
-    # count (SDPA's blocking). Forwards of T <= fixed_rows tokens therefore take one of two paths:
-    # - every linear row-independent (`row_independent`: quasar's CPU kernels, quasar.native), batch 1, on
-    #   CPU: no padding; attention is quasar's kernel, whose rows read only their own query and keys;
-    # - otherwise: attend over the whole cache buffer (masked past each row's position) with the queries
-    #   padded to fixed_rows rows and, when some linear is a float GEMM, every op padded to fixed_rows rows
-    #   (dummy tokens after the real ones, their keys written past the cache length and never read), so
-    #   every row goes through the same kernels at the same shapes (for caches of the same size: see
-    #   Engine.fresh_cache).
-    fixed_rows: int = 8
-    _rows_independent: bool | None = None  # cached by rows_independent(); swapping linears must forget it
-    _layer_kernel_args: list | None = None  # cached by layer_kernel_args(); likewise
-    _fused_layers: object | None = None  # cached by fused_layers(); likewise
-
-    def rows_independent(self) -> bool:
-        """Whether every linear's output rows depend on their own input rows only (checked once)."""
-        if self._rows_independent is None:
-            linears = [m for m in self.modules() if hasattr(m, "in_features")]
-            self._rows_independent = all(getattr(m, "row_independent", False) for m in linears)
-        return self._rows_independent
-
-    def forget_row_check(self) -> None:
-        """Call after replacing linears (quantization swaps them) so the next forward checks again."""
-        self._rows_independent = None
-        self._layer_kernel_args = None
-        self._fused_layers = None
-
-    def layer_kernel_args(self) -> list | None:
-        """Per layer, the arguments of the fused decoder-layer kernel; None unless every layer can use it."""
-        if self._layer_kernel_args is None:
-            args = [layer.kernel_args() for layer in self.model.layers]
-            self._layer_kernel_args = [] if any(a is None for a in args) else args
-        return self._layer_kernel_args or None
-
-    def fused_layers(self, kernel):
-        """All layers as one kernel object (csrc/decoder_layer.cpp: FusedLayers), built once; None unless
-        every layer can use the fused decoder-layer kernel."""
-        if self._fused_layers is None:
-            args = self.layer_kernel_args()
-            if args is None:
-                return None
-            self._fused_layers = kernel.FusedLayers([a[0] for a in args], [a[1] for a in args], self.config.rms_norm_eps)
-        return self._fused_layers
-
-    def attention_kernel(self, batch: int):
-        """quasar's CPU attention kernel where this model can use it for decode and verify steps, else None."""
-        usable = batch == 1 and self.device.type == "cpu" and self.dtype == torch.float32
-        if not (usable and self.config.head_dim % 8 == 0 and self.rows_independent()):
-            return None
-        return native.kernel()
-
     def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32."""
-        B, T = input_ids.shape
-        kernel = self.attention_kernel(B) if T <= self.fixed_rows else None
-        fixed = T <= self.fixed_rows and kernel is None and cache.length + self.fixed_rows <= cache.max_len
-        pad_all = fixed and not self.rows_independent()
-        rows = self.fixed_rows if pad_all else T
-        mask = None
-        if kernel is None and (fixed or T > 1):  # query i sees keys 0 .. length + i
-            query_positions = cache.positions(self.fixed_rows if fixed else T)  # [rows of the attention]
-            keys = torch.arange(cache.max_len if fixed else cache.length + T, device=query_positions.device)
-            mask = keys[None, :] <= query_positions[:, None]  # [rows, S]
-        rope = self.rope(cache.positions(rows))
-        x = self.model.embed_tokens(F.pad(input_ids, (0, rows - T))).to(self.dtype)  # [B, rows, hidden]
-        fused = self.fused_layers(kernel) if kernel is not None else None
-        if fused is not None:  # one kernel call for all layers, no Python in between
-            x = fused.forward(x[0], *rope, cache.k[:, 0], cache.v[:, 0], cache.length)[None]  # [1, T, hidden]
-        else:
-            for layer in self.model.layers:
-                x = layer(x, rope, mask, cache, kernel)
-        cache.advance(T)
-        if pad_all:  # every row through the same shapes, then drop the padding
-            logits = self.lm_head(self.model.norm(x)).float()  # [B, rows, V]
-            return logits[:, T - 1 : T] if last_only else logits[:, :T]
-        return self.lm_head(self.model.norm(x[:, -1:] if last_only else x, kernel)).float()
+        """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32; appends to the cache."""
+        rope = self.rope(cache.positions(input_ids.shape[1]))  # cos, sin [T, D]
+        x = self.model.embed_tokens(input_ids).to(self.dtype)  # [B, T, hidden]
+        x = self.model.layers(x, rope, cache)
+        x = self.model.norm(x[:, -1:] if last_only else x)
+        return self.lm_head(x).float()

@@ -1,7 +1,7 @@
 """Quantized checkpoints: a Hugging Face-style directory whose config.json carries a `quantization` block.
 
 model.safetensors holds int8 weights (`*.weight`, [N, K]), their float32 scales (`*.weight_scale`, [N]) and
-the float tensors (embeddings, smoothed norms, biases, lm_head). The block records the scheme, the alpha
+the float tensors (embeddings, smoothed norms, biases; the lm_head in bf16). The block records the scheme, the alpha
 of every smoothing group, the calibration set, the sha256 of the source weights and of model.safetensors
 (checked at load: a corrupted file is refused), and the quasar version. No float weights are needed to load.
 """
@@ -17,10 +17,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from quasar.files import ModelLoadError, atomic_directory, sha256_file
+from quasar.files import ModelLoadError, atomic_directory, sha256_file, sha256_memo
 from quasar.loading import LoadedModel, load_tokenizer, read_config, read_safetensors
 from quasar.models.config import ModelConfig
 from quasar.models.llama import Transformer, rope_inv_freq
+from quasar.quant.bf16 import use_bf16_linears_
 from quasar.quant.schemes import prepare_empty_, scheme_config
 
 log = logging.getLogger("quasar")
@@ -38,10 +39,12 @@ def _state(model: Transformer) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_quantized(loaded: LoadedModel, block: dict[str, Any], out: str | Path, overwrite: bool = False) -> Path:
-    """Write the quantized model in loaded.model to `out` atomically (temporary sibling + rename)."""
+def save_quantized(loaded: LoadedModel, block: dict[str, Any], out: str | Path, overwrite: bool = False,
+                   cache: bool = False) -> Path:
+    """Write the quantized model in loaded.model to `out` atomically (temporary sibling + rename). A cache
+    entry (cache=True) is keyed by its content: one written meanwhile by another process is kept."""
     out = Path(out)
-    if out.exists() and not overwrite:
+    if out.exists() and not (overwrite or cache):
         raise ValueError(f"{out} already exists; pass --overwrite to replace it")
     config = {k: v for k, v in read_config(loaded.directory).items() if k != "quantization"}
 
@@ -51,16 +54,16 @@ def save_quantized(loaded: LoadedModel, block: dict[str, Any], out: str | Path, 
         (tmp / "config.json").write_text(json.dumps({**config, "quantization": quantization}, indent=2))
         loaded.tokenizer.save_pretrained(str(tmp))
 
-    atomic_directory(out, write)
+    atomic_directory(out, write, replace=not cache)
     log.info("wrote the %s checkpoint to %s", block["scheme"], out)
     return out
 
 
-def _check(directory: Path, block: dict[str, Any]) -> None:
+def _check(directory: Path, block: dict[str, Any], cache_dir: str | Path | None) -> None:
     weights = directory / WEIGHTS
     if not weights.exists():
         raise ModelLoadError(f"{directory} is a quantized checkpoint without {WEIGHTS}")
-    if sha256_file(weights) != block.get("weights_sha256"):
+    if sha256_memo(weights, cache_dir) != block.get("weights_sha256"):
         raise ModelLoadError(
             f"{weights} does not match the sha256 recorded in its config.json: the quantized checkpoint is "
             "corrupt or was modified; re-create it with `quasar quantize --overwrite`"
@@ -95,18 +98,21 @@ def _prepare_state(model: Transformer, state: dict[str, torch.Tensor], quantized
     return out
 
 
-def load_quantized(directory: str | Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a directory written by save_quantized; float parts (embeddings, norms, ...) in `dtype`."""
+def load_quantized(directory: str | Path, cache_dir: str | Path | None = None) -> LoadedModel:
+    """Load a directory written by save_quantized: int8 layers, float32 embeddings and norms, and the lm_head
+    in bf16 unless it is quantized (checkpoints store it so; older ones, in float32, are rounded here alike)."""
     directory = Path(directory)
     hf = read_config(directory)
     block = hf["quantization"]
-    _check(directory, block)
+    _check(directory, block, cache_dir)
     model, quantized = _build(ModelConfig.from_hf(hf), block)
-    state = _prepare_state(model, read_safetensors([directory / WEIGHTS]), quantized, dtype)
+    state = _prepare_state(model, read_safetensors([directory / WEIGHTS]), quantized, torch.float32)
     model.load_state_dict(state, strict=False, assign=True)
     if model.config.tie_word_embeddings and "lm_head" not in quantized:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(model.config)
     model = model.eval().requires_grad_(False)
+    if "lm_head" not in quantized:
+        use_bf16_linears_(model, ["lm_head"])
     log.info("loaded a %s checkpoint (%d quantized linears) from %s", block["scheme"], len(quantized), directory)
     return LoadedModel(model, load_tokenizer(directory), directory, directory, block["weights_sha256"])

@@ -14,25 +14,27 @@ channel/token to 0.0013 with G = 32 (docs/quantization.md).
 Per-token scales make a row's result independent of the other rows in the batch, and int32 accumulation
 is exact, so verifying k draft tokens together gives bit-identical rows to decoding them one at a time.
 
-Int32 backends (registry `INT_MM`): `int_mm` (torch._int_mm; weight stored [N, K] and passed as `.t()`,
-faster than a contiguous [K, N] copy in bench/bench_linear.py; rows padded above 16 on CUDA),
-`blocked_float` (float32 GEMMs over K blocks of <= 1024, where every partial sum is an integer below 2^24
-and therefore exact: the same int32 result), `avx2` (quasar's own kernel, native.py; AVX-512 VNNI's vpdpbusd
-inside it where the CPU has it), and `reference` (int64, for tests). `auto` uses `int_mm` on CUDA and, on CPU, the AVX2 kernel fused with the activation quantization
-and the rescale (one call per linear), else `blocked_float`: on this AVX2 machine (no VNNI) torch 2.13's CPU
-`_int_mm` costs ~3x `blocked_float` at 1 row and ~8x at 6 rows (bench/bench_linear.py). All backends give
-bit-identical results, so they can be swapped freely.
+Int32 products of the torch path (table `INT_MM`): `int_mm` (torch._int_mm; weight stored [N, K] and passed
+as `.t()`; rows padded above 16 on CUDA), `blocked_float` (float32 GEMMs over K blocks of <= 1024, where every
+partial sum is an integer below 2^24 and therefore exact), `avx2` (quasar's kernel as a plain product) and
+`reference` (int64, for tests); `auto` is `int_mm` on CUDA, else `blocked_float`. All give the same integers.
+On a CPU where quasar's kernels run, quasar.backends moves `auto`/`avx2` layers onto KernelInt8Linear at load:
+activation quantization, exact int32 dot products (AVX-512 VNNI's vpdpbusd where the CPU has it, else AVX2),
+rescale and bias in one call per linear.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from quasar import native
+from quasar.models.kernel_layers import KernelModule
+from quasar.models.llama import at_fixed_shape
 
 QMAX = 127
 NO_BIAS = torch.empty(0)
@@ -85,18 +87,8 @@ def grouped_product(x_int8, x_scale, w_int8, w_scale, int_mm) -> torch.Tensor:
 # ---- int8 x int8 -> int32 backends ---------------------------------------------------------------
 
 IntMM = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x_int8 [M, K], w_int8 [N, K]) -> int32 [M, N]
-INT_MM: dict[str, IntMM] = {}
 
 
-def register_int_mm(name: str) -> Callable[[IntMM], IntMM]:
-    def wrap(fn: IntMM) -> IntMM:
-        INT_MM[name] = fn
-        return fn
-
-    return wrap
-
-
-@register_int_mm("int_mm")
 def int_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """torch._int_mm with the weight [N, K] passed transposed; CUDA needs more than 16 rows, so pad."""
     M = x.shape[0]
@@ -105,7 +97,6 @@ def int_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(x, w.t())[:M]
 
 
-@register_int_mm("blocked_float")
 def blocked_float_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Exact int32 product via float32 GEMMs over K blocks small enough that no sum exceeds 2^24."""
     K = x.shape[1]
@@ -116,33 +107,33 @@ def blocked_float_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@register_int_mm("reference")
 def reference_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """int64 matmul: slow, obviously exact; the ground truth for tests."""
     return (x.long() @ w.long().t()).to(torch.int32)
 
 
-@register_int_mm("avx2")
 def avx2_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """quasar's AVX2 kernel (csrc/linear_avx2.cpp): exact int32, weights streamed once per call."""
+    """quasar's CPU kernel (csrc/linear_avx2.cpp) as a plain int32 product: exact, weights streamed once."""
     kernel = native.kernel()
     if kernel is None:
-        raise RuntimeError("the AVX2 int8 kernel is not available on this machine")
+        raise RuntimeError(f"quasar's CPU kernels are not available here: {native.status()}")
     return kernel.int8_mm(x, w)
 
 
-@register_int_mm("auto")
 def auto_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    if x.is_cuda:
-        return int_mm(x, w)
-    return avx2_mm(x, w) if fused_kernel("auto", x, w.shape[1]) else blocked_float_mm(x, w)
+    """The torch path's product (layers that run on quasar's kernels never get here): int_mm on CUDA."""
+    return int_mm(x, w) if x.is_cuda else blocked_float_mm(x, w)
 
 
-def fused_kernel(backend: str, x: torch.Tensor, in_features: int):
-    """The AVX2 kernel that quantizes, multiplies and rescales in one call, where `backend` may use it."""
-    if backend not in ("auto", "avx2") or x.device.type != "cpu" or in_features % 16:
-        return None
-    return native.kernel()
+# name -> (x_int8 [M, K], w_int8 [N, K]) -> int32 [M, N]; all give the same integers
+INT_MM: dict[str, IntMM] = {
+    "auto": auto_mm,
+    "int_mm": int_mm,
+    "blocked_float": blocked_float_mm,
+    "avx2": avx2_mm,
+    "reference": reference_mm,
+}
+KERNEL_BACKENDS = ("auto", "avx2")  # Int8Linear backends that quasar.backends may move onto the fused kernel
 
 
 # ---- layers ----------------------------------------------------------------------------------------
@@ -151,8 +142,6 @@ def fused_kernel(backend: str, x: torch.Tensor, in_features: int):
 class Int8Linear(nn.Module):
     """W8A8 linear: dynamic int8 activations x int8 weights, int32 accumulation; scales per token and output
     channel (group_size 0) or per group of `group_size` inputs of each (see the module docstring)."""
-
-    row_independent = True  # per-token scales and exact int32 sums, on every backend
 
     def __init__(self, in_features: int, out_features: int, bias: bool, backend: str = "auto", group_size: int = 0) -> None:
         super().__init__()
@@ -173,29 +162,9 @@ class Int8Linear(nn.Module):
             layer.bias = linear.bias.detach().float().clone()
         return layer.to(linear.weight.device)
 
-    def kernel_weights(self, kernel) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weight, scale) as the kernel reads them: on the dpbusd path a group-wise layer's weights packed 16
-        channels x 4 inputs per register ([N/16, K/4, 16, 4], scales [N/16, K/G, 16]; int8_group.cpp), made
-        once and kept beside the plain ones (which checkpoints and exports keep using)."""
-        if not self.group_size or self.out_features % 16 or kernel.int8_path() != "dpbusd":
-            return self.weight, self.weight_scale
-        key = (self.weight.data_ptr(), self.weight_scale.data_ptr())
-        if getattr(self, "_packed_key", None) != key:
-            N, K = self.weight.shape
-            self._packed = (
-                self.weight.view(N // 16, 16, K // 4, 4).permute(0, 2, 1, 3).contiguous(),
-                self.weight_scale.view(N // 16, 16, -1).permute(0, 2, 1).contiguous(),
-            )
-            self._packed_key = key
-        return self._packed
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         rows = x.reshape(-1, self.in_features)  # [M, K]
-        kernel = fused_kernel(self.backend, rows, self.in_features)
-        if kernel is not None:  # one call: quantization, exact int32 dot products, rescale, bias
-            y = kernel.w8a8_linear(rows.float(), *self.kernel_weights(kernel), NO_BIAS if self.bias is None else self.bias)
-            return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         x_int8, x_scale = quantize_tokens(rows, self.group_size)
         if self.group_size:
             y = grouped_product(x_int8, x_scale, self.weight, self.weight_scale, INT_MM[self.backend])
@@ -206,41 +175,65 @@ class Int8Linear(nn.Module):
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(kind 0 = W8A8, weight, scale, bias) for quasar's fused decoder-layer kernel, None where it can't run."""
-        kernel = fused_kernel(self.backend, self.weight, self.in_features)
-        if kernel is None:
+    def kernel_form(self) -> type | None:
+        """The class this layer takes on quasar's CPU kernel (quasar.backends), None where it cannot run there."""
+        if self.backend not in KERNEL_BACKENDS or self.weight.device.type != "cpu" or self.in_features % 16:
             return None
-        return 0, *self.kernel_weights(kernel), NO_BIAS if self.bias is None else self.bias
-
-    @staticmethod
-    def forward_many(layers: list[Int8Linear], x: torch.Tensor) -> list[torch.Tensor]:
-        """layer(x) for each layer, with x quantized once where the fused kernel runs (bitwise the same)."""
-        rows = x.reshape(-1, layers[0].in_features)  # [M, K]
-        kernel = fused_kernel(layers[0].backend, rows, layers[0].in_features)
-        alike = all((layer.backend, layer.group_size) == (layers[0].backend, layers[0].group_size) for layer in layers)
-        if kernel is None or not alike:
-            return [layer(x) for layer in layers]
-        weights = [layer.kernel_weights(kernel) for layer in layers]
-        ys = kernel.w8a8_linear_many(
-            rows.float(),
-            [w for w, _ in weights],
-            [scale for _, scale in weights],
-            [NO_BIAS if layer.bias is None else layer.bias for layer in layers],
-        )
-        return [y.to(x.dtype).reshape(*x.shape[:-1], layer.out_features) for y, layer in zip(ys, layers)]
+        return KernelInt8Linear
 
     def extra_repr(self) -> str:
         groups = f", group_size={self.group_size}" if self.group_size else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, backend={self.backend}{groups}"
 
 
-class Int8WeightOnlyLinear(nn.Module):
-    """W8A16 linear: int8 per-channel weights, float activations.
+class KernelInt8Linear(KernelModule, Int8Linear):
+    """Int8Linear on quasar's CPU kernel: quantization, exact int32 dot products, rescale and bias in one call.
+    On the dpbusd path a group-wise layer's weights are packed 16 channels x 4 inputs per register at load
+    ([N/16, K/4, 16, 4], scales [N/16, K/G, 16]; int8_group.cpp) beside the plain ones, which checkpoints and
+    exports keep using."""
 
-    On CPU with the AVX2 kernel the weights are widened in registers and summed in float32 in a fixed
-    order (row-independent, no float copy of the weights); elsewhere they are dequantized for F.linear.
-    """
+    kernel_weight: tuple[torch.Tensor, torch.Tensor]  # (weight, scale) as the kernel reads them
+
+    @classmethod
+    def adopt(cls, layer: Int8Linear, kernel: Any) -> KernelInt8Linear:
+        super().adopt(layer, kernel)
+        N, K = layer.weight.shape
+        if layer.group_size and N % 16 == 0 and kernel.int8_path() == "dpbusd":
+            layer.kernel_weight = (
+                layer.weight.view(N // 16, 16, K // 4, 4).permute(0, 2, 1, 3).contiguous(),
+                layer.weight_scale.view(N // 16, 16, -1).permute(0, 2, 1).contiguous(),
+            )
+        else:
+            layer.kernel_weight = (layer.weight, layer.weight_scale)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()  # [M, K]
+        y = self.kernel.w8a8_linear(rows, *self.kernel_weight, NO_BIAS if self.bias is None else self.bias)  # [M, N]
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kind 0 = W8A8, weight, scale, bias) for quasar's fused decoder-layer kernel."""
+        return 0, *self.kernel_weight, NO_BIAS if self.bias is None else self.bias
+
+    @staticmethod
+    def forward_many(layers: list[KernelInt8Linear], x: torch.Tensor) -> list[torch.Tensor]:
+        """layer(x) for each layer with x quantized once (bitwise the same as one call each)."""
+        if any(layer.group_size != layers[0].group_size for layer in layers):
+            return [layer(x) for layer in layers]
+        rows = x.reshape(-1, layers[0].in_features).float()  # [M, K]
+        ys = layers[0].kernel.w8a8_linear_many(
+            rows,
+            [layer.kernel_weight[0] for layer in layers],
+            [layer.kernel_weight[1] for layer in layers],
+            [NO_BIAS if layer.bias is None else layer.bias for layer in layers],
+        )
+        return [y.to(x.dtype).reshape(*x.shape[:-1], layer.out_features) for y, layer in zip(ys, layers)]
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """W8A16 linear: int8 per-channel weights, float activations (dequantized for F.linear on the torch
+    path, at the fixed shape of models/llama.py; KernelInt8WeightOnlyLinear on quasar's kernel)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -257,25 +250,29 @@ class Int8WeightOnlyLinear(nn.Module):
             layer.bias = linear.bias.detach().float().clone()
         return layer.to(linear.weight.device)
 
-    @property
-    def row_independent(self) -> bool:
-        return fused_kernel("auto", self.weight, self.in_features) is not None
-
-    def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(kind 1 = float activations, weight, scale, bias) for the fused decoder-layer kernel, or None."""
-        if not self.row_independent:
-            return None
-        return 1, self.weight, self.weight_scale, NO_BIAS if self.bias is None else self.bias
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N]; the per-channel scale is applied after the matmul."""
-        kernel = fused_kernel("auto", x, self.in_features)
-        if kernel is not None:  # float32 sums of x * int8 weight in a fixed order, then scale and bias
-            rows = x.reshape(-1, self.in_features).float()  # [M, K]
-            y = kernel.float_act_linear(rows, self.weight, self.weight_scale, NO_BIAS if self.bias is None else self.bias)
-            return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        y = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)
-        return y + self.bias.to(x.dtype) if self.bias is not None else y
+        def op(rows: torch.Tensor) -> torch.Tensor:
+            y = F.linear(rows, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)
+            return y + self.bias.to(x.dtype) if self.bias is not None else y
+
+        return at_fixed_shape(op, x)
+
+    def kernel_form(self) -> type | None:
+        return None if self.weight.device.type != "cpu" or self.in_features % 16 else KernelInt8WeightOnlyLinear
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class KernelInt8WeightOnlyLinear(KernelModule, Int8WeightOnlyLinear):
+    """W8A16 on quasar's CPU kernel: weights widened in registers, float32 sums in a fixed order."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()  # [M, K]
+        y = self.kernel.float_act_linear(rows, self.weight, self.weight_scale, NO_BIAS if self.bias is None else self.bias)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kind 1 = float activations, weight, scale, bias) for the fused decoder-layer kernel."""
+        return 1, self.weight, self.weight_scale, NO_BIAS if self.bias is None else self.bias

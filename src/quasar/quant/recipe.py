@@ -8,8 +8,9 @@ from typing import Any
 
 from torch import nn
 
-from quasar import __version__
+from quasar.version import __version__
 from quasar.loading import LoadedModel
+from quasar.quant.bf16 import use_bf16_linears_
 from quasar.quant.calibration import Calibration, CalibrationSpec, calibrate, calibration_texts, token_windows
 from quasar.quant.schemes import check_targets, config_dict, quantize_, scheme_config, target_linears
 from quasar.quant.smoothquant import SmoothConfig, parse_alpha, row_sites, smooth_
@@ -108,11 +109,14 @@ def quantize_model(loaded: LoadedModel, recipe: QuantRecipe, calib: Calibration 
         calib = calib or calibrate_model(loaded, recipe.calib, smoothing)
         alphas = smooth_(model, calib, smoothing)
     quantize_(model, recipe.scheme_config())
+    if not recipe.lm_head:  # the float lm_head reads half the bytes as bf16; part of the recipe on every host
+        use_bf16_linears_(model, ["lm_head"])
     return {
         **config_dict(recipe.scheme_config()),
         "alpha": recipe.alpha if smoothing else None,
         "alphas": alphas,
         "output_groups": recipe.output_groups if smoothing else None,
+        "lm_head_dtype": "int8" if recipe.lm_head else "bf16",
         "calibration": recipe.calib.describe() if smoothing else None,
         "source": str(loaded.source),
         "source_sha256": loaded.source_sha256,

@@ -88,11 +88,9 @@ def target_linears(model: nn.Module, config: Any) -> list[str]:
 
 
 def swap_module_(model: nn.Module, name: str, layer: nn.Module) -> None:
-    """Replace the submodule `name` of `model` by `layer`; the model re-checks its linears' row independence."""
+    """Replace the submodule `name` of `model` by `layer`."""
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, layer)
-    if hasattr(model, "forget_row_check"):
-        model.forget_row_check()
 
 
 def check_targets(model: nn.Module, config: Any, names: list[str]) -> None:

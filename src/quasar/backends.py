@@ -1,0 +1,69 @@
+"""The one switch between quasar's CPU kernels and plain torch, decided once per model, at load.
+
+`prepare_(model)` swaps modules (as torchao and gpt-fast do): where quasar's kernels run (quasar.native) and
+every linear of the model offers a kernel form (`on_kernel(kernel)`: int8, W8A16 and bf16 layers), norms,
+attention and the layer stack become their kernel forms (models/kernel_layers.py) and decode/verify steps run
+all layers in one kernel call. Anywhere else (CUDA, no compiler, a float32 linear) the model stays on the
+torch modules of models/llama.py, which keep every decode/verify step at one fixed shape. Either way greedy
+speculative decoding gives plain decoding's tokens bit for bit; the forward itself never asks again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quasar import native
+from quasar.models.kernel_layers import FusedLayers, KernelAttention, KernelModule, KernelRMSNorm
+from quasar.models.llama import Attention, Layers, RMSNorm, Transformer
+
+TORCH = "torch"
+
+
+def kernel_for(model: Transformer, cache_dir: str | Path | None = None) -> Any | None:
+    """quasar's kernel module where this model can run on it (CPU, float32 activations, head_dim % 8 == 0)."""
+    if model.device.type != "cpu" or model.dtype != torch.float32 or model.config.head_dim % 8:
+        return None
+    return native.kernel(cache_dir)
+
+
+def prepare_(model: Transformer, fuse: bool = True, cache_dir: str | Path | None = None) -> str:
+    """Put model on quasar's kernels where every part of it can run there, else leave it on torch; returns
+    the backend's name ('kernels:dpbusd', 'kernels:maddubs', ... or 'torch'), also kept as model.backend.
+    Idempotent: a model already on the kernels (a layer-skip view of one, say) only gets its stack rebuilt."""
+    kernel = kernel_for(model, cache_dir)
+    forms = {m: kernel_form(m) for m in model.modules() if isinstance(m, nn.Linear) or hasattr(m, "in_features")}
+    if kernel is None or any(form is None for form in forms.values()):
+        model.backend = TORCH
+        return TORCH
+    forms.update({m: KernelRMSNorm for m in model.modules() if type(m) is RMSNorm})
+    forms.update({m: KernelAttention for m in model.modules() if type(m) is Attention})
+    for module, form in forms.items():
+        if type(module) is not form:
+            form.adopt(module, kernel)
+    stack = model.model.layers
+    stack.__class__ = FusedLayers if fuse else Layers
+    if fuse:
+        stack.build(kernel, model.config.rms_norm_eps)
+    model.backend = f"kernels:{kernel.int8_path()}"
+    return model.backend
+
+
+def kernel_form(linear: nn.Module) -> type | None:
+    """The kernel class a linear becomes (its own class if it is one already), None if it has none."""
+    if isinstance(linear, KernelModule):
+        return type(linear)
+    return linear.kernel_form() if hasattr(linear, "kernel_form") else None
+
+
+def on_kernel(module: nn.Module, kernel: Any | None = None) -> nn.Module:
+    """One module moved onto quasar's kernels in place (tests and benchmarks of single layers)."""
+    kernel = kernel or native.kernel()
+    form = kernel_form(module) if not isinstance(module, (RMSNorm, Attention)) else (
+        KernelRMSNorm if isinstance(module, RMSNorm) else KernelAttention)
+    if kernel is None or form is None:
+        raise ValueError(f"{type(module).__name__} cannot run on quasar's kernels here ({native.status()})")
+    return form.adopt(module, kernel) if type(module) is not form else module

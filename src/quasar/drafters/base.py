@@ -1,0 +1,39 @@
+"""The drafter protocol: what a drafter is given and what it proposes (the registry is quasar.drafters)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from quasar.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: list[int]  # k proposed token ids (k may be 0)
+    probs: torch.Tensor | None = None  # [k, V] the drafter's distributions; None for deterministic drafters
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class Drafter(Protocol):
+    def reset(self) -> None: ...
+
+    def commit(self, tokens: list[int]) -> None: ...
+
+    def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft: ...
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    ngram_min: int = 1  # shortest suffix an n-gram drafter matches
+    ngram_max: int = 3  # longest suffix an n-gram drafter matches (the paper: n in 1..3)
+    cache_dir: str | Path | None = None  # for 'model:PATH' drafters loaded from GGUF
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")

@@ -1,0 +1,79 @@
+"""The model's modules on quasar's CPU kernels (csrc/): the same parameters and names as models/llama.py,
+swapped in once at load by quasar.backends where every part of a model can run there.
+
+Every row of every kernel's result depends on its own input row alone, so decode and verify steps need no
+fixed shapes: a step of T <= FIXED_ROWS tokens (batch 1) runs all layers in one kernel call (FusedLayers),
+a longer one (prefill) layer by layer, with SDPA for attention over the T prompt rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from quasar.kv_cache import KVCache
+from quasar.models.llama import FIXED_ROWS, Attention, Layers, RMSNorm
+
+NONE = torch.empty(0)
+
+
+class KernelModule:
+    """A module on quasar's kernels, made from its torch form in place (same parameters, new class)."""
+
+    kernel: Any
+
+    @classmethod
+    def adopt(cls, module: nn.Module, kernel: Any) -> nn.Module:
+        module.__class__ = cls
+        module.kernel = kernel
+        return module
+
+
+class KernelRMSNorm(KernelModule, RMSNorm):
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+
+
+class KernelAttention(KernelModule, Attention):
+    """Rope, cache write and attention of a decode/verify step in one kernel call (batch 1); prefill as torch."""
+
+    def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
+        B, T, _ = x.shape
+        if B != 1 or T > FIXED_ROWS:  # prefill: SDPA over the cached and new keys
+            return super().forward(x, rope, mask, cache)
+        q, k, v = self.qkv(x)
+        cache_k, cache_v = cache.k[self.layer, 0], cache.v[self.layer, 0]  # [H_kv, S, D]
+        out = self.kernel.decode_attention(q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), *rope, cache_k, cache_v, cache.length)
+        return self.o_proj(out.view(B, T, self.n_heads * self.head_dim))
+
+
+class FusedLayers(Layers):
+    """All decoder layers as one kernel object (csrc/decoder_layer.cpp), built once from the layers' tensors;
+    decode and verify steps (batch 1, T <= FIXED_ROWS) make one call for the whole stack."""
+
+    fused: Any
+
+    def build(self, kernel: Any, eps: float) -> None:
+        args = [layer_tensors(layer) for layer in self]
+        self.fused = kernel.FusedLayers([a[0] for a in args], [a[1] for a in args], eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache) -> torch.Tensor:
+        B, T, _ = x.shape
+        if B != 1 or T > FIXED_ROWS:
+            return super().forward(x, rope, cache)
+        x = self.fused.forward(x[0], *rope, cache.k[:, 0], cache.v[:, 0], cache.length)[None]  # [1, T, hidden]
+        cache.advance(T)
+        return x
+
+
+def layer_tensors(layer: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
+    """The tensors and linear kinds FusedLayers takes for one decoder layer (every linear's `kernel_args()`)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    args = [linear.kernel_args() for linear in linears]
+    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    norms += [attn.q_norm.weight, attn.k_norm.weight] if hasattr(attn, "q_norm") else [NONE, NONE]
+    return norms + [t for a in args for t in a[1:]], [a[0] for a in args]

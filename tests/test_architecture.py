@@ -1,0 +1,89 @@
+"""The package's shape: imports point one way (commands -> api/engine -> speculative/drafters -> models/quant
+-> files), with no cycle hidden in a function-level import or a registry table, and the model never
+imports quant/ (quantization swaps modules afterwards)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import quasar
+
+SRC = Path(quasar.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in SRC.rglob("*.py")}
+
+
+def dependencies(name: str) -> set[str]:
+    """Every quasar module `name` imports, at the top or inside a function, or names in a string table
+    ("quasar.quant.verifiers:load_w8a8")."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("quasar."):
+            found.add(node.value.partition(":")[0])
+    return {d for d in found if d in MODULES and d != name}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    graph = {name: dependencies(name) for name in MODULES}
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_hidden_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_model_never_imports_quant_or_the_kernels_switch():
+    for name in ("quasar.models.llama", "quasar.models.kernel_layers", "quasar.models.config"):
+        assert not {d for d in dependencies(name) if d.startswith(("quasar.quant", "quasar.backends", "quasar.native"))}
+
+
+def test_files_is_a_leaf():
+    assert dependencies("quasar.files") == set()

@@ -1,0 +1,84 @@
+"""quasar.native tells 'this machine cannot build the kernels' (normal: skip) from 'the build failed' (a
+defect: shown, and the test session fails), recovers from a compile that was killed, and builds into the
+cache directory it is given."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quasar import native
+
+TESTS = Path(__file__).parent
+
+
+def test_no_compiler_means_cannot_not_failed(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    module, status = native.try_build(tmp_path)
+    if not native.cpu_has_avx2():
+        assert status.state == "cannot" and "AVX2" in status.reason
+    else:
+        assert module is None and status.state == "cannot" and "no C++ compiler" in status.reason
+
+
+@pytest.mark.skipif(native.cannot_build() is not None, reason=f"cannot build here: {native.cannot_build()}")
+def test_a_broken_build_is_a_failure_with_the_compiler_error(tmp_path):
+    source = tmp_path / "src" / "broken.cpp"
+    source.parent.mkdir()
+    source.write_text("#include <torch/extension.h>\nint broken( { return 0; }\n")
+    module, status = native.try_build(tmp_path / "cache", [source])
+    assert module is None and status.state == "failed"
+    assert "Error building extension" in status.reason or "error" in status.reason.lower()
+
+
+def test_a_stale_torch_lock_left_by_a_killed_compile_is_removed(tmp_path):
+    build = tmp_path / "kernels" / "cpu-x"
+    build.mkdir(parents=True)
+    (build / "lock").touch()  # torch's FileBaton: later compiles would wait on it forever
+    with native.build_lock(build):
+        assert not (build / "lock").exists()
+
+
+def test_the_lock_is_held_while_one_process_builds(tmp_path):
+    """A second process waits for the first one's compile instead of removing a live torch lock."""
+    build = tmp_path / "b"
+    code = ("import sys, time; from pathlib import Path; from quasar import native\n"
+            "with native.build_lock(Path(sys.argv[1])):\n    print('held', flush=True); time.sleep(3)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(build)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    (build / "lock").touch()  # the live compile's torch lock
+    waiter = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from quasar import native\n"
+                             "with native.build_lock(Path(sys.argv[1])): print(Path(sys.argv[1], 'lock').exists())",
+                             str(build)], capture_output=True, text=True, timeout=60)
+    holder.wait(timeout=30)
+    assert waiter.returncode == 0 and waiter.stdout.strip() == "False"  # it waited until the holder was done
+
+
+def test_kernels_build_into_the_given_cache_dir(monkeypatch, tmp_path):
+    built = []
+    monkeypatch.setattr(native, "_status", None)
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "cannot_build", lambda: None)
+    monkeypatch.setattr(native, "build", lambda directory, sources: built.append(directory) or "module")
+    assert native.kernel(tmp_path) == "module"
+    assert built == [native.build_dir(tmp_path)] and built[0].is_relative_to(tmp_path / "kernels")
+
+
+@pytest.mark.skipif(native.cannot_build() is not None, reason=f"cannot build here: {native.cannot_build()}")
+def test_the_test_session_fails_when_the_kernels_do_not_build(tmp_path):
+    """Not a skip of every kernel test: the whole session stops with the build error."""
+    broken = tmp_path / "src" / "broken.cpp"
+    broken.parent.mkdir()
+    broken.write_text("int broken( {\n")
+    code = ("import sys, pytest; from pathlib import Path; from quasar import native\n"
+            f"native.SOURCES = [Path({str(broken)!r})]\n"
+            "native.try_build.__defaults__ = (None, native.SOURCES)\n"
+            f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {str(TESTS / 'test_kv_cache.py')!r}]))")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=TESTS)
+    assert run.returncode == 1, run.stdout[-2000:]
+    assert "failed to build" in run.stdout + run.stderr
