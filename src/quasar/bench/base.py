@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from quasar.files import sha256_file
+from quasar.files import sha256_memo
 from quasar.loading import LoadedModel, gguf_directory, resolve
 from quasar.outputs import RequestOutput
 from quasar.prompt import Messages
@@ -60,4 +60,4 @@ class Pool:
     def directory(self) -> Path:
         """The model's Hugging Face-style directory (GGUF sources are converted once, cached)."""
         path = resolve(self.options.model, self.options.cache_dir)
-        return gguf_directory(path, sha256_file(path), self.options.cache_dir) if path.is_file() else path
+        return gguf_directory(path, sha256_memo(path, self.options.cache_dir), self.options.cache_dir) if path.is_file() else path

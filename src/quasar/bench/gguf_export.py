@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from quasar.loading import cache_root, open_gguf, resolve, sha256_file
+from quasar.files import cache_root, sha256_memo
+from quasar.loading import open_gguf, resolve
 
 log = logging.getLogger("quasar")
 PRECISIONS = {"f16": ("F16", "MOSTLY_F16"), "q8_0": ("Q8_0", "MOSTLY_Q8_0")}  # -> (tensor type, file type)
@@ -65,7 +66,7 @@ def exported_gguf(model: str | Path, precision: str, cache_dir: str | Path | Non
     source = resolve(model, cache_dir)
     if not source.is_file():
         raise ValueError("the llama.cpp peers need a GGUF model (--model default or a .gguf file)")
-    target = cache_root(cache_dir) / "gguf-export" / f"{sha256_file(source)}-{precision}.gguf"
+    target = cache_root(cache_dir) / "gguf-export" / f"{sha256_memo(source, cache_dir)}-{precision}.gguf"
     if not target.exists():
         log.info("writing a %s copy of %s for llama.cpp into %s", precision, source.name, target)
         target.parent.mkdir(parents=True, exist_ok=True)
