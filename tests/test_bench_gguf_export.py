@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
+import gguf  # noqa: E402  (a core dependency)
 
 from gguf.quants import dequantize
 

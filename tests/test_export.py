@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import share_kernels
 import torch
 import transformers
 from safetensors import safe_open
@@ -37,7 +38,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein 
 @pytest.fixture(scope="module")
 def w8a8(tiny_model_dir, tmp_path_factory) -> LoadedModel:
     """The per-channel/per-token scheme vLLM's int8 kernels run (the default `w8a8` is group-wise)."""
-    return load_verifier(tiny_model_dir, "w8a8:pc", cache_dir=tmp_path_factory.mktemp("cache"))
+    return load_verifier(tiny_model_dir, "w8a8:pc", cache_dir=share_kernels(tmp_path_factory.mktemp("cache")))
 
 
 @pytest.fixture(scope="module")

@@ -53,11 +53,21 @@ def sha256_memo(path: Path, cache_dir: str | Path | None = None) -> str:
     return digest
 
 
+def _read_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+UMASK = _read_umask()  # read once, at import: os.umask is process-wide and setting it is not thread-safe
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write text to path via a temporary sibling, flushed to disk, then renamed over path."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~UMASK)  # mkstemp makes 0600; a report is as readable as any file
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -76,6 +86,7 @@ def atomic_directory(target: Path, write: Callable[[Path], None], replace: bool 
     existing target aside with one rename before ours takes its place, so target is never missing parts."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp.", dir=target.parent))
+    os.chmod(tmp, 0o777 & ~UMASK)  # mkdtemp makes 0700; the result is as readable as any directory
     old = None
     try:
         write(tmp)

@@ -41,7 +41,7 @@ def write_copy(source: Path, target: Path, precision: str) -> None:
 
     reader = open_gguf(source)
     arch = reader.fields["general.architecture"].contents()
-    tmp = target.with_name(f".{target.name}.tmp")
+    tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}")  # one per process: concurrent exports never share it
     writer = gguf.GGUFWriter(str(tmp), arch)
     for field in reader.fields.values():
         if field.name in ("general.architecture", "general.file_type") or field.name.startswith("GGUF."):
@@ -56,6 +56,7 @@ def write_copy(source: Path, target: Path, precision: str) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    os.chmod(tmp, 0o644)
     os.replace(tmp, target)
 
 
