@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from quasar.cli import main
+
 
 def quasar(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -68,7 +70,7 @@ def test_same_seed_same_sample(tiny_model_dir):
         (["--temperature", "-1"], "temperature"),
         (["--top-p", "0"], "top_p"),
         (["--top-p", "1.5"], "top_p"),
-        (["--max-new-tokens", "0"], "max_new_tokens"),
+        (["--max-new-tokens", "0"], "--max-new-tokens"),
     ],
 )
 def test_invalid_sampling_values(args, match, tiny_model_dir):
@@ -92,3 +94,84 @@ def test_bad_model_paths(tmp_path, tiny_model_dir):
 def test_prompt_longer_than_context(tiny_model_dir):
     result = quasar("generate", "word " * 100, "--model", str(tiny_model_dir), "--max-context", "32", "--no-chat")
     assert_clean_error(result, "context window")
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str]:
+    """`quasar ARGV` in this process: (exit code, stderr)."""
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def assert_one_line_error(code: int, err: str, match: str) -> None:
+    assert code in (1, 2), err
+    assert err.startswith("quasar: error: ") and match in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--seed", str(2**64)], "seed"),
+    (["--seed", str(-(2**63) - 1)], "seed"),
+    (["--max-context", "0"], "--max-context"),
+    (["--max-context", "-3"], "--max-context"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--max-new-tokens", "many"], "--max-new-tokens"),
+    (["--top-k", "-1"], "top_k"),
+    (["--temperature", "-1"], "temperature"),
+    (["--temperature", "inf"], "temperature"),
+    (["--ngram-min", "0"], "--ngram-min"),
+    (["--ngram-max", "0"], "--ngram-max"),
+    (["--k", "0"], "--k"),
+])
+def test_bad_generate_numbers_are_refused_before_the_model_loads(capsys, tmp_path, args, match):
+    """The model path does not exist: a check made after loading would report that instead."""
+    code, err = run_main(capsys, "generate", "hi", "--model", str(tmp_path / "missing"), *args)
+    assert_one_line_error(code, err, match)
+    assert "does not exist" not in err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["bench", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["bench", "--limit", "0"], "--limit"),
+    (["bench", "--max-context", "0"], "--max-context"),
+    (["bench", "--seed", str(2**64)], "--seed"),
+    (["bench", "--temperatures", "0,-1"], "--temperatures"),
+    (["eval", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["eval", "--limit", "0"], "--limit"),
+    (["eval", "--timeout", "0"], "--timeout"),
+    (["eval", "--max-context", "0"], "--max-context"),
+    (["serve", "--max-context", "0"], "--max-context"),
+    (["serve", "--port", "65536"], "--port"),
+    (["serve", "--max-queue", "0"], "--max-queue"),
+    (["quantize", "--out", "x", "--calib-samples", "0"], "--calib-samples"),
+])
+def test_bad_numbers_of_other_commands_are_refused_while_parsing(capsys, monkeypatch, argv, match):
+    import importlib
+
+    def must_not_run(args):
+        raise AssertionError(f"{argv[0]} ran with {argv[1:]}")
+
+    monkeypatch.setattr(importlib.import_module(f"quasar.commands.{argv[0]}"), "run", must_not_run)
+    assert_one_line_error(*run_main(capsys, *argv), match)
+
+
+def test_oversized_seed_in_a_real_process_is_one_line(tmp_path):
+    result = quasar("generate", "--seed", str(2**64), "hi", "--model", str(tmp_path / "missing"))
+    assert_clean_error(result, "seed")
+    assert "does not exist" not in result.stderr
+
+
+def test_unexpected_errors_are_one_line_and_v_shows_the_traceback(capsys, monkeypatch):
+    from quasar.commands import models
+
+    def broken(args):
+        raise RuntimeError("registry exploded\nsecond line")
+
+    monkeypatch.setattr(models, "run_list", broken)
+    code, err = run_main(capsys, "models", "list")
+    assert_one_line_error(code, err, "RuntimeError: registry exploded")
+    assert "-v" in err
+    with pytest.raises(RuntimeError, match="registry exploded"):
+        main(["-v", "models", "list"])

@@ -10,6 +10,7 @@ from quasar.bench.report import print_summary
 from quasar.bench.runner import RunConfig
 from quasar.bench.session import BenchOptions, bench
 from quasar.bench.suites import CATEGORIES, SUITE_SIZES
+from quasar.commands.common import positive_int, seed, temperature
 
 SUITE_TOKENS = {"quick": 32, "spec": 256, "full": 256}  # default --max-new-tokens per suite
 
@@ -19,10 +20,7 @@ def csv(text: str) -> tuple[str, ...]:
 
 
 def temperatures(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(t) for t in csv(text))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"temperatures must be numbers, e.g. 0,0.5,1 ({e})") from e
+    return tuple(temperature(t) for t in csv(text))
 
 
 def draft_length(text: str) -> int | str:
@@ -45,18 +43,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="comma-separated: ar:V, DRAFTER+V (ngram+bf16, model:PATH+w8a8, ...), hf:ar, hf:pld, "
                         "llamacpp:ar, llamacpp:pld[:f16] (default: %(default)s)")
     parser.add_argument("--temperatures", type=temperatures, default="0", help="comma-separated (default: %(default)s)")
-    parser.add_argument("--max-new-tokens", type=int, help="token budget per turn (default: 32 quick, 256 otherwise)")
-    parser.add_argument("--limit", type=int, help="prompts per category (default: the suite's)")
+    parser.add_argument("--max-new-tokens", type=positive_int, help="token budget per turn (default: 32 quick, 256 otherwise)")
+    parser.add_argument("--limit", type=positive_int, help="prompts per category (default: the suite's)")
     parser.add_argument("--categories", type=csv, help=f"only these categories, from: {', '.join(CATEGORIES)}")
     parser.add_argument("--k", type=draft_length, default=5, help="draft length for DRAFTER+V, or 'auto' (default: 5)")
-    parser.add_argument("--seed", type=int, default=0, help="base seed for sampled runs (default: 0)")
+    parser.add_argument("--seed", type=seed, default=0, help="base seed for sampled runs (default: 0)")
     parser.add_argument("--out", default="bench-out", help="output directory, replaced as a whole when the run ends "
                         "(default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace the earlier run in a non-empty --out")
     parser.add_argument("--quantized", metavar="DIR", help="a checkpoint from `quasar quantize` to use as the "
                         "w8a8 (or w8a16) verifier, instead of quantizing --model on the fly")
     parser.add_argument("--cache-dir", help="where converted and quantized models are cached")
-    parser.add_argument("--max-context", type=int, help="context window in tokens (default: the model's)")
+    parser.add_argument("--max-context", type=positive_int, help="context window in tokens (default: the model's)")
     parser.add_argument("--no-memory-wall", dest="memory_wall", action="store_false",
                         help="skip the bandwidth probe and the verify-forward curves")
     parser.add_argument("--no-plots", dest="plots", action="store_false", help="write no PNG plots")

@@ -1,11 +1,51 @@
-"""Options shared by the subcommands that take a model and sampling settings."""
+"""Options shared by the subcommands that take a model and sampling settings, and the argparse types that refuse
+bad numbers while parsing. Light to import: `quasar --help` and argument parsing load no model code."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
-from quasar.sampling import SamplingParams
+if TYPE_CHECKING:
+    from quasar.sampling import SamplingParams
+
+N = TypeVar("N", int, float)
+
+
+def checked(kind: Callable[[str], N], ok: Callable[[N], bool], what: str) -> Callable[[str], N]:
+    """An argparse type: `kind(text)` when `ok` holds, else argparse's one-line error saying `what` was expected."""
+
+    def parse(text: str) -> N:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = checked(int, lambda n: n >= 1, "a positive integer")
+positive_float = checked(float, lambda x: 0 < x < math.inf, "a positive number")
+port = checked(int, lambda n: 0 <= n <= 65535, "a port number from 0 to 65535")
+temperature = checked(float, lambda t: 0 <= t < math.inf, "a finite temperature >= 0")
+
+
+def seed(text: str) -> int:
+    """An argparse type: a seed in the range SamplingParams (torch) accepts."""
+    from quasar.sampling import check_seed
+
+    value = checked(int, lambda n: True, "an integer")(text)
+    try:
+        check_seed(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def add_model_args(parser: argparse.ArgumentParser, verifier_default: str = "fp32") -> None:
@@ -22,7 +62,7 @@ def add_model_args(parser: argparse.ArgumentParser, verifier_default: str = "fp3
     group.add_argument("--dtype", choices=("fp32", "bf16"), help="shorthand for --verifier fp32|bf16")
     group.add_argument("--cache-dir", help="where converted GGUF and quantized models are cached "
                        "(default: $XDG_CACHE_HOME/quasar or ~/.cache/quasar)")
-    group.add_argument("--max-context", type=int, help="context window in tokens (default: the model's)")
+    group.add_argument("--max-context", type=positive_int, help="context window in tokens (default: the model's)")
 
 
 def verifier_name(args: argparse.Namespace) -> str:
@@ -34,8 +74,8 @@ def add_decode_args(parser: argparse.ArgumentParser, drafter_default: str = "ngr
     group.add_argument("--drafter", default=drafter_default,
                        help="none (plain decoding), ngram, suffix, model:PATH, layerskip:N (default: %(default)s)")
     group.add_argument("--k", default="auto", help="draft tokens per verify step, or 'auto' to adapt to recent acceptance (default: %(default)s)")
-    group.add_argument("--ngram-min", type=int, default=1, help="shortest n-gram the ngram/suffix drafters match (default: %(default)s)")
-    group.add_argument("--ngram-max", type=int, default=3, help="longest n-gram the ngram drafter matches (default: %(default)s)")
+    group.add_argument("--ngram-min", type=positive_int, default=1, help="shortest n-gram the ngram/suffix drafters match (default: %(default)s)")
+    group.add_argument("--ngram-max", type=positive_int, default=3, help="longest n-gram the ngram drafter matches (default: %(default)s)")
 
 
 def decode_config(args: argparse.Namespace):  # -> quasar.api.DecodeConfig
@@ -47,16 +87,18 @@ def decode_config(args: argparse.Namespace):  # -> quasar.api.DecodeConfig
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (default: %(default)s)")
+    group.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate at most (default: %(default)s)")
     group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: %(default)s)")
     group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all (default: %(default)s)")
-    group.add_argument("--seed", type=int, help="random seed; the same seed reproduces the same sample")
+    group.add_argument("--seed", type=seed, help="random seed; the same seed reproduces the same sample")
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    from quasar.sampling import SamplingParams
+
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,

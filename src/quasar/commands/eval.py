@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from quasar.commands.common import positive_float, positive_int
 from quasar.evals.runner import EvalConfig, EvalReport, evaluate
 from quasar.evals.task import TaskOptions
 from quasar.files import atomic_write_text
@@ -29,13 +30,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--verifier", type=comma_list, default=("fp32",),
                         help="comma-separated verifiers; the first is the baseline of the deltas, e.g. "
                         "fp32,w8a8,w8a16,pruned:8 (default: fp32)")
-    parser.add_argument("--limit", type=int, help="items per task, evenly spread over the set (default: all)")
+    parser.add_argument("--limit", type=positive_int, help="items per task, evenly spread over the set (default: all)")
     parser.add_argument("--model", default="default",
                         help="'default', an installed model name, a .gguf file or a model directory (default: %(default)s)")
-    parser.add_argument("--max-new-tokens", type=int, help="token budget of GSM8K and HumanEval answers (default: 256)")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds one HumanEval test run may take (default: %(default)s)")
+    parser.add_argument("--max-new-tokens", type=positive_int, help="token budget of GSM8K and HumanEval answers (default: 256)")
+    parser.add_argument("--timeout", type=positive_float, default=10.0, help="seconds one HumanEval test run may take (default: %(default)s)")
     parser.add_argument("--cache-dir", help="where converted and quantized models are cached")
-    parser.add_argument("--max-context", type=int, help="context window in tokens (default: the model's)")
+    parser.add_argument("--max-context", type=positive_int, help="context window in tokens (default: the model's)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     parser.add_argument("--out", type=Path, help="also write the full report (with every item's answer) as JSON here, "
                         "rewritten after every task (an existing file needs --overwrite)")

@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 
-from quasar.api import build_engine
 from quasar.commands.common import (
     add_decode_args, add_model_args, add_sampling_args, decode_config, read_prompt, sampling_params, verifier_name,
 )
@@ -33,6 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from quasar.api import build_engine
+
     params = sampling_params(args)
     prompt = read_prompt(args.prompt)
     engine = build_engine(args.model, verifier_name(args), decode_config(args), args.max_context, args.cache_dir)

