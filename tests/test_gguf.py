@@ -133,3 +133,18 @@ def test_default_model_sha256_is_pinned():
     from quasar.loading import DEFAULT_MODEL_SHA256
 
     assert sha256_file(default_model_path()) == DEFAULT_MODEL_SHA256
+
+
+def test_the_fast_tokenizer_equals_auto_tokenizer(default_model):
+    """loading.load_tokenizer skips AutoTokenizer's config imports; the tokens and chat text must not change."""
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(str(default_model.directory))
+    ours = default_model.tokenizer
+    for text in ("Hello world", " spaced  text\n\n\tx", "def f(x):\n    return x  # ünïcode ✓", ""):
+        assert ours.encode(text) == auto.encode(text)
+        assert ours.decode(auto.encode(text)) == auto.decode(auto.encode(text))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == auto.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False)
+    assert (ours.eos_token_id, ours.bos_token_id, len(ours)) == (auto.eos_token_id, auto.bos_token_id, len(auto))
