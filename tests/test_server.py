@@ -57,10 +57,12 @@ class Server:
     def client(self, key: str | None = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0, timeout=600)
 
-    def metrics(self) -> dict[str, float]:
+    def exposition(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", text, re.MULTILINE)}
+            return r.read().decode()
+
+    def metrics(self) -> dict[str, float]:
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\S+) (\S+)$", self.exposition(), re.MULTILINE)}
 
     def post(self, path: str, body: bytes, key: str = KEY) -> tuple[int, dict]:
         req = urllib.request.Request(self.url + path, data=body, method="POST",
@@ -184,6 +186,8 @@ def test_server_greedy_equals_quasar_generate(server, model_dir):
     ({"model": MODEL, "prompt": ""}, "prompt"),
     ({"model": MODEL}, "prompt"),
     ({"model": MODEL, "prompt": "hi", "temperature": "warm"}, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "seed": 2**64}, "seed"),  # more than torch.Generator takes
+    ({"model": MODEL, "prompt": "hi", "seed": -(2**63) - 1}, "seed"),
 ])
 def test_bad_requests_get_400_with_an_openai_error(server, body, param):
     status, answer = server.post("/v1/completions", json.dumps(body).encode())
@@ -225,6 +229,7 @@ def test_sixteen_concurrent_clients_all_answered(server, expected):
 
 
 def test_metrics_in_prometheus_format(server):
+    assert server.post("/v1/completions", json.dumps({"model": MODEL}).encode())[0] == 400
     server.client().completions.create(model=MODEL, prompt="one two one two one two one two", max_tokens=8, temperature=0)
     metrics = server.metrics()
     assert metrics["quasar_generation_tokens_total"] >= 8
@@ -235,6 +240,15 @@ def test_metrics_in_prometheus_format(server):
     assert metrics['quasar_request_latency_seconds_bucket{le="+Inf"}'] == metrics["quasar_request_latency_seconds_count"]
     assert metrics['quasar_requests_total{endpoint="/v1/completions",status="200"}'] >= 1
     assert metrics['quasar_requests_total{endpoint="/v1/completions",status="400"}'] >= 1
+
+
+def test_a_crafted_path_neither_adds_a_label_nor_injects_a_line(server):
+    """uvicorn percent-decodes the path: quotes and a newline reach the app."""
+    for path in ("/v1/x%22%7D%201%0Afake_metric%202", "/v1/other-1", "/v1/other-2"):
+        assert server.post(path, b"{}")[0] == 404
+    lines = server.exposition().splitlines()
+    assert not [line for line in lines if line.startswith("fake_metric") or "/v1/x" in line or "/v1/other-" in line]
+    assert server.metrics()['quasar_requests_total{endpoint="other",status="404"}'] >= 3
 
 
 def test_full_queue_429_and_disconnect_frees_the_worker(model_dir, tmp_path):

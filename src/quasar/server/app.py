@@ -19,7 +19,7 @@ from quasar.engine import Engine
 from quasar.outputs import RequestOutput
 from quasar.server.metrics import Metrics
 from quasar.server.protocol import BadRequest, ChatRequest, CompletionRequest, Envelope, budget, error_body, parse
-from quasar.server.scheduler import Job, QueueFullError, Scheduler
+from quasar.server.scheduler import Job, QueueFullError, Scheduler, WorkerStoppedError
 
 log = logging.getLogger("quasar")
 
@@ -27,19 +27,21 @@ log = logging.getLogger("quasar")
 class Guard:
     """ASGI middleware: bearer-token check on /v1/* and a request counter by route and status.
 
+    The route label is one of the app's `endpoints`, or 'other': a client cannot add label values.
     Plain ASGI (not BaseHTTPMiddleware) so that a client disconnect reaches the streaming response."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, metrics: Metrics) -> None:
-        self.app, self.api_key, self.metrics = app, api_key, metrics
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: Metrics, endpoints: frozenset[str]) -> None:
+        self.app, self.api_key, self.metrics, self.endpoints = app, api_key, metrics, endpoints
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
+        endpoint = path if path in self.endpoints else "other"
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
-                self.metrics.count_request(path, message["status"])
+                self.metrics.count_request(endpoint, message["status"])
             await send(message)
 
         if self.api_key and path.startswith("/v1") and not self._authorized(scope):
@@ -69,7 +71,6 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
 
     app = FastAPI(title="quasar", version="1", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.scheduler, app.state.metrics = scheduler, metrics
-    app.add_middleware(Guard, api_key=api_key, metrics=metrics)
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, e: BadRequest) -> JSONResponse:
@@ -79,14 +80,21 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(e.detail)), status_code=e.status_code)
 
+    @app.exception_handler(WorkerStoppedError)
+    async def unavailable(_: Request, e: WorkerStoppedError) -> JSONResponse:
+        return JSONResponse(error_body(str(e), "server_error", code="worker_stopped"), status_code=503)
+
     @app.exception_handler(Exception)
     async def server_error(_: Request, e: Exception) -> JSONResponse:
         log.exception("request failed")
         return JSONResponse(error_body(f"internal error: {e}", "server_error"), status_code=500)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model_name, "queue_length": scheduler.waiting}
+    async def health() -> JSONResponse:
+        body = {"status": "ok", "model": model_name, "queue_length": scheduler.waiting}
+        if scheduler.unavailable is not None:
+            return JSONResponse(body | {"status": "unavailable", "reason": scheduler.unavailable}, status_code=503)
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
@@ -103,14 +111,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
     async def completions(request: Request) -> Any:
         req = parse(CompletionRequest, await read_json(request))
         check_model(req.model)
-        return await serve(req, completion_ids(req), chat=False)
+        return await serve(req, await completion_ids(req), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         req = parse(ChatRequest, await read_json(request))
         check_model(req.model)
         try:
-            ids = engine.encode([m.text() for m in req.messages])
+            ids = await scheduler.call(engine.encode, [m.text() for m in req.messages])
         except ValueError as e:
             raise BadRequest(str(e), param="messages") from None
         return await serve(req, ids, chat=True)
@@ -120,7 +128,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             raise BadRequest(f"the model {name!r} does not exist; this server serves {model_name!r}",
                              param="model", code="model_not_found")
 
-    def completion_ids(req: CompletionRequest) -> list[int]:
+    async def completion_ids(req: CompletionRequest) -> list[int]:
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             if not all(0 <= t < engine.target.model.config.vocab_size for t in prompt):
@@ -132,13 +140,13 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             prompt = prompt[0]
         if not prompt:
             raise BadRequest("the prompt is empty", param="prompt")
-        return engine.encode(str(prompt), chat=False)
+        return await scheduler.call(engine.encode, str(prompt), False)
 
     async def serve(req: CompletionRequest | ChatRequest, ids: list[int], chat: bool) -> Any:
         requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        params = req.sampling(budget(requested, len(ids), engine.max_context))
+        room = budget(requested, len(ids), engine.max_context)
         try:
-            run = engine.run(ids, params)
+            run = engine.run(ids, req.sampling(room))
         except ValueError as e:
             raise BadRequest(str(e)) from None
         try:
@@ -172,6 +180,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
         finally:
             scheduler.cancel(job)  # the client went away mid-stream: stop generating, free the place
 
+    app.add_middleware(Guard, api_key=api_key, metrics=metrics, endpoints=frozenset(r.path for r in app.routes))
     return app
 
 

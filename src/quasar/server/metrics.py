@@ -74,9 +74,10 @@ class Metrics:
     def render(self, waiting: int, running: int) -> str:
         with self._lock:
             lines = _family("quasar_requests_total", "counter", "HTTP requests by endpoint and status")
-            lines += [f'quasar_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())]
+            lines += [f"quasar_requests_total{{endpoint={_label(e)},status={_label(s)}}} {n}"
+                      for (e, s), n in sorted(self.requests.items())]
             lines += _family("quasar_generations_total", "counter", "finished generations by finish reason")
-            lines += [f'quasar_generations_total{{reason="{r}"}} {n}' for r, n in sorted(self.finished.items())]
+            lines += [f"quasar_generations_total{{reason={_label(r)}}} {n}" for r, n in sorted(self.finished.items())]
             for name, value, doc in (
                 ("quasar_prompt_tokens_total", self.prompt_tokens, "prompt tokens processed"),
                 ("quasar_generation_tokens_total", self.generation_tokens, "tokens generated"),
@@ -98,6 +99,12 @@ class Metrics:
             ):
                 lines += _family(name, "histogram", doc) + hist.lines(name)
         return "\n".join(lines) + "\n"
+
+
+def _label(value: object) -> str:
+    """A quoted label value, escaped as the text exposition format requires (backslash, quote, newline)."""
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{text}"'
 
 
 def _family(name: str, kind: str, doc: str) -> list[str]:

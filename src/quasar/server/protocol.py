@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from quasar.outputs import RequestOutput
-from quasar.sampling import SamplingParams
+from quasar.sampling import SEED_MAX, SEED_MIN, SamplingParams
 
 
 class BadRequest(ValueError):
@@ -42,7 +42,7 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)  # extension (vLLM): -1 or 0 keeps all
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # what SamplingParams (torch) accepts
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

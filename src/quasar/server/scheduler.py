@@ -4,26 +4,37 @@ The HTTP handlers (asyncio) submit a Run and read its pieces from an asyncio que
 (a plain thread, because generation is blocking torch code) iterates the Run and hands the pieces
 over with `call_soon_threadsafe`. A cancelled job (client gone) leaves the queue at once, or, when
 it is running, stops after the piece being computed, and its Run is closed.
+
+The engine (its model and its Rust-backed tokenizer, which fails with "Already borrowed" when two threads
+use it at once) is used under one lock: the worker holds it for each generation step, the handlers for
+each `call` (prompt encoding). If the worker thread dies, every job it held fails and `unavailable` says why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from quasar.engine import Run
 from quasar.outputs import RequestOutput
 
 log = logging.getLogger("quasar")
+T = TypeVar("T")
 
 
 class QueueFullError(RuntimeError):
     """Every place in the queue is taken; the client should retry later (HTTP 429)."""
+
+
+class WorkerStoppedError(RuntimeError):
+    """The worker thread is gone: this server can generate nothing more (HTTP 503)."""
 
 
 @dataclass
@@ -38,8 +49,9 @@ class Job:
     first_piece: float | None = None
 
     def emit(self, kind: str, value: object) -> None:
-        """Called from the worker thread."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        """Called from the worker thread; a closed loop (its server gone) has no one left to tell."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
 
     async def pieces(self) -> AsyncIterator[str]:
         """Text pieces as they are generated; raises what the generation raised."""
@@ -73,6 +85,8 @@ class Scheduler:
         self._cond = threading.Condition()
         self._running: Job | None = None
         self._stopped = False
+        self._failure: str | None = None  # why the worker thread died
+        self._engine_lock = threading.Lock()
         self._thread = threading.Thread(target=self._work, name="quasar-worker", daemon=True)
         self._thread.start()
 
@@ -84,9 +98,29 @@ class Scheduler:
     def running(self) -> int:
         return 0 if self._running is None else 1
 
+    @property
+    def unavailable(self) -> str | None:
+        """Why no request can be served any more; None while the worker runs."""
+        if self._failure is not None:
+            return f"the generation worker stopped: {self._failure}"
+        if self._stopped or not self._thread.is_alive():
+            return "the generation worker has been stopped"
+        return None
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on a helper thread, between two generation steps, never during one (see the module doc)."""
+
+        def locked() -> T:
+            with self._engine_lock:
+                return fn(*args)
+
+        return await asyncio.to_thread(locked)
+
     def submit(self, run: Run) -> Job:
         job = Job(run, asyncio.get_running_loop())
         with self._cond:
+            if self.unavailable is not None:
+                raise WorkerStoppedError(self.unavailable)
             if len(self._waiting) >= self.max_queue:
                 raise QueueFullError(f"the server is busy: {len(self._waiting)} requests are already waiting")
             self._waiting.append(job)
@@ -116,17 +150,34 @@ class Scheduler:
             return self._running
 
     def _work(self) -> None:
-        while (job := self._next()) is not None:
-            try:
+        try:
+            while (job := self._next()) is not None:
                 self._execute(job)
-            finally:
                 with self._cond:
                     self._running = None
+        except BaseException as e:  # not a failed generation (those fail their request): the thread ends here
+            log.critical("the generation worker stopped", exc_info=True)
+            self._abandon(f"{type(e).__name__}: {e}")
+
+    def _abandon(self, failure: str) -> None:
+        """Fail the running job and every waiting one: no one else will run them."""
+        with self._cond:
+            self._failure = failure
+            running, self._running = self._running, None
+            waiting = list(self._waiting)
+            self._waiting.clear()
+        if running is not None:
+            running.emit("error", RuntimeError(f"generation failed: {failure}"))
+        for job in waiting:
+            job.emit("error", WorkerStoppedError(self.unavailable))
 
     def _execute(self, job: Job) -> None:
+        pieces = iter(job.run)
         try:
-            for piece in job.run:
-                if job.cancelled.is_set():
+            while not job.cancelled.is_set():
+                with self._engine_lock:
+                    piece = next(pieces, None)
+                if piece is None:
                     break
                 if job.first_piece is None:
                     job.first_piece = time.perf_counter()
@@ -136,7 +187,8 @@ class Scheduler:
             job.emit("error", e)
             return
         finally:
-            job.run.close()
+            with self._engine_lock:
+                job.run.close()
         if self.on_finish is not None:
             self.on_finish(job, job.run.output, job.cancelled.is_set())
         job.emit("done", None)

@@ -1,0 +1,158 @@
+"""The server app in this process, driven over ASGI (no sockets): one thread at a time uses the tokenizer, a dead
+worker fails /health, and /metrics labels are a fixed, escaped set."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import threading
+import time
+from typing import Any
+
+from quasar.engine import Engine
+from quasar.server.app import create_app
+from quasar.server.metrics import Metrics
+
+TIMEOUT_S = 60.0  # a request that hangs fails the test instead
+
+
+async def call(app: Any, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, str]:
+    """One HTTP request through the ASGI app: (status, whole response body)."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 5000),
+             "server": ("127.0.0.1", 8000)}
+    pending = [{"type": "http.request", "body": json.dumps(body).encode() if body else b"", "more_body": False}]
+    answered = asyncio.Event()
+    status, chunks = 0, []
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            return pending.pop()
+        await answered.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                answered.set()
+
+    try:
+        await asyncio.wait_for(app(scope, receive, send), TIMEOUT_S)
+    except Exception:
+        if not answered.is_set():  # Starlette re-raises a handled 500 after answering it, for the server to log
+            raise
+    return status, b"".join(chunks).decode()
+
+
+def run(*requests: tuple[str, str, dict[str, Any] | None], app: Any, stagger_s: float = 0.0) -> list[tuple[int, str]]:
+    """The requests, concurrently on one event loop, the i-th sent i * stagger_s seconds after the first."""
+
+    async def later(i: int, request: tuple[str, str, dict[str, Any] | None]) -> tuple[int, str]:
+        await asyncio.sleep(i * stagger_s)
+        return await call(app, *request)
+
+    async def main() -> list[tuple[int, str]]:
+        return await asyncio.gather(*(later(i, r) for i, r in enumerate(requests)))
+
+    return asyncio.run(main())
+
+
+class OneThreadTokenizer:
+    """Fails as the Rust-backed tokenizer can ("Already borrowed") when two threads use it at once; every call
+    takes a little while, so that overlaps happen whenever the server allows them."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner, self._busy, self.overlaps = inner, threading.Lock(), 0
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._inner, name)
+        if not callable(value):
+            return value
+
+        def exclusive(*args: Any, **kwargs: Any) -> Any:
+            if not self._busy.acquire(blocking=False):
+                self.overlaps += 1
+                raise RuntimeError("Already borrowed")
+            try:
+                time.sleep(0.002)
+                return value(*args, **kwargs)
+            finally:
+                self._busy.release()
+
+        return exclusive
+
+
+def test_concurrent_requests_never_use_the_tokenizer_from_two_threads(tiny_model):
+    tokenizer = OneThreadTokenizer(tiny_model.tokenizer)
+    app = create_app(Engine(dataclasses.replace(tiny_model, tokenizer=tokenizer)), "tiny")
+    common = {"model": "tiny", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    requests = []
+    for i in range(8):
+        stream = {"stream": True} if i % 3 == 0 else {}
+        if i % 2:
+            body = {"messages": [{"role": "user", "content": f"Question {i}?"}], **common, **stream}
+            requests.append(("POST", "/v1/chat/completions", body))
+        else:
+            requests.append(("POST", "/v1/completions", {"prompt": f"Story number {i}:", **common, **stream}))
+    try:
+        answers = run(*requests, app=app, stagger_s=0.03)  # later prompts are encoded while earlier ones decode
+    finally:
+        app.state.scheduler.stop()
+    assert tokenizer.overlaps == 0
+    for status, body in answers:
+        assert status == 200 and "generation failed" not in body, body
+
+
+class WorkerKilled(BaseException):
+    """Not an Exception: what a failed generation is caught as, so it ends the worker thread."""
+
+
+def dying_decoder(*args: Any, **kwargs: Any):
+    raise WorkerKilled("killed mid-generation")
+    yield  # a generator, as a Decoder is
+
+
+def test_health_fails_with_a_reason_once_the_worker_thread_died(tiny_model):
+    app = create_app(Engine(tiny_model, decoder=dying_decoder), "tiny")
+    request = ("POST", "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 4})
+    try:
+        [(healthy, _)] = run(("GET", "/health", None), app=app)
+        [(killed, killed_body)] = run(request, app=app)
+        [(health, health_body), (after, after_body)] = run(("GET", "/health", None), request, app=app)
+    finally:
+        app.state.scheduler.stop()
+    assert healthy == 200
+    assert killed == 500 and json.loads(killed_body)["error"]["type"] == "server_error"
+    assert health == 503 and "WorkerKilled" in json.loads(health_body)["reason"]
+    assert after == 503 and json.loads(after_body)["error"]["code"] == "worker_stopped"
+
+
+def test_metrics_label_unknown_paths_other_and_nothing_injects_lines(tiny_model):
+    app = create_app(Engine(tiny_model), "tiny")
+    crafted = '/v1/x"} 1\nfake_metric 2'
+    try:
+        answers = run(("GET", crafted, None), *(("GET", f"/probe/{i}", None) for i in range(20)),
+                      ("POST", "/v1/completions", {"model": "tiny"}), app=app)
+        [(status, text)] = run(("GET", "/metrics", None), app=app)
+    finally:
+        app.state.scheduler.stop()
+    assert [s for s, _ in answers] == [404] * 21 + [400]
+    assert status == 200
+    requests = [line for line in text.splitlines() if line.startswith("quasar_requests_total{")]
+    assert requests == ['quasar_requests_total{endpoint="/v1/completions",status="400"} 1',
+                        'quasar_requests_total{endpoint="other",status="404"} 21']
+    assert not any(line.startswith("fake_metric") for line in text.splitlines())
+
+
+def test_label_values_are_escaped_as_the_exposition_format_says():
+    metrics = Metrics()
+    metrics.count_request('a\\b"c\nd', 200)
+    text = metrics.render(waiting=0, running=0)
+    assert 'quasar_requests_total{endpoint="a\\\\b\\"c\\nd",status="200"} 1' in text.splitlines()
+    assert "d" not in [line.split("{")[0] for line in text.splitlines()]
