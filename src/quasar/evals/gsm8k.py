@@ -7,7 +7,7 @@ from decimal import Decimal, InvalidOperation
 
 from quasar.engine import Engine
 from quasar.evals import data
-from quasar.evals.task import ItemResult, TaskOptions, register
+from quasar.evals.task import ItemResult, TaskOptions
 from quasar.sampling import SamplingParams
 
 INSTRUCTION = (
@@ -70,5 +70,3 @@ class GSM8K:
         text = engine.generate(encode(engine, item), params).text
         return ItemResult(item.id, is_correct(text, item.answer), extract_answer(text) or "", text)
 
-
-register(GSM8K())

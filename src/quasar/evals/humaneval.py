@@ -15,7 +15,7 @@ import tempfile
 
 from quasar.engine import Engine
 from quasar.evals import data
-from quasar.evals.task import ItemResult, TaskOptions, register
+from quasar.evals.task import ItemResult, TaskOptions
 from quasar.sampling import SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -84,5 +84,3 @@ class HumanEval:
         passed, verdict = execute(item, completion, options.timeout_s)
         return ItemResult(item.id, passed, completion, verdict)
 
-
-register(HumanEval())

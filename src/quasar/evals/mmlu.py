@@ -9,7 +9,7 @@ import torch
 
 from quasar.engine import Engine, PromptTooLongError
 from quasar.evals import data
-from quasar.evals.task import ItemResult, TaskOptions, register
+from quasar.evals.task import ItemResult, TaskOptions
 from quasar.generate import prefill
 
 
@@ -63,5 +63,3 @@ class MMLU:
         letter = choose(answer_logits(engine, encode(engine, item)), letter_token_ids(engine.tokenizer))
         return ItemResult(item.id, letter == item.answer, letter)
 
-
-register(MMLU())

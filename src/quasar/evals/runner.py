@@ -16,8 +16,19 @@ from typing import Any
 
 from quasar import verifiers
 from quasar.engine import Engine, PromptTooLongError
-from quasar.evals import gsm8k, humaneval, mmlu  # noqa: F401  (register the tasks)
-from quasar.evals.task import ItemResult, Task, TaskOptions, get_task
+from quasar.evals.task import ItemResult, Task, TaskOptions
+from quasar.registry import lookup
+
+# name -> "module:class" of a Task
+TASKS: dict[str, str] = {
+    "gsm8k": "quasar.evals.gsm8k:GSM8K",
+    "humaneval": "quasar.evals.humaneval:HumanEval",
+    "mmlu": "quasar.evals.mmlu:MMLU",
+}
+
+
+def get_task(name: str) -> Task:
+    return lookup(TASKS, name, "eval task")()
 from quasar.progress import progress
 
 log = logging.getLogger("quasar")

@@ -1,4 +1,4 @@
-"""The Task protocol and registry: a task loads its items and scores one item with an Engine."""
+"""The Task protocol: a task loads its items and scores one item with an Engine (the table is evals.runner.TASKS)."""
 
 from __future__ import annotations
 
@@ -30,18 +30,3 @@ class Task(Protocol):
     def load(self, limit: int | None) -> list[Any]: ...
 
     def score(self, engine: Engine, item: Any, options: TaskOptions) -> ItemResult: ...
-
-
-TASKS: dict[str, Task] = {}
-
-
-def register(task: Task) -> Task:
-    TASKS[task.name] = task
-    return task
-
-
-def get_task(name: str) -> Task:
-    if name not in TASKS:
-        raise ValueError(f"unknown eval task {name!r}; choose from {', '.join(sorted(TASKS))}")
-    return TASKS[name]
-
