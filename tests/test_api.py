@@ -67,3 +67,10 @@ def test_ngram_drafter_on_the_default_model_is_lossless_and_accepts_drafts():
     spec = LLM("default", drafter="ngram", k=4).generate(prompt, params)[0]
     assert spec.token_ids == plain.token_ids  # greedy speculative == greedy plain
     assert spec.stats.proposed_tokens > 0 and spec.stats.mean_accepted_tokens > 1.0
+
+
+def test_a_context_window_of_zero_is_refused(tiny_model):
+    from quasar.engine import Engine
+
+    with pytest.raises(ValueError, match="max_context must be a positive"):
+        Engine(tiny_model, max_context=0)

@@ -1,7 +1,22 @@
-"""quasar: speculative decoding with a quantized (W8A8) verifier."""
+"""quasar: speculative decoding with a quantized (W8A8) verifier.
+
+    from quasar import LLM, SamplingParams
+
+The names are imported on first use (PEP 562), so `quasar --help` and the leaf modules do not load torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from quasar.version import __version__
-from quasar.api import LLM, RequestOutput
-from quasar.sampling import SamplingParams
 
+EXPORTS = {"LLM": "quasar.api", "RequestOutput": "quasar.outputs", "SamplingParams": "quasar.sampling"}
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in EXPORTS:
+        raise AttributeError(f"module 'quasar' has no attribute {name!r}")
+    return getattr(importlib.import_module(EXPORTS[name]), name)

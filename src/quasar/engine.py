@@ -70,6 +70,8 @@ class Engine:
         self.target = target
         self.decoder = decoder
         limit = target.model.config.max_position_embeddings
+        if max_context is not None and max_context < 1:
+            raise ValueError(f"max_context must be a positive number of tokens, got {max_context}")
         self.max_context = min(max_context or limit, limit)
         self.cache_slack = cache_slack  # room past the last token for a verify step's draft
         self.cache: KVCache | None = None
