@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from quasar.loading import LoadedModel, load
 from quasar import backends
+from quasar.loading import LoadedModel, load
 from quasar.models.llama import Layers, Transformer
 
 

@@ -27,7 +27,7 @@ DRAFTERS: dict[str, str] = {
     "layerskip": "quasar.drafters.layerskip:build",
 }
 NO_DRAFTER = "none"
-FORMS = ", ".join([NO_DRAFTER, "ngram", "suffix", "model:PATH", "layerskip:N"])
+FORMS = "none, ngram, suffix, model:PATH, layerskip:N"
 
 
 def build_drafter(spec: str, target: LoadedModel, options: DrafterOptions = DrafterOptions()) -> Drafter | None:

@@ -16,7 +16,6 @@ from torch import nn
 from quasar.kv_cache import KVCache
 from quasar.models.config import ModelConfig
 
-
 # A token scored alone (plain decoding) and inside [last, *draft] (a verify step) must get bitwise the same
 # logits, or greedy speculative decoding drifts from greedy plain decoding. Float GEMMs round a row
 # differently depending on how many rows come with it, and SDPA depending on the key count. So on this

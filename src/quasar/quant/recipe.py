@@ -8,12 +8,12 @@ from typing import Any
 
 from torch import nn
 
-from quasar.version import __version__
 from quasar.loading import LoadedModel
 from quasar.quant.bf16 import use_bf16_linears_
 from quasar.quant.calibration import Calibration, CalibrationSpec, calibrate, calibration_texts, token_windows
 from quasar.quant.schemes import check_targets, config_dict, quantize_, scheme_config, target_linears
 from quasar.quant.smoothquant import SmoothConfig, parse_alpha, row_sites, smooth_
+from quasar.version import __version__
 
 log = logging.getLogger("quasar")
 
