@@ -81,7 +81,7 @@ def test_model_drafter_cache_follows_the_committed_stream(tiny_model):
     drafter, prompt = ModelDrafter(model, model.config.vocab_size), [1, 50, 60, 70]
     drafter.commit(prompt)
     first = drafter.propose(4, GREEDY, GEN)
-    assert len(first) == 4 and first.probs.shape == (4, model.config.vocab_size)
+    assert len(first) == 4 and first.probs.probs.shape == (4, model.config.vocab_size)
     drafter.commit(first.tokens[:2] + [123])  # two accepted, then a recovered token
     second = drafter.propose(3, GREEDY, GEN).tokens
     fresh = ModelDrafter(model, model.config.vocab_size)

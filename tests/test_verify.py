@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quasar.verify import greedy_verdict, rejection_sample
+from quasar.sampling import Sampler, SamplingParams, TargetRows
+from quasar.verify import DenseDraft, greedy_verdict, rejection_sample, SparseDraft
+
+
+def rows(target_probs: torch.Tensor) -> TargetRows:
+    """Target rows [k + 1, V] with exactly these probabilities (logits log p at temperature 1)."""
+    return Sampler(SamplingParams(temperature=1.0)).rows(target_probs.log())
 
 
 def one_hot(ids: list[int], V: int) -> torch.Tensor:
@@ -28,11 +34,11 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
 def test_greedy_accepts_iff_draft_is_argmax():
     V, g = 10, torch.Generator().manual_seed(0)
     target = one_hot([3, 5, 7, 1], V)  # greedy target distributions [k+1, V]
-    assert (v := rejection_sample(torch.tensor([3, 5, 7]), None, target, g)).accepted == 3 and v.token == 1
-    assert (v := rejection_sample(torch.tensor([3, 4, 7]), None, target, g)).accepted == 1 and v.token == 5
-    assert (v := rejection_sample(torch.tensor([0, 5, 7]), None, target, g)).accepted == 0 and v.token == 3
+    assert (v := rejection_sample([3, 5, 7], None, rows(target), g)).accepted == 3 and v.token == 1
+    assert (v := rejection_sample([3, 4, 7], None, rows(target), g)).accepted == 1 and v.token == 5
+    assert (v := rejection_sample([0, 5, 7], None, rows(target), g)).accepted == 0 and v.token == 3
     draft_probs = one_hot([3, 4, 7], V)  # a greedy model drafter: one-hot draft distributions
-    assert (v := rejection_sample(torch.tensor([3, 4, 7]), draft_probs, target, g)).accepted == 1 and v.token == 5
+    assert (v := rejection_sample([3, 4, 7], DenseDraft(draft_probs), rows(target), g)).accepted == 1 and v.token == 5
 
 
 def test_greedy_verdict_equals_rejection_sampling_of_the_argmax():
@@ -43,13 +49,13 @@ def test_greedy_verdict_equals_rejection_sampling_of_the_argmax():
         logits = torch.randn(k + 1, 8)  # [k+1, V]
         best = logits.argmax(-1)
         draft = torch.where(torch.rand(k) < 0.7, best[:k], torch.randint(0, 8, (k,)))  # mostly right
-        expected = rejection_sample(draft, None, one_hot(best.tolist(), 8), g)
+        expected = rejection_sample(draft.tolist(), None, rows(one_hot(best.tolist(), 8)), g)
         assert greedy_verdict(draft, logits) == expected
 
 
 def test_empty_draft_samples_from_the_first_target_row():
     target = one_hot([4], 6)
-    v = rejection_sample(torch.zeros(0, dtype=torch.int64), None, target, torch.Generator().manual_seed(0))
+    v = rejection_sample([], None, rows(target), torch.Generator().manual_seed(0))
     assert (v.accepted, v.token) == (0, 4)
 
 
@@ -57,7 +63,7 @@ def test_zero_target_probability_is_never_accepted():
     target = torch.tensor([[0.0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]])
     g = torch.Generator().manual_seed(1)
     for _ in range(200):
-        v = rejection_sample(torch.tensor([0]), None, target, g)
+        v = rejection_sample([0], None, rows(target), g)
         assert v.accepted == 0 and v.token in (1, 2)
 
 
@@ -75,7 +81,7 @@ def test_emitted_tokens_follow_the_target_distribution(with_draft_probs):
             draft = torch.multinomial(draft_probs, 1, generator=g)[:, 0]  # [k]
         else:
             draft = torch.tensor([0, 1])  # a deterministic drafter: always the same guess
-        v = rejection_sample(draft, draft_probs if with_draft_probs else None, target, g)
+        v = rejection_sample(draft.tolist(), DenseDraft(draft_probs) if with_draft_probs else None, rows(target), g)
         emitted = [*draft[: v.accepted].tolist(), v.token]
         first[emitted[0]] += 1
         if len(emitted) > 1:

@@ -9,15 +9,8 @@ import torch
 
 from quasar.kv_cache import KVCache
 from quasar.models.llama import Transformer
-from quasar.sampling import SamplingParams, logits_to_probs, sample
+from quasar.sampling import Sampler, SamplingParams
 from quasar.stats import GenerationStats
-
-
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """logits [V] -> one token id."""
-    if params.greedy:
-        return int(logits.argmax())
-    return int(sample(logits_to_probs(logits, params), generator))
 
 
 @torch.inference_mode()
@@ -56,9 +49,9 @@ def autoregressive(
     stats: GenerationStats,
 ) -> Iterator[list[int]]:
     """Plain decoding: yields one-token lists; every decode forward is a verify step with no draft."""
-    generator = params.generator()
+    sampler = Sampler(params)
     start = time.perf_counter()
-    token = next_token(prefill(model, cache, prompt_ids), params, generator)
+    token = sampler.next_token(prefill(model, cache, prompt_ids))
     stats.prefill_s = time.perf_counter() - start
     while True:
         tokens, reason = stop.cut([token])
@@ -68,6 +61,6 @@ def autoregressive(
             return
         start = time.perf_counter()
         logits = model(torch.tensor([[token]], device=model.device), cache)[0, -1]  # [V]
-        token = next_token(logits, params, generator)
+        token = sampler.next_token(logits)
         stats.verify_s += time.perf_counter() - start
         stats.record_step(proposed=0, accepted=0, emitted=1)

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from quasar.drafters.base import Drafter
-from quasar.generate import StopRule, next_token, prefill
+from quasar.generate import StopRule, prefill
 from quasar.kv_cache import KVCache
 from quasar.models.llama import FIXED_ROWS, Transformer
-from quasar.sampling import SamplingParams, logits_to_probs
+from quasar.sampling import Sampler, SamplingParams
 from quasar.stats import GenerationStats
 from quasar.verify import greedy_verdict, rejection_sample
 
@@ -76,11 +76,11 @@ class Speculative:
         stop: StopRule,
         stats: GenerationStats,
     ) -> Iterator[list[int]]:
-        generator, length = params.generator(), DraftLength(self.k)
+        sampler, length = Sampler(params), DraftLength(self.k)
         start = time.perf_counter()
         self.drafter.reset()
         self.drafter.commit(prompt_ids)
-        pending = [next_token(prefill(model, cache, prompt_ids), params, generator)]
+        pending = [sampler.next_token(prefill(model, cache, prompt_ids))]
         stats.prefill_s = time.perf_counter() - start
         tokens, reason = stop.cut(pending)
         while True:
@@ -91,16 +91,15 @@ class Speculative:
             self.drafter.commit(pending)
             k = min(length.k, cache.max_len - cache.length - 1, stop.budget - stop.emitted - 1)
             start = time.perf_counter()
-            draft = self.drafter.propose(k, params, generator)
+            draft = self.drafter.propose(k, params, sampler.generator)
             verifying = time.perf_counter()
             ids = torch.tensor([[pending[-1], *draft.tokens]], device=model.device)  # [1, k+1]
             target_logits = model(ids, cache)[0]  # [k+1, V]
             if params.greedy:
                 verdict = greedy_verdict(ids[0, 1:].cpu(), target_logits.cpu())
             else:
-                draft_probs = None if draft.probs is None else draft.probs.cpu()  # [k, V]
-                target_probs = logits_to_probs(target_logits, params).cpu()  # [k+1, V]
-                verdict = rejection_sample(ids[0, 1:].cpu(), draft_probs, target_probs, generator)
+                target = sampler.rows(target_logits)  # k+1 rows, computed as rejection sampling reaches them
+                verdict = rejection_sample(draft.tokens, draft.probs, target, sampler.generator)
             cache.trim(len(draft) - verdict.accepted)
             stats.draft_s += verifying - start
             stats.verify_s += time.perf_counter() - verifying

@@ -9,8 +9,10 @@ A verify step scores `[last, *draft]` with the verifier, giving k + 1 target dis
 - a *bonus* token follows a fully accepted draft: it is sampled from target_probs[k].
 
 Every step therefore emits accepted + 1 tokens, and they follow the target distribution exactly.
-Deterministic drafters (n-gram, suffix) pass draft_probs=None: a one-hot draft distribution, so a
-token is accepted with probability target_probs[i, d_i] and the residual is the target with d_i removed.
+Deterministic drafters (n-gram at temperature 0, suffix) pass draft_probs=None: a one-hot draft
+distribution, so a token is accepted with probability target_probs[i, d_i] and the residual is the target
+with d_i removed. Draft distributions come dense (`DenseDraft`, a model drafter's [k, V]) or sparse
+(`SparseDraft`, a few candidates per position, as an n-gram index's continuation counts give).
 Greedy decoding is the special case of one-hot target distributions (the argmax): a draft token is
 accepted iff it equals the argmax, and the recovered or bonus token is the argmax.
 """
@@ -18,10 +20,11 @@ accepted iff it equals the argmax, and the recovered or bonus token is the argma
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from quasar.sampling import sample
+from quasar.sampling import TargetRows
 
 
 @dataclass(frozen=True)
@@ -30,23 +33,65 @@ class Verdict:
     token: int  # the recovered token (accepted < k) or the bonus token (accepted == k)
 
 
+class DraftProbs(Protocol):
+    def prob(self, i: int, token: int) -> float:
+        """draft_probs[i, token]."""
+
+    def subtract(self, i: int, weights: torch.Tensor, total: float) -> None:
+        """weights [V] (summing to total) <- max(0, weights - total * draft_probs[i]), in place."""
+
+
+@dataclass(frozen=True)
+class OneHotDraft:
+    """A deterministic drafter's draft: all the mass on the drafted token."""
+
+    tokens: list[int]
+
+    def prob(self, i: int, token: int) -> float:
+        return 1.0 if token == self.tokens[i] else 0.0
+
+    def subtract(self, i: int, weights: torch.Tensor, total: float) -> None:
+        weights[self.tokens[i]] = 0.0
+
+
+@dataclass(frozen=True)
+class DenseDraft:
+    probs: torch.Tensor  # [k, V]
+
+    def prob(self, i: int, token: int) -> float:
+        return float(self.probs[i, token])
+
+    def subtract(self, i: int, weights: torch.Tensor, total: float) -> None:
+        weights.sub_(self.probs[i].to(weights.device), alpha=total).clamp_(min=0.0)
+
+
+@dataclass(frozen=True)
+class SparseDraft:
+    rows: list[dict[int, float]]  # per draft position: token -> probability (the others have 0)
+
+    def prob(self, i: int, token: int) -> float:
+        return self.rows[i].get(token, 0.0)
+
+    def subtract(self, i: int, weights: torch.Tensor, total: float) -> None:
+        ids = torch.tensor(list(self.rows[i]))  # [C]
+        probs = torch.tensor(list(self.rows[i].values()), dtype=weights.dtype)  # [C]
+        weights[ids] = (weights[ids] - total * probs).clamp_(min=0.0)
+
+
 def rejection_sample(
-    draft_tokens: torch.Tensor,  # [k] int64
-    draft_probs: torch.Tensor | None,  # [k, V] float32, or None for a deterministic (one-hot) drafter
-    target_probs: torch.Tensor,  # [k + 1, V] float32, after temperature / top-k / top-p
+    draft_tokens: list[int],  # k
+    draft_probs: DraftProbs | None,  # None for a deterministic (one-hot) drafter
+    target: TargetRows,  # k + 1 rows, after temperature / top-k / top-p / min-p
     generator: torch.Generator,
 ) -> Verdict:
-    """Accept a prefix of the draft and pick the next token so the output follows target_probs."""
-    k = draft_tokens.shape[0]
-    rows = torch.arange(k)
-    target_p = target_probs[rows, draft_tokens]  # [k]
-    draft_p = torch.ones(k) if draft_probs is None else draft_probs[rows, draft_tokens]  # [k]
-    uniform = torch.rand(k, generator=generator)  # [k]
-    accept = uniform * draft_p < target_p  # [k]: u < min(1, target / draft)
-    accepted = int(accept.to(torch.int64).cumprod(0).sum())
-    if accepted == k:
-        return Verdict(k, int(sample(target_probs[k], generator)))
-    return Verdict(accepted, int(sample(residual(draft_tokens, draft_probs, target_probs, accepted), generator)))
+    """Accept a prefix of the draft and pick the next token so the output follows the target rows."""
+    k = len(draft_tokens)
+    draft = OneHotDraft(draft_tokens) if draft_probs is None else draft_probs
+    uniform = torch.rand(k, generator=generator).tolist()  # [k]
+    for i, token in enumerate(draft_tokens):
+        if not uniform[i] * draft.prob(i, token) < target.prob(i, token):  # u < min(1, target / draft)
+            return Verdict(i, target.sample_residual(i, lambda w, total: draft.subtract(i, w, total), generator))
+    return Verdict(k, target.sample(k, generator))
 
 
 def greedy_verdict(
@@ -59,21 +104,3 @@ def greedy_verdict(
     k = draft_tokens.shape[0]
     accepted = int((draft_tokens == best[:k]).to(torch.int64).cumprod(0).sum())
     return Verdict(accepted, int(best[accepted]))
-
-
-def residual(
-    draft_tokens: torch.Tensor,  # [k]
-    draft_probs: torch.Tensor | None,  # [k, V] or None
-    target_probs: torch.Tensor,  # [k + 1, V]
-    i: int,
-) -> torch.Tensor:
-    """normalise(max(0, target_probs[i] - draft_probs[i])): [V]."""
-    target = target_probs[i]  # [V]
-    if draft_probs is None:
-        rest = target.clone()
-        rest[draft_tokens[i]] = 0.0
-    else:
-        rest = (target - draft_probs[i]).clamp_(min=0.0)
-    total = rest.sum()
-    # total is 0 only when target == draft, where rejection has probability 0 (rounding aside).
-    return rest / total if total > 0 else target

@@ -9,12 +9,13 @@ from typing import Protocol
 import torch
 
 from quasar.sampling import SamplingParams
+from quasar.verify import DraftProbs
 
 
 @dataclass(frozen=True)
 class Draft:
     tokens: list[int]  # k proposed token ids (k may be 0)
-    probs: torch.Tensor | None = None  # [k, V] the drafter's distributions; None for deterministic drafters
+    probs: DraftProbs | None = None  # the drafter's distributions (quasar.verify); None for deterministic drafts
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -15,6 +15,7 @@ from quasar.kv_cache import KVCache
 from quasar.loading import LoadedModel
 from quasar.models.llama import Transformer
 from quasar.sampling import SamplingParams, logits_to_probs, sample
+from quasar.verify import DenseDraft
 from quasar.verifiers import load_verifier
 
 
@@ -65,7 +66,7 @@ class ModelDrafter:
             tokens.append(token)
             rows.append(probs)
             feed = [token]
-        return Draft(tokens, torch.stack(rows))  # probs [k, V]
+        return Draft(tokens, DenseDraft(torch.stack(rows)))  # probs [k, V]
 
     def fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V_d] -> [V]: cut padding rows, or pad with -inf when the drafter's vocab is smaller."""

@@ -1,0 +1,94 @@
+"""The fast sampler: the filters by partial selection equal a full sort's, and tokens drawn row by row (k + 1
+rows, the verify step's shape) follow the filtered distribution, for top-k / top-p / min-p combinations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quasar.sampling import Sampler, SamplingParams, draw, logits_to_probs
+from quasar.verify import SparseDraft, rejection_sample
+from test_verify import chi_square_p
+
+COMBINATIONS = {
+    "T=1": SamplingParams(temperature=1.0),
+    "T=0.7 top_k=20": SamplingParams(temperature=0.7, top_k=20),
+    "T=1 top_p=0.9": SamplingParams(temperature=1.0, top_p=0.9),
+    "T=1.3 top_p=0.995": SamplingParams(temperature=1.3, top_p=0.995),  # the cut lies past the first candidates
+    "T=0.8 min_p=0.05": SamplingParams(temperature=0.8, min_p=0.05),
+    "T=0.7 top_k=40 top_p=0.8 min_p=0.1": SamplingParams(temperature=0.7, top_k=40, top_p=0.8, min_p=0.1),
+    "T=1 top_p=0.5 min_p=0.2": SamplingParams(temperature=1.0, top_p=0.5, min_p=0.2),
+}
+
+
+def sorted_reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The filters the textbook way (Hugging Face's order): temperature, top-k, a full sort for top-p, min-p."""
+    logits = logits / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+@pytest.mark.parametrize("name", COMBINATIONS)
+def test_filters_equal_a_full_sort(name):
+    params = COMBINATIONS[name]
+    logits = torch.randn(6, 5000, generator=torch.Generator().manual_seed(0)) * 2.5  # [k + 1, V]
+    fast = logits_to_probs(logits, params)
+    reference = sorted_reference(logits, params)
+    assert torch.equal(fast > 0, reference > 0)
+    torch.testing.assert_close(fast, reference, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", COMBINATIONS)
+def test_rows_sample_the_filtered_distribution(name):
+    """Each of k + 1 rows, drawn through TargetRows as the verify step does, follows logits_to_probs."""
+    params, V, n = COMBINATIONS[name], 60, 3000
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(1)) * 2.0  # [k + 1, V]
+    expected = logits_to_probs(logits, params)
+    sampler = Sampler(SamplingParams(**{**params.__dict__, "seed": 5}))
+    counts = torch.zeros(6, V)
+    for _ in range(n):
+        rows = sampler.rows(logits)
+        for i in range(6):
+            counts[i, rows.sample(i, sampler.generator)] += 1
+    assert all(chi_square_p(counts[i], expected[i]) > 1e-4 for i in range(6))  # 42 comparisons in this file
+    assert (counts[expected == 0] == 0).all()
+
+
+def test_draw_never_picks_a_zero_weight():
+    weights = torch.tensor([0.0, 1e-30, 0.0, 0.0, 3.0, 0.0])
+    g = torch.Generator().manual_seed(0)
+    assert {draw(weights, g) for _ in range(500)} <= {1, 4}
+    assert draw(torch.zeros(4), g) is None
+
+
+def test_sparse_draft_distribution_is_lossless():
+    """An n-gram drafter's continuation counts as a sparse draft distribution: the draft token drawn from it,
+    accepted with min(1, target / draft), residual otherwise; the first two emitted tokens follow the target."""
+    V, n = 8, 6000
+    g = torch.Generator().manual_seed(7)
+    target = torch.softmax(torch.randn(3, V, generator=g) * 1.5, -1)  # [k + 1, V], k = 2
+    draft = SparseDraft([{1: 0.6, 4: 0.3, 6: 0.1}, {2: 0.5, 3: 0.5}])
+    sampler = Sampler(SamplingParams(temperature=1.0))
+    first, second = torch.zeros(V), torch.zeros(V)
+    for _ in range(n):
+        tokens = [int(torch.multinomial(torch.tensor(list(row.values())), 1, generator=g)) for row in draft.rows]
+        tokens = [list(row)[t] for row, t in zip(draft.rows, tokens)]
+        verdict = rejection_sample(tokens, draft, sampler.rows(target.log()), g)
+        emitted = [*tokens[: verdict.accepted], verdict.token]
+        first[emitted[0]] += 1
+        if len(emitted) > 1:  # the toy's rows do not depend on the accepted token
+            second[emitted[1]] += 1
+    assert chi_square_p(first, target[0]) > 1e-3
+    assert chi_square_p(second, target[1]) > 1e-3
