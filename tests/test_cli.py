@@ -119,6 +119,7 @@ def assert_one_line_error(code: int, err: str, match: str) -> None:
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--max-new-tokens", "many"], "--max-new-tokens"),
     (["--top-k", "-1"], "top_k"),
+    (["--min-p", "1.5"], "min_p"),
     (["--temperature", "-1"], "temperature"),
     (["--temperature", "inf"], "temperature"),
     (["--ngram-min", "0"], "--ngram-min"),

@@ -31,7 +31,7 @@ def test_a_seed_is_accepted_exactly_when_torch_can_use_it(seed):
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.5), ("temperature", math.nan), ("temperature", math.inf), ("top_p", 0.0), ("top_p", math.nan),
-    ("top_k", -1), ("max_new_tokens", 0),
+    ("top_k", -1), ("min_p", -0.1), ("min_p", 1.5), ("min_p", math.nan), ("max_new_tokens", 0),
 ])
 def test_bad_values_name_their_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -180,6 +180,7 @@ def test_server_greedy_equals_quasar_generate(server, model_dir):
     ({"model": "no-such-model", "prompt": "hi"}, "model"),
     ({"model": MODEL, "prompt": "hi", "temperature": 5}, "temperature"),
     ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
+    ({"model": MODEL, "prompt": "hi", "min_p": -0.1}, "min_p"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": LONG_CONTEXT}, "max_tokens"),  # beyond the context
     ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),

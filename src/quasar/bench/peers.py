@@ -64,7 +64,7 @@ class HFMethod:
         if params.greedy:
             return {**kwargs, "do_sample": False}
         return {**kwargs, "do_sample": True, "temperature": params.temperature, "top_p": params.top_p,
-                "top_k": params.top_k}
+                "top_k": params.top_k, "min_p": params.min_p or None}
 
     @torch.inference_mode()
     def generate(self, messages: Messages, params: SamplingParams) -> RequestOutput:
@@ -123,7 +123,8 @@ class LlamaCppMethod:
         if params.seed is not None:
             self.llm.set_seed(params.seed)
         start = time.perf_counter()
-        tokens = self.llm.generate(ids, temp=params.temperature, top_p=params.top_p, top_k=params.top_k, reset=True)
+        tokens = self.llm.generate(ids, temp=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                   min_p=params.min_p, reset=True)  # llama.cpp's own default min_p is 0.05
         for token in tokens:
             new.append(token)
             if (token in eos and not params.ignore_eos) or len(new) >= params.max_new_tokens:

@@ -91,6 +91,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
     group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: %(default)s)")
     group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all (default: %(default)s)")
+    group.add_argument("--min-p", type=float, default=0.0,
+                       help="drop tokens less likely than this fraction of the most likely one; 0 keeps all (default: %(default)s)")
     group.add_argument("--seed", type=seed, help="random seed; the same seed reproduces the same sample")
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
@@ -100,7 +102,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     from quasar.sampling import SamplingParams
 
     return SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
     )
 

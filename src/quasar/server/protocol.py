@@ -42,6 +42,7 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)  # extension (vLLM): -1 or 0 keeps all
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # extension (vLLM)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # what SamplingParams (torch) accepts
     stop: str | list[str] | None = None
     stream: bool = False
@@ -54,7 +55,8 @@ class _Sampling(BaseModel):
     def sampling(self, max_new_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), seed=self.seed,
+            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
+            seed=self.seed,
             max_new_tokens=max_new_tokens, stop=stop, ignore_eos=self.ignore_eos,
         )
 
