@@ -4,6 +4,11 @@ The drafter matches the last n committed tokens, n from ngram_max down to ngram_
 earlier prompt + generated text; at the first (longest) n that matches, it proposes up to k tokens
 that followed the earliest occurrence of that n-gram. An index from n-gram to its first occurrence,
 updated as tokens are committed, makes each step O(ngram_max) instead of a scan of the context.
+
+At temperature > 0 a copied draft is accepted only with the target's probability of each copied token. The
+index therefore also counts every token that followed each n-gram, and the drafter walks it: each draft
+token is drawn from the continuation counts of the longest matching suffix, and those counts travel with
+the draft as its distribution, so rejection sampling accepts with min(1, target / draft) (quasar.verify).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import torch
 from quasar.drafters.base import Draft, DrafterOptions
 from quasar.loading import LoadedModel
 from quasar.sampling import SamplingParams
+from quasar.verify import SparseDraft
 
 
 class NgramIndex:
@@ -26,16 +32,20 @@ class NgramIndex:
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.keep_last = keep == "last"
         self.where: dict[tuple[int, ...], tuple[int, int]] = {}
+        self.followers: dict[tuple[int, ...], dict[int, int]] = {}  # n-gram -> {next token: count}
 
     def add(self, doc_id: int, tokens: list[int], start: int) -> None:
         """Index the n-grams that end just before each of tokens[start:]."""
         for end in range(max(start, 1), len(tokens)):
+            following = tokens[end]
             for n in range(self.ngram_min, min(self.ngram_max, end) + 1):
                 gram = tuple(tokens[end - n : end])
                 if self.keep_last:
                     self.where[gram] = (doc_id, end)
                 else:
                     self.where.setdefault(gram, (doc_id, end))
+                counts = self.followers.setdefault(gram, {})
+                counts[following] = counts.get(following, 0) + 1
 
     def lookup(self, tokens: list[int]) -> tuple[int, int] | None:
         """Where the longest indexed suffix of tokens occurred: (document, continuation start)."""
@@ -45,8 +55,17 @@ class NgramIndex:
                 return found
         return None
 
+    def continuations(self, tokens: list[int]) -> dict[int, int] | None:
+        """{token: count} of what followed the longest indexed suffix of tokens."""
+        for n in range(min(self.ngram_max, len(tokens)), self.ngram_min - 1, -1):
+            found = self.followers.get(tuple(tokens[-n:]))
+            if found is not None:
+                return found
+        return None
+
     def clear(self) -> None:
         self.where.clear()
+        self.followers.clear()
 
 
 class NgramDrafter:
@@ -66,11 +85,40 @@ class NgramDrafter:
         self.index.add(0, self.tokens, start)
 
     def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+        if not params.greedy:
+            return self.walk(k, generator)
         found = self.index.lookup(self.tokens) if k > 0 else None
         if found is None:
             return Draft([])
         _, start = found
         return Draft(self.tokens[start : start + k])
+
+    def walk(self, k: int, generator: torch.Generator) -> Draft:
+        """Up to k tokens, each drawn from the continuation counts of the longest matching suffix of the
+        context and the tokens drawn so far; the counts, normalised, are the draft distribution."""
+        context = self.tokens[-self.index.ngram_max :]
+        tokens: list[int] = []
+        rows: list[dict[int, float]] = []
+        for u in torch.rand(k, generator=generator).tolist() if k > 0 else []:
+            found = self.index.continuations(context)
+            if found is None:
+                break
+            total = sum(found.values())
+            row = {token: count / total for token, count in found.items()}
+            tokens.append(pick(row, u))
+            rows.append(row)
+            context = [*context, tokens[-1]][-self.index.ngram_max :]
+        return Draft(tokens, SparseDraft(rows) if tokens else None)
+
+
+def pick(row: dict[int, float], u: float) -> int:
+    """The token whose share of the running sum of row's probabilities holds u in [0, 1)."""
+    running = 0.0
+    for token, prob in row.items():
+        running += prob
+        if u < running:
+            return token
+    return token  # u within rounding of 1
 
 
 def build(arg: str | None, target: LoadedModel, options: DrafterOptions) -> NgramDrafter:
