@@ -46,6 +46,16 @@ def test_generate_json_on_default_model(default_model):
     assert out["stats"]["new_tokens"] == len(out["token_ids"])
 
 
+def test_generate_exact_gives_the_float_models_tokens(default_model):
+    """--exact (the cascade w8a8+bf16) answers with --verifier bf16's greedy tokens and reports its middle level."""
+    prompt = ["Write a haiku about the sea.", "--max-new-tokens", "24", "--json"]
+    exact, float_ = quasar("generate", *prompt, "--exact"), quasar("generate", *prompt, "--verifier", "bf16")
+    assert exact.returncode == 0 and float_.returncode == 0, exact.stderr + float_.stderr
+    exact_out, float_out = json.loads(exact.stdout), json.loads(float_.stdout)
+    assert exact_out["token_ids"] == float_out["token_ids"]
+    assert exact_out["stats"]["middle"]["verify_steps"] > 0 and float_out["stats"]["middle"] is None
+
+
 def test_streamed_text_equals_json_text_and_stdin_prompt(tiny_model_dir):
     args = ["--model", str(tiny_model_dir), "--max-new-tokens", "16", "--no-chat", "--ignore-eos"]
     streamed = quasar("generate", "-", *args, stdin="Once upon a time")
@@ -125,6 +135,8 @@ def assert_one_line_error(code: int, err: str, match: str) -> None:
     (["--ngram-min", "0"], "--ngram-min"),
     (["--ngram-max", "0"], "--ngram-max"),
     (["--k", "0"], "--k"),
+    (["--exact", "--verifier", "bf16"], "--exact"),
+    (["--exact", "--verifier", "w8a8+bf16"], "--exact"),
 ])
 def test_bad_generate_numbers_are_refused_before_the_model_loads(capsys, tmp_path, args, match):
     """The model path does not exist: a check made after loading would report that instead."""

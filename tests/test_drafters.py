@@ -55,6 +55,27 @@ def test_sampled_ngram_drafts_walk_the_continuation_counts():
     assert d.propose(3, sampled, g).tokens == []  # (6) never seen with a continuation
 
 
+@pytest.mark.parametrize("make", [lambda: NgramDrafter(1, 3), lambda: SuffixDrafter(1, 8)])
+def test_rewind_forgets_exactly_the_last_tokens(make):
+    """A cascade's middle level commits tokens the top level may reject: after rewind(n) the drafter proposes
+    (greedy and sampled) as if those n tokens had never been committed."""
+    stream, extra = [4, 1, 2, 3, 9, 1, 2, 5, 4, 1], [2, 3, 7, 1, 2, 6]
+    fresh, rewound = make(), make()
+    fresh.commit(stream)
+    rewound.commit(stream)
+    rewound.commit(extra[:2])
+    rewound.commit(extra[2:])
+    rewound.rewind(len(extra))
+    assert rewound.index.followers == fresh.index.followers
+    if rewound.index.keep_last:  # keep='last' cannot restore an occurrence the rewound tokens overwrote
+        assert rewound.index.where.items() <= fresh.index.where.items()
+        return
+    assert rewound.index.where == fresh.index.where
+    sampled = SamplingParams(temperature=1.0)
+    assert propose(rewound) == propose(fresh)
+    assert rewound.propose(3, sampled, torch.Generator().manual_seed(1)) == fresh.propose(3, sampled, torch.Generator().manual_seed(1))
+
+
 def test_ngram_respects_ngram_min_and_k():
     d = NgramDrafter(2, 3)
     d.commit([4, 5, 6, 1, 2, 6])  # only the 1-gram (6) repeats

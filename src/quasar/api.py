@@ -34,15 +34,33 @@ class DecodeConfig:
     ngram_max: int = 3
 
 
-def build_decoder(target: LoadedModel, config: DecodeConfig, cache_dir: str | Path | None = None) -> Decoder:
-    """The Decoder for `config`: the plain loop, or speculative decoding with the named drafter."""
-    if config.drafter == "none":
+def cascade_levels(verifier: str) -> tuple[str | None, str]:
+    """'w8a8+bf16' -> ('w8a8', 'bf16'): a cascade's middle level and the verifier whose output it gives;
+    a plain name -> (None, name)."""
+    levels = verifier.split("+")
+    if len(levels) == 1:
+        return None, verifier
+    if len(levels) != 2 or not all(levels):
+        raise ValueError(f"a cascade verifier is MIDDLE+TOP, e.g. 'w8a8+bf16', got {verifier!r}")
+    return levels[0], levels[1]
+
+
+def build_decoder(target: LoadedModel, config: DecodeConfig, cache_dir: str | Path | None = None,
+                  middle: LoadedModel | None = None) -> Decoder:
+    """The Decoder for `config`: the plain loop, or speculative decoding with the named drafter. With a
+    `middle` model, a cascade: the drafter drafts for `middle`, whose own output drafts for `target`."""
+    if config.drafter == "none" and middle is None:
         return autoregressive
     from quasar.drafters import DrafterOptions, build_drafter
-    from quasar.speculative import Speculative
+    from quasar.speculative import AUTO, Speculative
 
     options = DrafterOptions(ngram_min=config.ngram_min, ngram_max=config.ngram_max, cache_dir=cache_dir)
-    return Speculative(build_drafter(config.drafter, target, options), config.k)
+    if middle is None:
+        return Speculative(build_drafter(config.drafter, target, options), config.k)
+    from quasar.drafters.cascade import CascadeDrafter
+
+    inner = build_drafter(config.drafter, middle, options)
+    return Speculative(CascadeDrafter(middle.model, inner, config.k), AUTO)
 
 
 def build_engine(
@@ -52,8 +70,11 @@ def build_engine(
     max_context: int | None = None,
     cache_dir: str | Path | None = None,
 ) -> Engine:
-    target = load_verifier(model, verifier, cache_dir)
-    return Engine(target, build_decoder(target, decode, cache_dir), max_context=max_context)
+    """verifier: a name from quasar.verifiers, or a cascade MIDDLE+TOP such as 'w8a8+bf16' (the output is TOP's)."""
+    middle_name, top = cascade_levels(verifier)
+    target = load_verifier(model, top, cache_dir)
+    middle = None if middle_name is None else load_verifier(model, middle_name, cache_dir)
+    return Engine(target, build_decoder(target, decode, cache_dir, middle), max_context=max_context)
 
 
 class LLM:

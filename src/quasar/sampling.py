@@ -143,10 +143,11 @@ class TargetRows:
     sampling first needs it (a step that rejects its first draft token computes one row, not k + 1)."""
 
     def __init__(self, logits: torch.Tensor, params: SamplingParams, weights: torch.Tensor,
-                 scratch: torch.Tensor) -> None:
+                 residual: torch.Tensor, scratch: torch.Tensor) -> None:
         self.logits = logits  # [R, V] float32
         self.params = params
         self.weights = weights  # [R, V] buffer
+        self.residual = residual  # [V] buffer
         self.scratch = scratch  # [V] float64 buffer
         self.totals: list[float | None] = [None] * logits.shape[0]
 
@@ -162,6 +163,11 @@ class TargetRows:
         weights, total = self.row(i)
         return float(weights[token]) / total
 
+    def probs(self, i: int) -> torch.Tensor:
+        """Row i's probabilities [V] (a new tensor)."""
+        weights, total = self.row(i)
+        return weights / total
+
     def sample(self, i: int, generator: torch.Generator) -> int:
         token = draw(self.row(i)[0], generator, self.scratch)
         assert token is not None  # the top token always survives the filters
@@ -169,15 +175,14 @@ class TargetRows:
 
     def sample_residual(self, i: int, remove: Callable[[torch.Tensor, float], None], generator: torch.Generator) -> int:
         """A token from normalise(max(0, target_i - draft_i)): `remove(weights, total)` subtracts the draft's
-        distribution, scaled to total, from row i's weights in place. A residual of 0 (target == draft, where
-        rejection has probability 0 but for rounding) falls back to the target row."""
+        distribution, scaled to total, from a copy of row i's weights in place (the row stays as it was). A
+        residual of 0 (target == draft, where rejection has probability 0 but for rounding) falls back to the
+        target row."""
         weights, total = self.row(i)
-        remove(weights, total)
-        token = draw(weights, generator, self.scratch)
-        if token is None:
-            self.totals[i] = None
-            token = self.sample(i, generator)
-        return token
+        residual = self.residual.copy_(weights)
+        remove(residual, total)
+        token = draw(residual, generator, self.scratch)
+        return self.sample(i, generator) if token is None else token
 
 
 class Sampler:
@@ -188,6 +193,7 @@ class Sampler:
         self.params = params
         self.generator = params.generator()
         self.weights = torch.empty(0)
+        self.residual = torch.empty(0)
         self.scratch = torch.empty(0, dtype=torch.float64)
 
     def rows(self, logits: torch.Tensor) -> TargetRows:
@@ -196,8 +202,9 @@ class Sampler:
         R, V = logits.shape
         if self.weights.shape[0] < R or self.weights.shape[1] != V:
             self.weights = torch.empty(max(R, 8), V)
+            self.residual = torch.empty(V)
             self.scratch = torch.empty(V, dtype=torch.float64)
-        return TargetRows(logits, self.params, self.weights[:R], self.scratch)
+        return TargetRows(logits, self.params, self.weights[:R], self.residual, self.scratch)
 
     def next_token(self, logits: torch.Tensor) -> int:
         """logits [V] -> one token id (the argmax when greedy)."""

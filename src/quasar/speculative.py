@@ -79,6 +79,7 @@ class Speculative:
         sampler, length = Sampler(params), DraftLength(self.k)
         start = time.perf_counter()
         self.drafter.reset()
+        stats.middle = getattr(self.drafter, "stats", None)  # a cascade's middle level counts its own steps
         self.drafter.commit(prompt_ids)
         pending = [sampler.next_token(prefill(model, cache, prompt_ids))]
         stats.prefill_s = time.perf_counter() - start

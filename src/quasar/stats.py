@@ -30,6 +30,15 @@ class GenerationStats:
     verify_s: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify step
     finish_reason: str = "length"
+    middle: GenerationStats | None = None  # a cascade's middle level (quasar.drafters.cascade): its own steps
+
+    def level(self) -> dict[str, Any]:
+        """This level's verify steps in brief (how a cascade reports its middle level)."""
+        return {
+            "verify_steps": self.verify_steps, "proposed_tokens": self.proposed_tokens,
+            "accepted_tokens": self.accepted_tokens, "mean_accepted_tokens": self.mean_accepted_tokens,
+            "acceptance_rate": self.acceptance_rate, "draft_s": self.draft_s, "verify_s": self.verify_s,
+        }
 
     @property
     def wall_s(self) -> float:
@@ -62,6 +71,7 @@ class GenerationStats:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        out["middle"] = self.middle.level() if self.middle is not None else None
         out.update(
             wall_s=self.wall_s,
             tokens_per_s=self.tokens_per_s,

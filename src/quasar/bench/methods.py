@@ -1,7 +1,8 @@
 """Benchmark methods: a registry from method names to things that answer a chat and say what it cost.
 
 Names: 'ar:V' (plain decoding with verifier V: fp32, bf16, w8a8, ...), 'DRAFTER+V' (speculative
-decoding, e.g. 'ngram+bf16', 'model:PATH+w8a8'), and peers 'hf:ar', 'hf:pld' (transformers bf16,
+decoding, e.g. 'ngram+bf16', 'model:PATH+w8a8'; a cascade 'ngram+w8a8+bf16' or 'ar:w8a8+bf16', whose output
+is the last verifier's, see quasar.drafters.cascade), and peers 'hf:ar', 'hf:pld' (transformers bf16,
 plain and with prompt_lookup_num_tokens), 'llamacpp:ar', 'llamacpp:pld' (llama-cpp-python, Q8_0;
 append ':f16' for the F16 GGUF). Each distinct verifier is loaded once and shared between methods.
 """
@@ -11,14 +12,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from quasar.api import DecodeConfig, build_decoder, cascade_levels
 from quasar.bench.base import Method, PeerMissingError, Pool
-from quasar.drafters import DrafterOptions, build_drafter
 from quasar.engine import Engine
 from quasar.outputs import RequestOutput
 from quasar.prompt import Messages
 from quasar.registry import lookup
 from quasar.sampling import SamplingParams
-from quasar.speculative import Speculative
 
 log = logging.getLogger("quasar")
 
@@ -48,22 +48,30 @@ def build_ar(name: str, pool: Pool) -> Method:
     verifier = name.partition(":")[2]
     if not verifier:
         raise ValueError(f"method {name!r} needs a verifier, e.g. 'ar:bf16'")
-    return EngineMethod(name, Engine(pool.verifier(verifier), max_context=pool.options.max_context))
+    return engine_method(name, "none", verifier, pool)
 
 
 def build_speculative(name: str, pool: Pool) -> Method:
-    drafter_spec, _, verifier = name.rpartition("+")
-    target = pool.verifier(verifier)
-    drafter = build_drafter(drafter_spec, target, DrafterOptions(cache_dir=pool.options.cache_dir))
-    if drafter is None:
+    drafter, _, verifier = name.partition("+")  # 'ngram+w8a8'; a cascade: 'ngram+w8a8+bf16'
+    if drafter == "none":
         raise ValueError(f"method {name!r} has no drafter; use 'ar:{verifier}' for plain decoding")
-    decoder = Speculative(drafter, pool.options.k)
+    return engine_method(name, drafter, verifier, pool)
+
+
+def engine_method(name: str, drafter: str, verifier: str, pool: Pool) -> Method:
+    middle_name, top = cascade_levels(verifier)
+    target = pool.verifier(top)
+    middle = None if middle_name is None else pool.verifier(middle_name)
+    decode = DecodeConfig(drafter, pool.options.k)
+    decoder = build_decoder(target, decode, pool.options.cache_dir, middle)
     return EngineMethod(name, Engine(target, decoder=decoder, max_context=pool.options.max_context))
 
 
 def build_method(name: str, pool: Pool) -> Method:
     """A method name -> a ready Method (verifiers loaded through the pool)."""
-    kind = "+" if "+" in name else name.partition(":")[0]
+    kind = name.partition(":")[0]
+    if kind not in METHODS and "+" in name:
+        kind = "+"
     return lookup(METHODS, kind, "method", FORMS)(name, pool)
 
 

@@ -57,7 +57,8 @@ def add_model_args(parser: argparse.ArgumentParser, verifier_default: str = "fp3
     )
     group.add_argument(
         "--verifier", default=verifier_default,
-        help="precision of the target/verifier model: fp32, bf16, w8a8, w8a16, pruned:N (default: %(default)s)",
+        help="precision of the target/verifier model: fp32, bf16, w8a8, w8a16, pruned:N, or a cascade MIDDLE+TOP "
+        "such as w8a8+bf16 (MIDDLE drafts for TOP; the output is TOP's) (default: %(default)s)",
     )
     group.add_argument("--dtype", choices=("fp32", "bf16"), help="shorthand for --verifier fp32|bf16")
     group.add_argument("--cache-dir", help="where converted GGUF and quantized models are cached "
@@ -66,13 +67,22 @@ def add_model_args(parser: argparse.ArgumentParser, verifier_default: str = "fp3
 
 
 def verifier_name(args: argparse.Namespace) -> str:
-    return args.dtype or args.verifier
+    name = args.dtype or args.verifier
+    if getattr(args, "exact", False):
+        if "+" in name or name in ("fp32", "bf16"):
+            raise ValueError(f"--exact makes the quantized verifier draft for bf16; --verifier {name} is already "
+                             "float or a cascade")
+        return f"{name}+bf16"
+    return name
 
 
 def add_decode_args(parser: argparse.ArgumentParser, drafter_default: str = "ngram") -> None:
     group = parser.add_argument_group("speculative decoding")
     group.add_argument("--drafter", default=drafter_default,
                        help="none (plain decoding), ngram, suffix, model:PATH, layerskip:N (default: %(default)s)")
+    group.add_argument("--exact", action="store_true",
+                       help="the float (bf16) model's exact output at close to int8 cost: the quantized verifier's "
+                       "output drafts for bf16 (the cascade, --verifier w8a8+bf16)")
     group.add_argument("--k", default="auto", help="draft tokens per verify step, or 'auto' to adapt to recent acceptance (default: %(default)s)")
     group.add_argument("--ngram-min", type=positive_int, default=1, help="shortest n-gram the ngram/suffix drafters match (default: %(default)s)")
     group.add_argument("--ngram-max", type=positive_int, default=3, help="longest n-gram the ngram drafter matches (default: %(default)s)")

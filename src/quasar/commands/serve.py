@@ -76,6 +76,8 @@ def hand_off(args: argparse.Namespace, name: str) -> int:
 
 def vllm_model(model: str, verifier: str, cache_dir: str | None, export_dir: str | None) -> tuple[Path, str]:
     """The directory vLLM should load and the dtype of its float parts."""
+    if "+" in verifier:
+        raise ValueError(f"the vLLM hand-off serves one model; the cascade {verifier!r} (--exact) runs on quasar's engine")
     from quasar.loading import gguf_directory, resolve, sha256_file
     from quasar.verifiers import load_verifier
 

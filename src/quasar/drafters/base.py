@@ -26,6 +26,9 @@ class Drafter(Protocol):
 
     def commit(self, tokens: list[int]) -> None: ...
 
+    def rewind(self, n: int) -> None:
+        """Forget the last n committed tokens (a cascade's middle level commits tokens the top may reject)."""
+
     def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft: ...
 
 

@@ -34,6 +34,9 @@ class ModelDrafter:
     def commit(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)
 
+    def rewind(self, n: int) -> None:
+        del self.tokens[len(self.tokens) - n :]  # the cache follows at the next proposal
+
     def ensure_cache(self, needed: int) -> KVCache:
         if self.cache is None or self.cache.max_len < needed:
             self.cache = self.model.new_cache(max(needed * 2, self.initial_len))

@@ -47,6 +47,21 @@ class NgramIndex:
                 counts = self.followers.setdefault(gram, {})
                 counts[following] = counts.get(following, 0) + 1
 
+    def remove(self, doc_id: int, tokens: list[int], start: int) -> None:
+        """Undo add(doc_id, tokens, start) for the n-grams that end just before each of tokens[start:]."""
+        for end in range(len(tokens) - 1, max(start, 1) - 1, -1):
+            following = tokens[end]
+            for n in range(self.ngram_min, min(self.ngram_max, end) + 1):
+                gram = tuple(tokens[end - n : end])
+                if self.where.get(gram) == (doc_id, end):  # keep='last' loses an earlier occurrence here
+                    del self.where[gram]
+                counts = self.followers[gram]
+                counts[following] -= 1
+                if not counts[following]:
+                    del counts[following]
+                    if not counts:
+                        del self.followers[gram]
+
     def lookup(self, tokens: list[int]) -> tuple[int, int] | None:
         """Where the longest indexed suffix of tokens occurred: (document, continuation start)."""
         for n in range(min(self.ngram_max, len(tokens)), self.ngram_min - 1, -1):
@@ -83,6 +98,10 @@ class NgramDrafter:
         start = len(self.tokens)
         self.tokens.extend(tokens)
         self.index.add(0, self.tokens, start)
+
+    def rewind(self, n: int) -> None:
+        self.index.remove(0, self.tokens, len(self.tokens) - n)
+        del self.tokens[len(self.tokens) - n :]
 
     def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         if not params.greedy:

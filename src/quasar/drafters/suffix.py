@@ -48,6 +48,11 @@ class SuffixDrafter:
         self.current.extend(tokens)
         self.index.add(self.first_doc + len(self.docs) - 1, self.current, start)
 
+    def rewind(self, n: int) -> None:
+        doc_id = self.first_doc + len(self.docs) - 1
+        self.index.remove(doc_id, self.current, len(self.current) - n)
+        del self.current[len(self.current) - n :]
+
     def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         found = self.index.lookup(self.current) if k > 0 else None
         if found is None:

@@ -1,0 +1,121 @@
+"""The cascade ('w8a8+bf16', issue 17): the float verifier's exact output at close to int8 cost.
+
+Three levels. A cheap drafter (n-gram, ...) proposes; the W8A8 model verifies those proposals as in plain
+speculative decoding; the tokens the W8A8 level emits form a block that the float verifier (the engine's
+model) checks in one forward (quasar.speculative with this drafter). The W8A8 model agrees with the float
+model on about 95% of tokens, so float blocks are long while the float model runs about once per block.
+
+The output is the float verifier's: at T = 0 its greedy output token for token; at T > 0 the W8A8 level's
+tokens are distributed as the W8A8 model's (its own rejection sampling is lossless) and pass the W8A8
+distributions as the draft distribution, so the float level's rejection sampling keeps the output
+distributed as the float verifier's (two-level rejection sampling).
+
+The middle level commits each block's tokens to its own drafter so it can draft past them, then rewinds them
+when the float level decides; its KV cache follows the committed stream as a model drafter's does.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from quasar.drafters.base import Draft, Drafter
+from quasar.kv_cache import KVCache
+from quasar.models.llama import FIXED_ROWS, Transformer
+from quasar.sampling import Sampler, SamplingParams
+from quasar.speculative import AUTO, DraftLength
+from quasar.stats import GenerationStats
+from quasar.verify import DenseDraft, greedy_verdict, rejection_sample
+
+
+class CascadeDrafter:
+    def __init__(self, model: Transformer, inner: Drafter | None, k: int | str = AUTO, initial_len: int = 1024) -> None:
+        self.model = model  # the middle level (W8A8)
+        self.inner = inner  # the bottom level; None drafts nothing (the middle level decodes plainly)
+        self.k = k
+        self.initial_len = initial_len
+        self.cache: KVCache | None = None
+        self.cached: list[int] = []  # the tokens whose keys/values the cache holds
+        self.tokens: list[int] = []  # the committed stream
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens = []
+        self.provisional = 0  # tokens of the current block committed to the inner drafter
+        self.length = DraftLength(self.k)
+        self.sampler: Sampler | None = None
+        self.stats = GenerationStats()  # the middle level's verify steps
+        if self.inner is not None:
+            self.inner.reset()
+
+    def commit(self, tokens: list[int]) -> None:
+        if self.inner is not None:
+            self.inner.rewind(self.provisional)
+            self.inner.commit(tokens)
+        self.provisional = 0
+        self.tokens.extend(tokens)
+
+    def rewind(self, n: int) -> None:
+        if self.inner is not None:
+            self.inner.rewind(self.provisional + n)
+        self.provisional = 0
+        del self.tokens[len(self.tokens) - n :]
+
+    @torch.inference_mode()
+    def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+        """Up to k tokens of the middle level's own speculative decoding, continuing the committed stream."""
+        if k <= 0:
+            return Draft([])
+        if self.sampler is None or self.sampler.params != params:
+            self.sampler = Sampler(params)
+        cache = self.ensure_cache(len(self.tokens) + k + FIXED_ROWS)
+        block: list[int] = []
+        rows: list[torch.Tensor] = []  # the middle level's distribution of each block token [V]
+        while len(block) < k:
+            feed = self.sync(cache, self.tokens + block)
+            n = min(self.length.k, k - len(block) - 1, FIXED_ROWS - len(feed)) if self.inner else 0
+            start = time.perf_counter()
+            draft = self.draft(block, n, params, generator) if n > 0 else Draft([])
+            verifying = time.perf_counter()
+            ids = torch.tensor([[*feed, *draft.tokens]], device=self.model.device)  # [1, len(feed) + n]
+            logits = self.model(ids, cache)[0, len(feed) - 1 :]  # [n + 1, V]
+            self.cached.extend(ids[0].tolist())
+            if params.greedy:
+                verdict = greedy_verdict(ids[0, len(feed) :].cpu(), logits.cpu())
+            else:
+                target = self.sampler.rows(logits)
+                verdict = rejection_sample(draft.tokens, draft.probs, target, generator)
+                rows += [target.probs(i) for i in range(verdict.accepted + 1)]
+            rejected = len(draft) - verdict.accepted
+            cache.trim(rejected)
+            del self.cached[len(self.cached) - rejected :]
+            block += [*draft.tokens[: verdict.accepted], verdict.token]
+            self.stats.draft_s += verifying - start
+            self.stats.verify_s += time.perf_counter() - verifying
+            self.stats.record_step(len(draft), verdict.accepted, verdict.accepted + 1)
+            self.length.update(len(draft), verdict.accepted)
+        return Draft(block[:k], None if params.greedy else DenseDraft(torch.stack(rows[:k])))
+
+    def draft(self, block: list[int], n: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+        """The bottom level's proposal after the committed stream and this block so far."""
+        assert self.inner is not None
+        self.inner.commit(block[self.provisional :])
+        self.provisional = len(block)
+        return self.inner.propose(n, params, generator)
+
+    def ensure_cache(self, needed: int) -> KVCache:
+        if self.cache is None or self.cache.max_len < needed:
+            self.cache = self.model.new_cache(max(needed * 2, self.initial_len))
+            self.cached = []
+        return self.cache
+
+    def sync(self, cache: KVCache, stream: list[int]) -> list[int]:
+        """Trim the cache to its common prefix with `stream`; return the tokens still to feed (at least one)."""
+        limit = min(len(self.cached), len(stream) - 1)
+        common = limit if stream[:limit] == self.cached[:limit] else 0  # the usual case: one comparison in C
+        while common < limit and self.cached[common] == stream[common]:
+            common += 1
+        cache.trim(cache.length - common)
+        del self.cached[common:]
+        return stream[common:]

@@ -1,0 +1,71 @@
+"""The cascade (MIDDLE+TOP, e.g. 'w8a8+bf16'): the output is the top verifier's, greedy token for token on the
+real default model, and distributed as the top verifier's when sampling (two-level rejection sampling)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quasar.api import DecodeConfig, build_decoder, build_engine, cascade_levels
+from quasar.drafters.cascade import CascadeDrafter
+from quasar.drafters.ngram import NgramDrafter
+from quasar.engine import Engine
+from quasar.sampling import SamplingParams
+from quasar.speculative import Speculative
+from test_speculative import PROMPT, PROMPTS, exact_joint, one_thread, run, small_model  # noqa: F401
+from test_verify import chi_square_p
+
+
+def test_cascade_names():
+    assert cascade_levels("w8a8+bf16") == ("w8a8", "bf16")
+    assert cascade_levels("bf16") == (None, "bf16")
+    for bad in ("w8a8+", "+bf16", "w8a8+w8a16+bf16"):
+        with pytest.raises(ValueError, match="MIDDLE\\+TOP"):
+            cascade_levels(bad)
+
+
+@pytest.fixture(scope="module")
+def float_answers():
+    from quasar.verifiers import load_verifier
+
+    target, middle = load_verifier("default", "bf16"), load_verifier("default", "w8a8")
+    engine = Engine(target)
+    prompts = [engine.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=32)
+    return target, middle, prompts, [engine.generate(ids, params) for ids in prompts]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "suffix", "none"])
+def test_greedy_cascade_equals_the_float_verifier(float_answers, drafter):
+    """w8a8+bf16 at T = 0 gives ar:bf16's tokens, whatever drafts the w8a8 level and whatever it gets wrong."""
+    target, middle, prompts, expected = float_answers
+    engine = Engine(target, build_decoder(target, DecodeConfig(drafter, k=5), middle=middle))
+    for ids, want in zip(prompts, expected):
+        got = engine.generate(ids, SamplingParams(max_new_tokens=32))
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+        level = got.stats.to_dict()["middle"]
+        assert level["verify_steps"] > 0 and (level["proposed_tokens"] > 0) == (drafter != "none")
+        assert got.stats.verify_steps < len(got.token_ids) - 1  # the float level checks blocks, not single tokens
+
+
+def test_build_engine_takes_a_cascade_name():
+    engine = build_engine("default", "w8a8+bf16", DecodeConfig("ngram"))
+    assert isinstance(engine.decoder.drafter, CascadeDrafter) and engine.target.model.backend.startswith(("kernels", "torch"))
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampled_cascade_is_lossless(temperature, top_p, one_thread):
+    """Tiny models: an n-gram drafter drafts for a middle model whose output drafts for the top model; the first
+    three emitted tokens follow the top model's joint distribution."""
+    top, middle, n = small_model(seed=0), small_model(seed=2, sharpness=3.0), 800
+    decoder = Speculative(CascadeDrafter(middle, NgramDrafter(1, 3), k=2), k=2)
+    counts, proposed = torch.zeros(8, 8, 8), 0
+    for seed in range(n):
+        params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, max_new_tokens=3, ignore_eos=True)
+        tokens, _, stats = run(top, decoder, PROMPT, params, budget=4)
+        counts[tuple(tokens[:3])] += 1
+        proposed += stats.proposed_tokens
+    joint = exact_joint(top, PROMPT, SamplingParams(temperature=temperature, top_p=top_p))
+    assert proposed > n
+    assert chi_square_p(counts.flatten(), joint.flatten()) > 1e-3
+    assert chi_square_p(counts.sum((0, 1)), joint.sum((0, 1))) > 1e-3
