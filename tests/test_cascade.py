@@ -69,3 +69,20 @@ def test_sampled_cascade_is_lossless(temperature, top_p, one_thread):
     assert proposed > n
     assert chi_square_p(counts.flatten(), joint.flatten()) > 1e-3
     assert chi_square_p(counts.sum((0, 1)), joint.sum((0, 1))) > 1e-3
+
+
+def test_metrics_count_the_middle_level():
+    from quasar.server.metrics import Metrics
+    from quasar.stats import GenerationStats
+
+    stats, middle = GenerationStats(new_tokens=9), GenerationStats()
+    middle.record_step(proposed=4, accepted=3, emitted=4)
+    middle.record_step(proposed=2, accepted=0, emitted=1)
+    stats.middle = middle
+    metrics = Metrics()
+    metrics.record(stats, latency_s=0.1, first_token_s=0.01, cancelled=False)
+    metrics.record(GenerationStats(new_tokens=3), latency_s=0.1, first_token_s=0.01, cancelled=False)  # not a cascade
+    text = metrics.render(waiting=0, running=0)
+    for line in ("quasar_middle_verify_steps_total 2", "quasar_middle_proposed_tokens_total 6",
+                 "quasar_middle_accepted_tokens_total 3", "quasar_middle_mean_accepted_tokens 2.5"):
+        assert line in text.splitlines()

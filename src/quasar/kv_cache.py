@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from quasar.models.config import ModelConfig
@@ -61,3 +63,43 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+
+
+class StreamCache:
+    """A drafter's own KV cache that follows a token stream lazily: before a forward it is trimmed to the longest
+    prefix it shares with the stream, and only the tokens after that prefix are fed (so the stream may be
+    rolled back or rewritten freely between calls)."""
+
+    def __init__(self, model: Any, initial_len: int = 1024) -> None:
+        self.model = model  # anything with new_cache(max_len) -> KVCache
+        self.initial_len = initial_len
+        self.cache: KVCache | None = None
+        self.cached: list[int] = []  # the tokens whose keys/values the cache holds
+
+    def ready(self, needed: int) -> KVCache:
+        """The cache, (re)allocated to hold at least `needed` positions."""
+        if self.cache is None or self.cache.max_len < needed:
+            self.cache = self.model.new_cache(max(needed * 2, self.initial_len))
+            self.cached = []
+        return self.cache
+
+    def follow(self, stream: list[int]) -> list[int]:
+        """Trim the cache to its common prefix with `stream`; return the tokens still to feed (at least one, to
+        get logits). Call `fed` with what the next forward writes."""
+        assert self.cache is not None
+        limit = min(len(self.cached), len(stream) - 1)
+        common = limit if stream[:limit] == self.cached[:limit] else 0  # the usual case: one comparison in C
+        while common < limit and self.cached[common] == stream[common]:
+            common += 1
+        self.cache.trim(self.cache.length - common)
+        del self.cached[common:]
+        return stream[common:]
+
+    def fed(self, tokens: list[int]) -> None:
+        self.cached.extend(tokens)
+
+    def trim(self, n: int) -> None:
+        """Forget the last n cached positions."""
+        assert self.cache is not None
+        self.cache.trim(n)
+        del self.cached[len(self.cached) - n :]

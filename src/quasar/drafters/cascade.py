@@ -11,7 +11,7 @@ distributions as the draft distribution, so the float level's rejection sampling
 distributed as the float verifier's (two-level rejection sampling).
 
 The middle level commits each block's tokens to its own drafter so it can draft past them, then rewinds them
-when the float level decides; its KV cache follows the committed stream as a model drafter's does.
+when the float level decides; its KV cache follows the committed stream (kv_cache.StreamCache).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 import torch
 
 from quasar.drafters.base import Draft, Drafter
-from quasar.kv_cache import KVCache
+from quasar.kv_cache import StreamCache
 from quasar.models.llama import FIXED_ROWS, Transformer
 from quasar.sampling import Sampler, SamplingParams
 from quasar.speculative import AUTO, DraftLength
@@ -34,9 +34,7 @@ class CascadeDrafter:
         self.model = model  # the middle level (W8A8)
         self.inner = inner  # the bottom level; None drafts nothing (the middle level decodes plainly)
         self.k = k
-        self.initial_len = initial_len
-        self.cache: KVCache | None = None
-        self.cached: list[int] = []  # the tokens whose keys/values the cache holds
+        self.stream = StreamCache(model, initial_len)
         self.tokens: list[int] = []  # the committed stream
         self.reset()
 
@@ -69,27 +67,25 @@ class CascadeDrafter:
             return Draft([])
         if self.sampler is None or self.sampler.params != params:
             self.sampler = Sampler(params)
-        cache = self.ensure_cache(len(self.tokens) + k + FIXED_ROWS)
+        cache = self.stream.ready(len(self.tokens) + k + FIXED_ROWS)
         block: list[int] = []
         rows: list[torch.Tensor] = []  # the middle level's distribution of each block token [V]
         while len(block) < k:
-            feed = self.sync(cache, self.tokens + block)
+            feed = self.stream.follow(self.tokens + block)
             n = min(self.length.k, k - len(block) - 1, FIXED_ROWS - len(feed)) if self.inner else 0
             start = time.perf_counter()
             draft = self.draft(block, n, params, generator) if n > 0 else Draft([])
             verifying = time.perf_counter()
             ids = torch.tensor([[*feed, *draft.tokens]], device=self.model.device)  # [1, len(feed) + n]
             logits = self.model(ids, cache)[0, len(feed) - 1 :]  # [n + 1, V]
-            self.cached.extend(ids[0].tolist())
+            self.stream.fed(ids[0].tolist())
             if params.greedy:
                 verdict = greedy_verdict(ids[0, len(feed) :].cpu(), logits.cpu())
             else:
                 target = self.sampler.rows(logits)
                 verdict = rejection_sample(draft.tokens, draft.probs, target, generator)
                 rows += [target.probs(i) for i in range(verdict.accepted + 1)]
-            rejected = len(draft) - verdict.accepted
-            cache.trim(rejected)
-            del self.cached[len(self.cached) - rejected :]
+            self.stream.trim(len(draft) - verdict.accepted)
             block += [*draft.tokens[: verdict.accepted], verdict.token]
             self.stats.draft_s += verifying - start
             self.stats.verify_s += time.perf_counter() - verifying
@@ -103,19 +99,3 @@ class CascadeDrafter:
         self.inner.commit(block[self.provisional :])
         self.provisional = len(block)
         return self.inner.propose(n, params, generator)
-
-    def ensure_cache(self, needed: int) -> KVCache:
-        if self.cache is None or self.cache.max_len < needed:
-            self.cache = self.model.new_cache(max(needed * 2, self.initial_len))
-            self.cached = []
-        return self.cache
-
-    def sync(self, cache: KVCache, stream: list[int]) -> list[int]:
-        """Trim the cache to its common prefix with `stream`; return the tokens still to feed (at least one)."""
-        limit = min(len(self.cached), len(stream) - 1)
-        common = limit if stream[:limit] == self.cached[:limit] else 0  # the usual case: one comparison in C
-        while common < limit and self.cached[common] == stream[common]:
-            common += 1
-        cache.trim(cache.length - common)
-        del self.cached[common:]
-        return stream[common:]

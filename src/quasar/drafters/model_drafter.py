@@ -1,8 +1,8 @@
 """'model:PATH': a smaller model with the same tokenizer drafts k tokens autoregressively, with its own
 KV cache and its real probabilities (so rejection sampling stays exact when sampling).
 
-Its cache follows the committed stream lazily: before each proposal the cache is trimmed to the longest
-prefix it shares with the committed tokens, and only the tokens after that prefix are fed.
+Its cache follows the committed stream lazily (kv_cache.StreamCache): before each proposal the cache is trimmed
+to the longest prefix it shares with the committed tokens, and only the tokens after that prefix are fed.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from quasar.drafters.base import Draft, DrafterOptions
-from quasar.kv_cache import KVCache
+from quasar.kv_cache import KVCache, StreamCache
 from quasar.loading import LoadedModel
 from quasar.models.llama import Transformer
 from quasar.sampling import SamplingParams, logits_to_probs, sample
@@ -23,10 +23,12 @@ class ModelDrafter:
     def __init__(self, model: Transformer, vocab_size: int, initial_len: int = 1024) -> None:
         self.model = model
         self.vocab_size = vocab_size  # the verifier's V: draft probs are padded / cut to it
-        self.initial_len = initial_len
-        self.cache: KVCache | None = None
-        self.cached: list[int] = []  # the tokens whose keys/values the cache holds
+        self.stream = StreamCache(model, initial_len)
         self.tokens: list[int] = []  # the committed stream
+
+    @property
+    def cache(self) -> KVCache | None:
+        return self.stream.cache
 
     def reset(self) -> None:
         self.tokens = []
@@ -37,33 +39,17 @@ class ModelDrafter:
     def rewind(self, n: int) -> None:
         del self.tokens[len(self.tokens) - n :]  # the cache follows at the next proposal
 
-    def ensure_cache(self, needed: int) -> KVCache:
-        if self.cache is None or self.cache.max_len < needed:
-            self.cache = self.model.new_cache(max(needed * 2, self.initial_len))
-            self.cached = []
-        return self.cache
-
-    def sync(self, cache: KVCache) -> list[int]:
-        """Trim the cache to its common prefix with the committed tokens; return the tokens still to feed."""
-        limit = min(len(self.cached), len(self.tokens) - 1)  # feed at least one token to get logits
-        common = 0
-        while common < limit and self.cached[common] == self.tokens[common]:
-            common += 1
-        cache.trim(cache.length - common)
-        self.cached = self.tokens[:common]
-        return self.tokens[common:]
-
     @torch.inference_mode()
     def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
         if k <= 0:
             return Draft([])
-        cache = self.ensure_cache(len(self.tokens) + k)
-        feed = self.sync(cache)
+        cache = self.stream.ready(len(self.tokens) + k)
+        feed = self.stream.follow(self.tokens)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for _ in range(k):
             logits = self.model(torch.tensor([feed], device=self.model.device), cache, last_only=True)[0, -1]  # [V_d]
-            self.cached.extend(feed)
+            self.stream.fed(feed)
             probs = logits_to_probs(self.fit_vocab(logits), params)  # [V]
             token = int(probs.argmax()) if params.greedy else int(sample(probs, generator))
             tokens.append(token)

@@ -43,6 +43,7 @@ class Metrics:
         self.emitted_by_steps = 0
         self.proposed_tokens = 0
         self.accepted_tokens = 0
+        self.middle: Counter[str] = Counter()  # a cascade's middle level: verify_steps, proposed, accepted tokens
         self.latency = Histogram()
         self.first_token = Histogram()
 
@@ -59,6 +60,9 @@ class Metrics:
             self.emitted_by_steps += sum(stats.accept_lengths)
             self.proposed_tokens += stats.proposed_tokens
             self.accepted_tokens += stats.accepted_tokens
+            if stats.middle is not None:
+                self.middle.update(verify_steps=stats.middle.verify_steps, emitted=sum(stats.middle.accept_lengths),
+                                   proposed_tokens=stats.middle.proposed_tokens, accepted_tokens=stats.middle.accepted_tokens)
             self.latency.observe(latency_s)
             if first_token_s is not None:
                 self.first_token.observe(first_token_s)
@@ -84,11 +88,20 @@ class Metrics:
                 ("quasar_verify_steps_total", self.verify_steps, "verifier forwards over [last, *draft]"),
                 ("quasar_proposed_tokens_total", self.proposed_tokens, "draft tokens proposed"),
                 ("quasar_accepted_tokens_total", self.accepted_tokens, "draft tokens accepted"),
+                ("quasar_middle_verify_steps_total", self.middle["verify_steps"],
+                 "a cascade's middle verifier (w8a8 in w8a8+bf16): its forwards over [last, *draft]"),
+                ("quasar_middle_proposed_tokens_total", self.middle["proposed_tokens"],
+                 "draft tokens proposed to a cascade's middle verifier"),
+                ("quasar_middle_accepted_tokens_total", self.middle["accepted_tokens"],
+                 "draft tokens a cascade's middle verifier accepted"),
             ):
                 lines += _family(name, "counter", doc) + [f"{name} {value}"]
             for name, value, doc in (
                 ("quasar_mean_accepted_tokens", self.mean_accepted_tokens, "tokens emitted per verify step"),
                 ("quasar_acceptance_rate", self.acceptance_rate, "accepted / proposed draft tokens"),
+                ("quasar_middle_mean_accepted_tokens",
+                 self.middle["emitted"] / self.middle["verify_steps"] if self.middle["verify_steps"] else 0.0,
+                 "tokens a cascade's middle verifier emitted per forward"),
                 ("quasar_queue_length", waiting, "requests waiting for the worker"),
                 ("quasar_requests_running", running, "requests being generated"),
             ):
