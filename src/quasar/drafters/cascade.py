@@ -72,6 +72,12 @@ class CascadeDrafter:
         rows: list[torch.Tensor] = []  # the middle level's distribution of each block token [V]
         while len(block) < k:
             feed = self.stream.follow(self.tokens + block)
+            if len(feed) > FIXED_ROWS:  # a prompt: prefill it without scoring every position
+                start = time.perf_counter()
+                self.model(torch.tensor([feed[:-1]], device=self.model.device), cache, last_only=True)
+                self.stats.prefill_s += time.perf_counter() - start
+                self.stream.fed(feed[:-1])
+                feed = feed[-1:]
             n = min(self.length.k, k - len(block) - 1, FIXED_ROWS - len(feed)) if self.inner else 0
             start = time.perf_counter()
             draft = self.draft(block, n, params, generator) if n > 0 else Draft([])
