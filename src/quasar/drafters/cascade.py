@@ -41,6 +41,8 @@ class CascadeDrafter:
     def reset(self) -> None:
         self.tokens = []
         self.provisional = 0  # tokens of the current block committed to the inner drafter
+        self.carry: tuple[list[int], list[torch.Tensor]] = ([], [])  # the middle level's tokens past the last block
+        self.carried_after = 0  # the length of the block the carry follows
         self.length = DraftLength(self.k)
         self.sampler: Sampler | None = None
         self.stats = GenerationStats()  # the middle level's verify steps
@@ -53,11 +55,23 @@ class CascadeDrafter:
             self.inner.commit(tokens)
         self.provisional = 0
         self.tokens.extend(tokens)
+        self.keep_carry(tokens)
+
+    def keep_carry(self, committed: list[int]) -> None:
+        """The middle level often emits past the block it was asked for. When the top level accepted the whole
+        block and its bonus token is the first carried token, the rest of the carry continues the committed
+        stream (drawn from the middle level's distribution given exactly this context), so the next block starts
+        with it; otherwise it is dropped."""
+        tokens, rows = self.carry
+        self.carry = ([], [])
+        if tokens and len(committed) == self.carried_after + 1 and committed[-1] == tokens[0]:
+            self.carry = (tokens[1:], rows[1:])
 
     def rewind(self, n: int) -> None:
         if self.inner is not None:
             self.inner.rewind(self.provisional + n)
         self.provisional = 0
+        self.carry = ([], [])
         del self.tokens[len(self.tokens) - n :]
 
     @torch.inference_mode()
@@ -68,8 +82,7 @@ class CascadeDrafter:
         if self.sampler is None or self.sampler.params != params:
             self.sampler = Sampler(params)
         cache = self.stream.ready(len(self.tokens) + k + FIXED_ROWS)
-        block: list[int] = []
-        rows: list[torch.Tensor] = []  # the middle level's distribution of each block token [V]
+        block, rows = list(self.carry[0]), list(self.carry[1])  # rows: the middle level's distributions [V]
         while len(block) < k:
             feed = self.stream.follow(self.tokens + block)
             if len(feed) > FIXED_ROWS:  # a prompt: prefill it without scoring every position
@@ -78,7 +91,7 @@ class CascadeDrafter:
                 self.stats.prefill_s += time.perf_counter() - start
                 self.stream.fed(feed[:-1])
                 feed = feed[-1:]
-            n = min(self.length.k, k - len(block) - 1, FIXED_ROWS - len(feed)) if self.inner else 0
+            n = min(self.length.k, FIXED_ROWS - len(feed)) if self.inner else 0  # tokens past k are carried
             start = time.perf_counter()
             draft = self.draft(block, n, params, generator) if n > 0 else Draft([])
             verifying = time.perf_counter()
@@ -97,6 +110,7 @@ class CascadeDrafter:
             self.stats.verify_s += time.perf_counter() - verifying
             self.stats.record_step(len(draft), verdict.accepted, verdict.accepted + 1)
             self.length.update(len(draft), verdict.accepted)
+        self.carry, self.carried_after = (block[k:], rows[k:]), k
         return Draft(block[:k], None if params.greedy else DenseDraft(torch.stack(rows[:k])))
 
     def draft(self, block: list[int], n: int, params: SamplingParams, generator: torch.Generator) -> Draft:
