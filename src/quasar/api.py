@@ -32,6 +32,7 @@ class DecodeConfig:
     k: int | str = "auto"  # draft length, or 'auto' (adapts to recent acceptance; measured faster than 5 here)
     ngram_min: int = 1
     ngram_max: int = 3
+    guard: float | None = None  # re-score positions whose top-1 logit margin is below this with bf16 (quasar.guard)
 
 
 def cascade_levels(verifier: str) -> tuple[str | None, str]:
@@ -46,17 +47,23 @@ def cascade_levels(verifier: str) -> tuple[str | None, str]:
 
 
 def build_decoder(target: LoadedModel, config: DecodeConfig, cache_dir: str | Path | None = None,
-                  middle: LoadedModel | None = None) -> Decoder:
+                  middle: LoadedModel | None = None, guard: LoadedModel | None = None) -> Decoder:
     """The Decoder for `config`: the plain loop, or speculative decoding with the named drafter. With a
-    `middle` model, a cascade: the drafter drafts for `middle`, whose own output drafts for `target`."""
+    `middle` model, a cascade: the drafter drafts for `middle`, whose own output drafts for `target`. With a
+    `guard` model (config.guard set), positions the target is unsure of are re-scored by it."""
     if config.drafter == "none" and middle is None:
+        if config.guard is not None:
+            raise ValueError("--guard re-scores speculative decoding's verify steps: it needs a drafter")
         return autoregressive
     from quasar.drafters import DrafterOptions, build_drafter
     from quasar.speculative import AUTO, Speculative
 
     options = DrafterOptions(ngram_min=config.ngram_min, ngram_max=config.ngram_max, cache_dir=cache_dir)
     if middle is None:
-        return Speculative(build_drafter(config.drafter, target, options), config.k)
+        from quasar.guard import Guard
+
+        checker = None if config.guard is None or guard is None else Guard(guard.model, config.guard)
+        return Speculative(build_drafter(config.drafter, target, options), config.k, checker)
     from quasar.drafters.cascade import CascadeDrafter
 
     inner = build_drafter(config.drafter, middle, options)
@@ -72,9 +79,13 @@ def build_engine(
 ) -> Engine:
     """verifier: a name from quasar.verifiers, or a cascade MIDDLE+TOP such as 'w8a8+bf16' (the output is TOP's)."""
     middle_name, top = cascade_levels(verifier)
+    if decode.guard is not None and (middle_name is not None or top in ("fp32", "bf16")):
+        raise ValueError(f"--guard re-scores a quantized verifier's unsure positions with bf16; --verifier {verifier} "
+                         "is already float or a cascade")
     target = load_verifier(model, top, cache_dir)
     middle = None if middle_name is None else load_verifier(model, middle_name, cache_dir)
-    return Engine(target, build_decoder(target, decode, cache_dir, middle), max_context=max_context)
+    guard = None if decode.guard is None else load_verifier(model, "bf16", cache_dir)
+    return Engine(target, build_decoder(target, decode, cache_dir, middle, guard), max_context=max_context)
 
 
 class LLM:
@@ -90,8 +101,9 @@ class LLM:
         ngram_max: int = 3,
         max_context: int | None = None,
         cache_dir: str | Path | None = None,
+        guard: float | None = None,
     ) -> None:
-        decode = DecodeConfig(drafter, k, ngram_min, ngram_max)
+        decode = DecodeConfig(drafter, k, ngram_min, ngram_max, guard)
         self.engine = build_engine(model, verifier, decode, max_context, cache_dir)
 
     @property

@@ -83,9 +83,10 @@ class StreamCache:
             self.cached = []
         return self.cache
 
-    def follow(self, stream: list[int]) -> list[int]:
+    def follow(self, stream: list[int], most: int | None = None) -> list[int]:
         """Trim the cache to its common prefix with `stream`; return the tokens still to feed (at least one, to
-        get logits). Call `fed` with what the next forward writes."""
+        get logits). More than `most` (a prompt, a long stretch) are prefilled here, without the lm_head, but
+        the last. Call `fed` with what the next forward writes."""
         assert self.cache is not None
         limit = min(len(self.cached), len(stream) - 1)
         common = limit if stream[:limit] == self.cached[:limit] else 0  # the usual case: one comparison in C
@@ -93,7 +94,12 @@ class StreamCache:
             common += 1
         self.cache.trim(self.cache.length - common)
         del self.cached[common:]
-        return stream[common:]
+        feed = stream[common:]
+        if most is not None and len(feed) > most:
+            self.model(torch.tensor([feed[:-1]], device=self.model.device), self.cache, last_only=True)
+            self.fed(feed[:-1])
+            feed = feed[-1:]
+        return feed
 
     def fed(self, tokens: list[int]) -> None:
         self.cached.extend(tokens)

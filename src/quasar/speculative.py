@@ -14,6 +14,7 @@ import torch
 
 from quasar.drafters.base import Drafter
 from quasar.generate import StopRule, prefill
+from quasar.guard import Guard
 from quasar.kv_cache import KVCache
 from quasar.models.llama import FIXED_ROWS, Transformer
 from quasar.sampling import Sampler, SamplingParams
@@ -62,6 +63,7 @@ class Speculative:
 
     drafter: Drafter
     k: int | str = AUTO
+    guard: Guard | None = None  # re-scores positions the verifier is unsure of with the float model (approximate)
 
     def __post_init__(self) -> None:
         self.k = parse_k(self.k)
@@ -82,6 +84,7 @@ class Speculative:
         stats.middle = getattr(self.drafter, "stats", None)  # a cascade's middle level counts its own steps
         self.drafter.commit(prompt_ids)
         pending = [sampler.next_token(prefill(model, cache, prompt_ids))]
+        stream = list(prompt_ids)  # the tokens before this step's first scored position
         stats.prefill_s = time.perf_counter() - start
         tokens, reason = stop.cut(pending)
         while True:
@@ -90,6 +93,7 @@ class Speculative:
                 stats.finish_reason = reason
                 return
             self.drafter.commit(pending)
+            stream += pending
             k = min(length.k, cache.max_len - cache.length - 1, stop.budget - stop.emitted - 1)
             start = time.perf_counter()
             draft = self.drafter.propose(k, params, sampler.generator)
@@ -101,6 +105,8 @@ class Speculative:
             else:
                 target = sampler.rows(target_logits)  # k+1 rows, computed as rejection sampling reaches them
                 verdict = rejection_sample(draft.tokens, draft.probs, target, sampler.generator)
+            if self.guard is not None:
+                verdict = self.guard.review(stream, draft.tokens, target_logits, verdict, sampler, stats)
             cache.trim(len(draft) - verdict.accepted)
             stats.draft_s += verifying - start
             stats.verify_s += time.perf_counter() - verifying

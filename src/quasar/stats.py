@@ -30,6 +30,8 @@ class GenerationStats:
     verify_s: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify step
     finish_reason: str = "length"
+    rechecked_tokens: int = 0  # --guard: positions the float model re-scored
+    recheck_changed: int = 0  # of those, positions where its token differed from the verifier's
     middle: GenerationStats | None = None  # a cascade's middle level (quasar.drafters.cascade): its own steps
 
     def level(self) -> dict[str, Any]:

@@ -83,6 +83,9 @@ def add_decode_args(parser: argparse.ArgumentParser, drafter_default: str = "ngr
     group.add_argument("--exact", action="store_true",
                        help="the float (bf16) model's exact output at close to int8 cost: the quantized verifier's "
                        "output drafts for bf16 (the cascade, --verifier w8a8+bf16)")
+    group.add_argument("--guard", type=float, metavar="MARGIN",
+                       help="approximate: where the verifier's top-1 logit leads the runner-up by less than MARGIN, "
+                       "take the float (bf16) model's token instead (docs/cascade.md)")
     group.add_argument("--k", default="auto", help="draft tokens per verify step, or 'auto' to adapt to recent acceptance (default: %(default)s)")
     group.add_argument("--ngram-min", type=positive_int, default=1, help="shortest n-gram the ngram/suffix drafters match (default: %(default)s)")
     group.add_argument("--ngram-max", type=positive_int, default=3, help="longest n-gram the ngram drafter matches (default: %(default)s)")
@@ -92,7 +95,9 @@ def decode_config(args: argparse.Namespace):  # -> quasar.api.DecodeConfig
     from quasar.api import DecodeConfig
     from quasar.speculative import parse_k
 
-    return DecodeConfig(args.drafter, parse_k(args.k), args.ngram_min, args.ngram_max)
+    if args.guard is not None and not args.guard >= 0:
+        raise ValueError(f"--guard must be a margin >= 0 in logits, got {args.guard}")
+    return DecodeConfig(args.drafter, parse_k(args.k), args.ngram_min, args.ngram_max, args.guard)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

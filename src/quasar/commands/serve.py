@@ -62,6 +62,8 @@ def hand_off(args: argparse.Namespace, name: str) -> int:
 
     verifier = verifier_name(args)
     decode = decode_config(args)
+    if decode.guard is not None:
+        raise ValueError("--guard runs on quasar's engine; the vLLM hand-off does not take it")
     model_dir, dtype = vllm_model(args.model, verifier, args.cache_dir, args.export_dir)
     serve = VllmServe(model_dir, name, dtype, args.host, args.port, args.api_key, args.max_context, args.vllm)
     argv = vllm_command(serve, decode)

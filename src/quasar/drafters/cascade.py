@@ -84,13 +84,9 @@ class CascadeDrafter:
         cache = self.stream.ready(len(self.tokens) + k + FIXED_ROWS)
         block, rows = list(self.carry[0]), list(self.carry[1])  # rows: the middle level's distributions [V]
         while len(block) < k:
-            feed = self.stream.follow(self.tokens + block)
-            if len(feed) > FIXED_ROWS:  # a prompt: prefill it without scoring every position
-                start = time.perf_counter()
-                self.model(torch.tensor([feed[:-1]], device=self.model.device), cache, last_only=True)
-                self.stats.prefill_s += time.perf_counter() - start
-                self.stream.fed(feed[:-1])
-                feed = feed[-1:]
+            start = time.perf_counter()
+            feed = self.stream.follow(self.tokens + block, most=FIXED_ROWS)  # a prompt is prefilled there
+            self.stats.prefill_s += time.perf_counter() - start
             n = min(self.length.k, FIXED_ROWS - len(feed)) if self.inner else 0  # tokens past k are carried
             start = time.perf_counter()
             draft = self.draft(block, n, params, generator) if n > 0 else Draft([])
