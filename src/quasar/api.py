@@ -50,7 +50,7 @@ def build_decoder(target: LoadedModel, config: DecodeConfig, cache_dir: str | Pa
                   middle: LoadedModel | None = None, guard: LoadedModel | None = None) -> Decoder:
     """The Decoder for `config`: the plain loop, or speculative decoding with the named drafter. With a
     `middle` model, a cascade: the drafter drafts for `middle`, whose own output drafts for `target`. With a
-    `guard` model (config.guard set), positions the target is unsure of are re-scored by it."""
+    `guard` model, positions where the target's margin is below config.guard are re-scored by it."""
     if config.drafter == "none" and middle is None:
         if config.guard is not None:
             raise ValueError("--guard re-scores speculative decoding's verify steps: it needs a drafter")
@@ -62,7 +62,7 @@ def build_decoder(target: LoadedModel, config: DecodeConfig, cache_dir: str | Pa
     if middle is None:
         from quasar.guard import Guard
 
-        checker = None if config.guard is None or guard is None else Guard(guard.model, config.guard)
+        checker = None if guard is None else Guard(guard.model, config.guard)
         return Speculative(build_drafter(config.drafter, target, options), config.k, checker)
     from quasar.drafters.cascade import CascadeDrafter
 

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from quasar.drafters.base import Drafter
+from quasar.drafters.base import Draft, Drafter
 from quasar.generate import StopRule, prefill
 from quasar.guard import Guard
 from quasar.kv_cache import KVCache
 from quasar.models.llama import FIXED_ROWS, Transformer
-from quasar.sampling import Sampler, SamplingParams
+from quasar.sampling import Sampler, SamplingParams, TargetRows
 from quasar.stats import GenerationStats
-from quasar.verify import greedy_verdict, rejection_sample
+from quasar.verify import Verdict, greedy_verdict, rejection_sample
 
 AUTO = "auto"
 
@@ -42,6 +42,16 @@ class DraftLength:
             return
         self.ema = self.WEIGHT * accepted + (1 - self.WEIGHT) * self.ema
         self.k = min(self.K_MAX, max(self.K_MIN, int(self.ema + 0.5) + 1))
+
+
+def judge(draft: Draft, logits: torch.Tensor, params: SamplingParams, sampler: Sampler,
+          generator: torch.Generator) -> tuple[Verdict, TargetRows | None]:
+    """The verdict on a draft from the verifier's rows over [last, *draft] ([k + 1, V]): the argmax rule when
+    greedy, else rejection sampling on rows computed as it reaches them (returned, for a cascade to pass on)."""
+    if params.greedy:
+        return greedy_verdict(torch.tensor(draft.tokens, dtype=torch.int64), logits.cpu()), None
+    target = sampler.rows(logits)
+    return rejection_sample(draft.tokens, draft.probs, target, generator), target
 
 
 def parse_k(text: str | int) -> int | str:
@@ -100,11 +110,7 @@ class Speculative:
             verifying = time.perf_counter()
             ids = torch.tensor([[pending[-1], *draft.tokens]], device=model.device)  # [1, k+1]
             target_logits = model(ids, cache)[0]  # [k+1, V]
-            if params.greedy:
-                verdict = greedy_verdict(ids[0, 1:].cpu(), target_logits.cpu())
-            else:
-                target = sampler.rows(target_logits)  # k+1 rows, computed as rejection sampling reaches them
-                verdict = rejection_sample(draft.tokens, draft.probs, target, sampler.generator)
+            verdict, _ = judge(draft, target_logits, params, sampler, sampler.generator)
             if self.guard is not None:
                 verdict = self.guard.review(stream, draft.tokens, target_logits, verdict, sampler, stats)
             cache.trim(len(draft) - verdict.accepted)

@@ -24,9 +24,9 @@ from quasar.drafters.base import Draft, Drafter
 from quasar.kv_cache import StreamCache
 from quasar.models.llama import FIXED_ROWS, Transformer
 from quasar.sampling import Sampler, SamplingParams
-from quasar.speculative import AUTO, DraftLength
+from quasar.speculative import AUTO, DraftLength, judge
 from quasar.stats import GenerationStats
-from quasar.verify import DenseDraft, greedy_verdict, rejection_sample
+from quasar.verify import DenseDraft
 
 
 class CascadeDrafter:
@@ -94,11 +94,8 @@ class CascadeDrafter:
             ids = torch.tensor([[*feed, *draft.tokens]], device=self.model.device)  # [1, len(feed) + n]
             logits = self.model(ids, cache)[0, len(feed) - 1 :]  # [n + 1, V]
             self.stream.fed(ids[0].tolist())
-            if params.greedy:
-                verdict = greedy_verdict(ids[0, len(feed) :].cpu(), logits.cpu())
-            else:
-                target = self.sampler.rows(logits)
-                verdict = rejection_sample(draft.tokens, draft.probs, target, generator)
+            verdict, target = judge(draft, logits, params, self.sampler, generator)
+            if target is not None:  # sampling: each block token's distribution goes on as the draft's
                 rows += [target.probs(i) for i in range(verdict.accepted + 1)]
             self.stream.trim(len(draft) - verdict.accepted)
             block += [*draft.tokens[: verdict.accepted], verdict.token]

@@ -13,6 +13,8 @@ the draft as its distribution, so rejection sampling accepts with min(1, target 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from quasar.drafters.base import Draft, DrafterOptions
@@ -64,16 +66,16 @@ class NgramIndex:
 
     def lookup(self, tokens: list[int]) -> tuple[int, int] | None:
         """Where the longest indexed suffix of tokens occurred: (document, continuation start)."""
-        for n in range(min(self.ngram_max, len(tokens)), self.ngram_min - 1, -1):
-            found = self.where.get(tuple(tokens[-n:]))
-            if found is not None:
-                return found
-        return None
+        return self.longest_suffix(self.where, tokens)
 
     def continuations(self, tokens: list[int]) -> dict[int, int] | None:
         """{token: count} of what followed the longest indexed suffix of tokens."""
+        return self.longest_suffix(self.followers, tokens)
+
+    def longest_suffix(self, table: dict[tuple[int, ...], Any], tokens: list[int]) -> Any:
+        """table's entry for the longest suffix of tokens (n from ngram_max down to ngram_min) it has."""
         for n in range(min(self.ngram_max, len(tokens)), self.ngram_min - 1, -1):
-            found = self.followers.get(tuple(tokens[-n:]))
+            found = table.get(tuple(tokens[-n:]))
             if found is not None:
                 return found
         return None
