@@ -1,4 +1,4 @@
-// Attention for decode and verify steps (a few new tokens, batch 1) on x86 CPUs with AVX2.
+// Attention of new tokens over one sequence's KV cache (decode, verify, prefill chunks) on x86 CPUs with AVX2.
 //
 // For new tokens t = 0..T-1 at positions start + t: rotate q and k (rotate-half RoPE, each product and
 // sum rounded like the torch reference), write k and v into the layer's cache at [start, start + T), then
@@ -188,8 +188,11 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const int64_t group = H / H_kv, per_kv = T * group;
   // Work items: the rows of one kv head, split in `chunks` parts so that there are at least two items per
-  // thread; rows of an item share every key block read.
-  const int64_t chunks = std::min(per_kv, std::max<int64_t>(1, (2 * at::get_num_threads() + H_kv - 1) / H_kv));
+  // thread and at most kItemRows rows per item (a prefill's scores stay small); rows of an item share every
+  // key block read.
+  constexpr int64_t kItemRows = 32;
+  const int64_t chunks = std::min(per_kv, std::max({(2 * at::get_num_threads() + H_kv - 1) / H_kv,
+                                                    (per_kv + kItemRows - 1) / kItemRows, int64_t{1}}));
   const int64_t chunk = (per_kv + chunks - 1) / chunks;
   float* op = out.data_ptr<float>();
   at::parallel_for(0, H_kv * chunks, 1, [&](int64_t i0, int64_t i1) {

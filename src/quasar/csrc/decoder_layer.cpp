@@ -1,7 +1,12 @@
-// One whole decoder layer of a decode or verify step (a few new tokens, batch 1) in one call: the same
-// kernels the Python layer calls one by one (RMSNorm, linears, attention) plus ATen's silu, multiply and
-// add, without the ~40 Python-level operations per layer in between. FusedLayers runs all layers of a
-// model in one call, with their tensors handed over once instead of at every step.
+// One whole decoder layer in one call: the same kernels the Python layer calls one by one (RMSNorm, linears,
+// attention) plus ATen's silu, multiply and add, without the ~40 Python-level operations per layer in
+// between. FusedLayers runs all layers of a model in one call, with their tensors handed over once instead
+// of at every step.
+//
+// The rows of a call may belong to several sequences (segments), each with its own KV cache: the linears
+// and norms run over all rows at once (each row's result depends on its own input alone), attention runs
+// per segment over that segment's cache. So a request's rows get bitwise the same values whether they come
+// alone, as a prefill chunk, or inside a batch with other requests' rows (continuous batching).
 //
 // x [T, hidden] float32. t holds, in order: input norm weight, post-attention norm weight, q-norm and
 // k-norm weights (empty without qk-norm), then weight, scale and bias for q, k, v, o, gate, up, down
@@ -35,20 +40,45 @@ std::vector<torch::Tensor> linears(const torch::Tensor& x, const std::vector<tor
   return w8a8_linear_many(x, w, scale, bias);
 }
 
+// Attention of each segment over its own cache (one layer's [H_kv, S, D] of each), then the segments' rows
+// back in order.
+torch::Tensor segment_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<Segment>& segments,
+                                int64_t layer) {
+  if (segments.size() == 1)
+    return decode_attention(q, k, v, cos, sin, segments[0].cache_k[layer], segments[0].cache_v[layer], segments[0].start);
+  std::vector<torch::Tensor> parts;
+  int64_t row = 0;
+  for (const Segment& s : segments) {
+    auto rows = [&](const torch::Tensor& a) { return a.narrow(0, row, s.rows).contiguous(); };
+    parts.push_back(decode_attention(rows(q), rows(k), rows(v), rows(cos), rows(sin), s.cache_k[layer],
+                                     s.cache_v[layer], s.start));
+    row += s.rows;
+  }
+  return torch::cat(parts);
+}
+
 }  // namespace
 
 torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> t, std::vector<int64_t> kinds, double eps,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v,
                             int64_t start) {
+  return decoder_layer_segments(x, t, kinds, eps, cos, sin, 
+                                std::vector<Segment>{Segment{cache_k.unsqueeze(0), cache_v.unsqueeze(0), start, x.size(0)}}, 0);
+}
+
+torch::Tensor decoder_layer_segments(torch::Tensor x, const std::vector<torch::Tensor>& t,
+                                     const std::vector<int64_t>& kinds, double eps, const torch::Tensor& cos,
+                                     const torch::Tensor& sin, const std::vector<Segment>& segments, int64_t layer) {
   TORCH_CHECK(t.size() == 4 + 3 * 7 && kinds.size() == 7, "4 norm tensors, then 7 x (weight, scale, bias)");
-  const int64_t T = x.size(0), D = cache_k.size(2);
+  const int64_t T = x.size(0), D = segments[0].cache_k.size(3);
   auto qkv = linears(rms_norm(x, t[0], eps), t, kinds, {0, 1, 2});
   auto q = qkv[0], k = qkv[1];
   if (t[2].numel()) {  // qk-norm (qwen3): per head, before rope
     q = rms_norm(q.view({-1, D}), t[2], eps).view({T, -1});
     k = rms_norm(k.view({-1, D}), t[3], eps).view({T, -1});
   }
-  auto attended = decode_attention(q, k, qkv[2], cos, sin, cache_k, cache_v, start);
+  auto attended = segment_attention(q, k, qkv[2], cos, sin, segments, layer);
   x = x + linear(kinds[3], attended, t, 3);
   auto gate_up = linears(rms_norm(x, t[1], eps), t, kinds, {4, 5});
   return x + linear(kinds[6], torch::silu(gate_up[0]) * gate_up[1], t, 6);
@@ -63,8 +93,27 @@ FusedLayers::FusedLayers(std::vector<std::vector<torch::Tensor>> tensors, std::v
 // x [T, hidden]; cache_k and cache_v [L, H_kv, S, D] (batch 0 of a KVCache) -> the last layer's output.
 torch::Tensor FusedLayers::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor cache_k,
                                    torch::Tensor cache_v, int64_t start) const {
-  TORCH_CHECK(cache_k.dim() == 4 && cache_k.size(0) == static_cast<int64_t>(tensors_.size()), "cache [L, H_kv, S, D] expected");
+  return forward_segments(x, cos, sin, {cache_k}, {cache_v}, {start}, {x.size(0)});
+}
+
+// x [N, hidden], cos and sin [N, D]: the rows of several sequences one after another, `rows[i]` of them for
+// sequence i, whose cache is caches_k[i], caches_v[i] [L, H_kv, S, D] with `starts[i]` positions filled.
+torch::Tensor FusedLayers::forward_segments(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                            std::vector<torch::Tensor> caches_k, std::vector<torch::Tensor> caches_v,
+                                            std::vector<int64_t> starts, std::vector<int64_t> rows) const {
+  const size_t n = caches_k.size();
+  TORCH_CHECK(n > 0 && caches_v.size() == n && starts.size() == n && rows.size() == n, "one cache, start and row count per segment");
+  std::vector<Segment> segments;
+  int64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(caches_k[i].dim() == 4 && caches_k[i].size(0) == static_cast<int64_t>(tensors_.size()),
+                "cache [L, H_kv, S, D] expected");
+    TORCH_CHECK(rows[i] > 0, "every segment has at least one row");
+    segments.push_back(Segment{caches_k[i], caches_v[i], starts[i], rows[i]});
+    total += rows[i];
+  }
+  TORCH_CHECK(total == x.size(0) && cos.size(0) == total && sin.size(0) == total, "the segments' rows are x's rows");
   for (size_t i = 0; i < tensors_.size(); ++i)
-    x = decoder_layer(x, tensors_[i], kinds_[i], eps_, cos, sin, cache_k[i], cache_v[i], start);
+    x = decoder_layer_segments(x, tensors_[i], kinds_[i], eps_, cos, sin, segments, static_cast<int64_t>(i));
   return x;
 }

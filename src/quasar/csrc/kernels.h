@@ -22,12 +22,24 @@ torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> t, std::
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v,
                             int64_t start);
 
+// One sequence's rows inside a call over several: its cache [L, H_kv, S, D], positions filled, row count.
+struct Segment {
+  torch::Tensor cache_k, cache_v;
+  int64_t start, rows;
+};
+torch::Tensor decoder_layer_segments(torch::Tensor x, const std::vector<torch::Tensor>& t,
+                                     const std::vector<int64_t>& kinds, double eps, const torch::Tensor& cos,
+                                     const torch::Tensor& sin, const std::vector<Segment>& segments, int64_t layer);
+
 // All decoder layers of one model (see decoder_layer): built once, then one call per forward.
 class FusedLayers {
  public:
   FusedLayers(std::vector<std::vector<torch::Tensor>> tensors, std::vector<std::vector<int64_t>> kinds, double eps);
   torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor cache_k,
                         torch::Tensor cache_v, int64_t start) const;
+  torch::Tensor forward_segments(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                 std::vector<torch::Tensor> caches_k, std::vector<torch::Tensor> caches_v,
+                                 std::vector<int64_t> starts, std::vector<int64_t> rows) const;
 
  private:
   std::vector<std::vector<torch::Tensor>> tensors_;

@@ -1,9 +1,9 @@
 """The model's modules on quasar's CPU kernels (csrc/): the same parameters and names as models/llama.py,
 swapped in once at load by quasar.backends where every part of a model can run there.
 
-Every row of every kernel's result depends on its own input row alone, so decode and verify steps need no
-fixed shapes: a step of T <= FIXED_ROWS tokens (batch 1) runs all layers in one kernel call (FusedLayers),
-a longer one (prefill) layer by layer, with SDPA for attention over the T prompt rows.
+Every row of every kernel's result depends on its own input row alone, so steps need no fixed shapes: a
+step of any length (decode, verify, prefill) runs all layers in one kernel call (FusedLayers), and so do
+the rows of several sequences at once, each attending over its own cache (continuous batching).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from quasar.kv_cache import KVCache
-from quasar.models.llama import FIXED_ROWS, Attention, Layers, RMSNorm
+from quasar.models.llama import Attention, Layers, RMSNorm
 
 NONE = torch.empty(0)
 
@@ -38,11 +38,11 @@ class KernelRMSNorm(KernelModule, RMSNorm):
 
 
 class KernelAttention(KernelModule, Attention):
-    """Rope, cache write and attention of a decode/verify step in one kernel call (batch 1); prefill as torch."""
+    """Rope, cache write and attention of a step (batch 1) in one kernel call; batches > 1 as torch."""
 
     def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
         B, T, _ = x.shape
-        if B != 1 or T > FIXED_ROWS:  # prefill: SDPA over the cached and new keys
+        if B != 1:
             return super().forward(x, rope, mask, cache)
         q, k, v = self.qkv(x)
         cache_k, cache_v = cache.k[self.layer, 0], cache.v[self.layer, 0]  # [H_kv, S, D]
@@ -52,7 +52,7 @@ class KernelAttention(KernelModule, Attention):
 
 class FusedLayers(Layers):
     """All decoder layers as one kernel object (csrc/decoder_layer.cpp), built once from the layers' tensors;
-    decode and verify steps (batch 1, T <= FIXED_ROWS) make one call for the whole stack."""
+    every step (batch 1) makes one call for the whole stack, and so does a step over several sequences."""
 
     fused: Any
 
@@ -61,11 +61,18 @@ class FusedLayers(Layers):
         self.fused = kernel.FusedLayers([a[0] for a in args], [a[1] for a in args], eps)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache) -> torch.Tensor:
-        B, T, _ = x.shape
-        if B != 1 or T > FIXED_ROWS:
+        if x.shape[0] != 1:
             return super().forward(x, rope, cache)
-        x = self.fused.forward(x[0], *rope, cache.k[:, 0], cache.v[:, 0], cache.length)[None]  # [1, T, hidden]
-        cache.advance(T)
+        return self.forward_segments(x[0], rope, [cache], [x.shape[1]])[None]  # [1, T, hidden]
+
+    def forward_segments(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], caches: list[KVCache],
+                         rows: list[int]) -> torch.Tensor:
+        """x [N, hidden]: rows[i] new tokens of sequence i, one sequence after another, each attending over
+        its own cache (all distinct); appends them to the caches -> [N, hidden]."""
+        x = self.fused.forward_segments(x, *rope, [c.k[:, 0] for c in caches], [c.v[:, 0] for c in caches],
+                                        [c.length for c in caches], rows)
+        for cache, n in zip(caches, rows):
+            cache.advance(n)
         return x
 
 

@@ -8,6 +8,8 @@ D head dim, V vocab.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -201,6 +203,16 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+class Step(NamedTuple):
+    """One sequence's next forward: `tokens` appended to its `cache`; logits of every token, or of the last.
+    `cut`: a full batch may run only a prefix of the tokens (at least one) and return that prefix's logits."""
+
+    tokens: list[int]
+    cache: KVCache
+    last_only: bool = False
+    cut: bool = False
+
+
 class Transformer(nn.Module):
     """Decoder-only LM. `forward(input_ids, cache)` appends to the cache and returns float32 logits."""
 
@@ -238,3 +250,25 @@ class Transformer(nn.Module):
         x = self.model.layers(x, rope, cache)
         x = self.model.norm(x[:, -1:] if last_only else x)
         return self.lm_head(x).float()
+
+    @property
+    def batches_rows(self) -> bool:
+        """Whether `forward_steps` runs several sequences' rows through one forward (quasar's kernels: every row
+        independent of the others), rather than one forward per sequence (the torch path's fixed shapes)."""
+        return hasattr(self.model.layers, "forward_segments")
+
+    def forward_steps(self, steps: Sequence[Step]) -> list[torch.Tensor]:
+        """Several sequences' steps (distinct caches) -> each one's float32 logits [T, V] ([1, V] with last_only),
+        bitwise what each gets alone; appends to every cache."""
+        if not self.batches_rows or len(steps) == 1:
+            return [self(torch.tensor([s.tokens], device=self.device), s.cache, s.last_only)[0] for s in steps]
+        rows = [len(s.tokens) for s in steps]
+        ids = torch.tensor([t for s in steps for t in s.tokens], device=self.device)  # [N]
+        rope = self.rope(torch.cat([s.cache.positions(n) for s, n in zip(steps, rows)]))  # cos, sin [N, D]
+        x = self.model.embed_tokens(ids).to(self.dtype)  # [N, hidden]
+        x = self.model.layers.forward_segments(x, rope, [s.cache for s in steps], rows)
+        ends = torch.tensor(rows).cumsum(0).tolist()
+        scored = [range(end - 1 if s.last_only else end - n, end) for s, n, end in zip(steps, rows, ends)]
+        picked = torch.tensor([i for r in scored for i in r], device=self.device)
+        logits = self.lm_head(self.model.norm(x[picked])).float()  # [picked, V]
+        return list(logits.split([len(r) for r in scored]))
