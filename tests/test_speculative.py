@@ -10,7 +10,7 @@ from quasar.models.llama import FIXED_ROWS
 from quasar.drafters.model_drafter import ModelDrafter
 from quasar.engine import Engine
 from quasar.drafters.ngram import NgramDrafter
-from quasar.generate import StopRule
+from quasar.generate import StopRule, drive
 from quasar.models.config import ModelConfig
 from quasar.models.llama import Transformer
 from quasar.sampling import SamplingParams, logits_to_probs
@@ -45,7 +45,8 @@ def small_model(seed: int, sharpness: float = 4.0) -> Transformer:
 def run(model, decoder, prompt, params, budget, cache_len=64):
     """Run a decoder to the end; return (emitted tokens, cache, stats)."""
     cache, stats = model.new_cache(cache_len), GenerationStats()
-    out = [t for step in decoder(model, cache, prompt, params, StopRule(params, (V - 1,), budget), stats) for t in step]
+    steps = decoder(model, cache, prompt, params, StopRule(params, (V - 1,), budget), stats)
+    out = [t for tokens in drive(model, steps) for t in tokens]
     return out, cache, stats
 
 
@@ -116,7 +117,7 @@ def test_stops_at_eos_and_budget_inside_a_step():
     eos = free[7]
     stop = StopRule(SamplingParams(max_new_tokens=40), (eos,), 40)
     cache, stats = model.new_cache(64), GenerationStats()
-    out = [t for step in draft_all(model, cache, PROMPT, SamplingParams(), stop, stats) for t in step]
+    out = [t for step in drive(model, draft_all(model, cache, PROMPT, SamplingParams(), stop, stats)) for t in step]
     assert out == free[: free.index(eos) + 1] and stats.finish_reason == "stop"
 
 

@@ -1,17 +1,20 @@
 """Engine: prompt -> token stream -> text pieces, with timing. Plain or speculative decoding plugs in
-as a `Decoder`; the CLI, the Python API, the server and the bench all go through here."""
+as a `Decoder`; the CLI, the Python API, the server and the bench all go through here, one request at a
+time (`run`) or several sharing each forward (quasar.batching)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Protocol
 
+import torch
+
 from quasar.detokenize import IncrementalDetokenizer
-from quasar.generate import StopRule, autoregressive
-from quasar.kv_cache import KVCache
+from quasar.generate import Steps, StopRule, autoregressive
+from quasar.kv_cache import CachePool, KVCache
 from quasar.loading import LoadedModel
-from quasar.models.llama import Transformer
+from quasar.models.llama import Step, Transformer
 from quasar.outputs import RequestOutput
 from quasar.prompt import Messages, encode
 from quasar.sampling import SamplingParams
@@ -33,7 +36,80 @@ class Decoder(Protocol):
         params: SamplingParams,
         stop: StopRule,
         stats: GenerationStats,
-    ) -> Iterator[list[int]]: ...
+    ) -> Steps: ...
+
+
+class Request:
+    """One request in flight: its decoder's steps, its KV cache, its output and the text pieces not yet taken.
+
+    `begin(cache)` starts the decoder; then, while `step` is not None, run that forward and `advance(logits)`.
+    Whoever runs the forwards (Engine.run alone, quasar.batching with others) gets the same tokens."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], params: SamplingParams, budget: int, cache_len: int,
+                 prompt: str | Messages | None = None) -> None:
+        self.engine, self.params, self.budget, self.cache_len = engine, params, budget, cache_len
+        self.output = RequestOutput(prompt, list(prompt_ids))
+        self.cache: KVCache | None = None
+        self.step: Step | None = None  # the forward the decoder waits for
+        self.pieces: list[str] = []  # text generated and not yet taken
+        self.finished = False
+
+    def begin(self, cache: KVCache) -> None:
+        self.cache = cache
+        self.started = time.perf_counter()
+        stats = self.output.stats
+        stats.prompt_tokens = len(self.output.prompt_token_ids)
+        self.detok = IncrementalDetokenizer(self.engine.tokenizer, self.params.stop)
+        stop = StopRule(self.params, self.engine.eos, self.budget)
+        self.steps = self.engine.decoder(self.engine.target.model, cache, self.output.prompt_token_ids, self.params,
+                                         stop, stats)
+        self.advance(None)
+
+    @torch.inference_mode()
+    def advance(self, logits: torch.Tensor | None) -> None:
+        """Hand the decoder its last step's logits; run it to its next forward (or to its end)."""
+        try:
+            item = self.steps.send(logits)
+            while not isinstance(item, Step):
+                self.emit(item)
+                if self.finished:
+                    return
+                item = next(self.steps)
+            self.step = item
+        except StopIteration:
+            self.finish()
+        except BaseException:
+            self.finish()
+            raise
+
+    def emit(self, tokens: list[int]) -> None:
+        self.output.token_ids.extend(tokens)
+        piece = self.detok.add(tokens)
+        if piece:
+            self.pieces.append(piece)
+        if self.detok.done:
+            self.output.stats.finish_reason = "stop"
+            self.finish()
+
+    def take(self) -> list[str]:
+        pieces, self.pieces = self.pieces, []
+        return pieces
+
+    def finish(self) -> None:
+        """Stop generating (done, or the client went away): close the decoder, settle text and stats."""
+        if self.finished:
+            return
+        self.finished, self.step = True, None
+        if self.cache is None:  # never began
+            return
+        self.steps.close()
+        tail = self.detok.finish()
+        if tail:
+            self.pieces.append(tail)
+        stats = self.output.stats
+        stats.new_tokens = len(self.output.token_ids)
+        stats.decode_s = time.perf_counter() - self.started - stats.prefill_s
+        self.output.text = self.detok.text
 
 
 class Run:
@@ -41,9 +117,9 @@ class Run:
 
     Closing the iterator early (a client that went away) stops generation at once."""
 
-    def __init__(self, output: RequestOutput, pieces: Callable[[RequestOutput], Iterator[str]]) -> None:
+    def __init__(self, output: RequestOutput, pieces: Iterator[str]) -> None:
         self.output = output
-        self._pieces = pieces(output)
+        self._pieces = pieces
 
     def __iter__(self) -> Iterator[str]:
         return self._pieces
@@ -58,7 +134,7 @@ class Run:
 
 
 class Engine:
-    """A loaded target (verifier) model plus a decoder; reuses one KV cache across requests."""
+    """A loaded target (verifier) model plus a decoder; keeps the KV caches of finished requests for the next."""
 
     def __init__(
         self,
@@ -74,7 +150,7 @@ class Engine:
             raise ValueError(f"max_context must be a positive number of tokens, got {max_context}")
         self.max_context = min(max_context or limit, limit)
         self.cache_slack = cache_slack  # room past the last token for a verify step's draft
-        self.cache: KVCache | None = None
+        self.caches = CachePool(target.model)  # the requests' KV caches (a batch may set a budget)
 
     @property
     def tokenizer(self) -> Any:
@@ -86,18 +162,15 @@ class Engine:
         return encode(self.tokenizer, prompt, chat)
 
     def fresh_cache(self, needed: int) -> KVCache:
-        """An empty cache of `needed` positions rounded up to a multiple of CACHE_BUCKET. Its size is a
-        function of the request alone: decode and verify steps attend over the whole buffer, so plain and
-        speculative runs of the same request must get caches of the same size to round identically."""
-        size = -(-needed // CACHE_BUCKET) * CACHE_BUCKET
-        if self.cache is None or self.cache.max_len != size:
-            self.cache = self.target.model.new_cache(size)
-        self.cache.reset()
-        return self.cache
+        """An empty cache of `needed` positions rounded up to a multiple of CACHE_BUCKET, for one forward outside
+        any request (an eval's prefill), valid until the next request starts; requests take theirs from `caches`."""
+        cache = self.caches.take(-(-needed // CACHE_BUCKET) * CACHE_BUCKET)
+        self.caches.give(cache)
+        return cache
 
-    def run(self, prompt_ids: list[int], params: SamplingParams, prompt: str | Messages | None = None) -> Run:
-        """Start a request (`prompt`, when given, is what `prompt_ids` were encoded from; it is only
-        reported); nothing is computed until the Run is iterated."""
+    def request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | Messages | None = None) -> Request:
+        """A request checked against the context window, not started (`prompt`, when given, is what
+        `prompt_ids` were encoded from; it is only reported)."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         room = self.max_context - len(prompt_ids)
@@ -106,34 +179,32 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens; the context window holds {self.max_context}"
             )
         budget = min(params.max_new_tokens, room)
-        cache_len = min(len(prompt_ids) + budget + self.cache_slack, self.max_context + self.cache_slack)
+        needed = min(len(prompt_ids) + budget + self.cache_slack, self.max_context + self.cache_slack)
+        # A cache's size is a function of the request alone: on the torch path decode and verify steps attend
+        # over the whole buffer, so plain and speculative runs of a request must get caches of one size.
+        return Request(self, prompt_ids, params, budget, -(-needed // CACHE_BUCKET) * CACHE_BUCKET, prompt)
 
-        def pieces(output: RequestOutput) -> Iterator[str]:
-            stats = output.stats
-            stats.prompt_tokens = len(prompt_ids)
-            detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-            start = time.perf_counter()
-            cache = self.fresh_cache(cache_len)
-            stream = self.decoder(self.target.model, cache, prompt_ids, params, StopRule(params, self.eos, budget), stats)
+    def run(self, prompt_ids: list[int], params: SamplingParams, prompt: str | Messages | None = None) -> Run:
+        """Start a request alone; nothing is computed until the Run is iterated (quasar.batching runs several
+        at once, with the same results)."""
+        request = self.request(prompt_ids, params, prompt)
+
+        def pieces() -> Iterator[str]:
+            cache = self.caches.take(request.cache_len)
             try:
-                for tokens in stream:
-                    output.token_ids.extend(tokens)
-                    piece = detok.add(tokens)
-                    if piece:
-                        yield piece
-                    if detok.done:
-                        stats.finish_reason = "stop"
-                        break
-                tail = detok.finish()
-                if tail:
-                    yield tail
+                request.begin(cache)
+                while True:
+                    yield from request.take()
+                    if request.step is None:
+                        return
+                    with torch.inference_mode():
+                        logits = self.target.model.forward_steps([request.step])[0]
+                    request.advance(logits)
             finally:
-                stream.close()
-                stats.new_tokens = len(output.token_ids)
-                stats.decode_s = time.perf_counter() - start - stats.prefill_s
-                output.text = detok.text
+                request.finish()
+                self.caches.give(cache)
 
-        return Run(RequestOutput(prompt, list(prompt_ids)), pieces)
+        return Run(request.output, pieces())
 
     @property
     def eos(self) -> tuple[int, ...]:

@@ -1,16 +1,40 @@
-"""Prefill and the autoregressive decode loop: the baseline every speculative method is measured against."""
+"""Prefill and the autoregressive decode loop: the baseline every speculative method is measured against.
+
+A decoder (this loop, or quasar.speculative's) is a generator of `Steps`: it yields a `Step` when it needs the
+target model's forward and is sent that step's logits back; it yields a list of token ids when they are
+final. Whoever drives it runs the forwards: alone (Engine.run) or together with other requests' steps in
+one forward (quasar.batching), which gives every request bitwise the logits it gets alone.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import torch
 
 from quasar.kv_cache import KVCache
-from quasar.models.llama import Transformer
+from quasar.models.llama import Step, Transformer
 from quasar.sampling import Sampler, SamplingParams
 from quasar.stats import GenerationStats
+
+Steps = Generator[Step | list[int], torch.Tensor | None, None]  # yields forwards and tokens; gets logits back
+
+
+@torch.inference_mode()
+def drive(model: Transformer, steps: Steps) -> Iterator[list[int]]:
+    """Run a decoder alone: each forward it asks for, at once; yields the token lists it emits."""
+    logits = None
+    while True:
+        try:
+            item = steps.send(logits)
+        except StopIteration:
+            return
+        if isinstance(item, Step):
+            logits = model.forward_steps([item])[0]
+        else:
+            logits = None
+            yield item
 
 
 @torch.inference_mode()
@@ -39,7 +63,6 @@ class StopRule:
         return tokens, ("length" if self.emitted >= self.budget else None)
 
 
-@torch.inference_mode()
 def autoregressive(
     model: Transformer,
     cache: KVCache,
@@ -47,11 +70,12 @@ def autoregressive(
     params: SamplingParams,
     stop: StopRule,
     stats: GenerationStats,
-) -> Iterator[list[int]]:
-    """Plain decoding: yields one-token lists; every decode forward is a verify step with no draft."""
+) -> Steps:
+    """Plain decoding: asks for the prompt's forward, then one forward per token; yields one-token lists."""
     sampler = Sampler(params)
     start = time.perf_counter()
-    token = sampler.next_token(prefill(model, cache, prompt_ids))
+    logits = yield Step(prompt_ids, cache, last_only=True)
+    token = sampler.next_token(logits[-1])
     stats.prefill_s = time.perf_counter() - start
     while True:
         tokens, reason = stop.cut([token])
@@ -60,7 +84,7 @@ def autoregressive(
             stats.finish_reason = reason
             return
         start = time.perf_counter()
-        logits = model(torch.tensor([[token]], device=model.device), cache)[0, -1]  # [V]
-        token = sampler.next_token(logits)
+        logits = yield Step([token], cache)
+        token = sampler.next_token(logits[-1])
         stats.verify_s += time.perf_counter() - start
         stats.record_step(proposed=0, accepted=0, emitted=1)

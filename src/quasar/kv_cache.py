@@ -109,3 +109,39 @@ class StreamCache:
         assert self.cache is not None
         self.cache.trim(n)
         del self.cached[len(self.cached) - n :]
+
+
+class CachePool:
+    """The KV caches of the requests in flight: `take` one of a size, `give` it back when its request ends.
+    Caches given back are kept for the next requests (at most `spare`). `budget` bounds the positions held
+    (taken and kept; None: no bound): `fits(size)` says whether a request needing `size` may start now."""
+
+    def __init__(self, model: Any, budget: int | None = None, spare: int = 1) -> None:
+        self.model = model  # anything with new_cache(max_len) -> KVCache
+        self.budget, self.spare = budget, spare
+        self.free: list[KVCache] = []
+        self.taken = 0  # positions in caches taken
+
+    def fits(self, size: int) -> bool:
+        return self.budget is None or self.taken + size <= self.budget
+
+    def take(self, size: int) -> KVCache:
+        cache = next((c for c in self.free if c.max_len == size), None)
+        if cache is not None:
+            self.free.remove(cache)
+        else:
+            while self.free and self.budget is not None and self.taken + size + self.kept > self.budget:
+                self.free.pop(0)  # the oldest kept cache makes room
+            cache = self.model.new_cache(size)
+        cache.reset()
+        self.taken += size
+        return cache
+
+    def give(self, cache: KVCache) -> None:
+        self.taken -= cache.max_len
+        self.free.append(cache)
+        del self.free[: max(0, len(self.free) - self.spare)]
+
+    @property
+    def kept(self) -> int:
+        return sum(c.max_len for c in self.free)

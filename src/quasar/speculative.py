@@ -7,16 +7,15 @@ with greedy sampling it is the verifier's greedy output token for token.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from quasar.drafters.base import Draft, Drafter
-from quasar.generate import StopRule, prefill
+from quasar.generate import Steps, StopRule
 from quasar.guard import Guard
 from quasar.kv_cache import KVCache
-from quasar.models.llama import FIXED_ROWS, Transformer
+from quasar.models.llama import FIXED_ROWS, Step, Transformer
 from quasar.sampling import Sampler, SamplingParams, TargetRows
 from quasar.stats import GenerationStats
 from quasar.verify import Verdict, greedy_verdict, rejection_sample
@@ -77,8 +76,8 @@ class Speculative:
 
     def __post_init__(self) -> None:
         self.k = parse_k(self.k)
+        self.idle: list[Drafter] = [self.drafter]  # drafters not serving a request now
 
-    @torch.inference_mode()
     def __call__(
         self,
         model: Transformer,
@@ -87,13 +86,25 @@ class Speculative:
         params: SamplingParams,
         stop: StopRule,
         stats: GenerationStats,
-    ) -> Iterator[list[int]]:
+    ) -> Steps:
+        drafter = self.idle.pop() if self.idle else self.drafter.spawn()  # one drafter per request in flight
+        try:
+            yield from self.decode(drafter, cache, prompt_ids, params, stop, stats)
+        finally:
+            self.idle.append(drafter)
+
+    def decode(self, drafter: Drafter, cache: KVCache, prompt_ids: list[int], params: SamplingParams, stop: StopRule,
+               stats: GenerationStats) -> Steps:
         sampler, length = Sampler(params), DraftLength(self.k)
+        # A batch may score fewer draft tokens than proposed when it is full, unless that could change the
+        # output: a seeded sampled request gives the same tokens as alone only with the same drafts.
+        may_cut = params.greedy or params.seed is None
         start = time.perf_counter()
-        self.drafter.reset()
-        stats.middle = getattr(self.drafter, "stats", None)  # a cascade's middle level counts its own steps
-        self.drafter.commit(prompt_ids)
-        pending = [sampler.next_token(prefill(model, cache, prompt_ids))]
+        drafter.reset()
+        stats.middle = getattr(drafter, "stats", None)  # a cascade's middle level counts its own steps
+        drafter.commit(prompt_ids)
+        logits = yield Step(prompt_ids, cache, last_only=True)
+        pending = [sampler.next_token(logits[-1])]
         stream = list(prompt_ids)  # the tokens before this step's first scored position
         stats.prefill_s = time.perf_counter() - start
         tokens, reason = stop.cut(pending)
@@ -102,14 +113,15 @@ class Speculative:
             if reason:
                 stats.finish_reason = reason
                 return
-            self.drafter.commit(pending)
+            drafter.commit(pending)
             stream += pending
             k = min(length.k, cache.max_len - cache.length - 1, stop.budget - stop.emitted - 1)
             start = time.perf_counter()
-            draft = self.drafter.propose(k, params, sampler.generator)
+            draft = drafter.propose(k, params, sampler.generator)
             verifying = time.perf_counter()
-            ids = torch.tensor([[pending[-1], *draft.tokens]], device=model.device)  # [1, k+1]
-            target_logits = model(ids, cache)[0]  # [k+1, V]
+            target_logits = yield Step([pending[-1], *draft.tokens], cache, cut=may_cut)  # [scored, V]
+            if len(target_logits) <= len(draft):  # the batch scored only a prefix of the draft
+                draft = Draft(draft.tokens[: len(target_logits) - 1], draft.probs)
             verdict, _ = judge(draft, target_logits, params, sampler, sampler.generator)
             if self.guard is not None:
                 verdict = self.guard.review(stream, draft.tokens, target_logits, verdict, sampler, stats)

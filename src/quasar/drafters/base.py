@@ -22,6 +22,10 @@ class Draft:
 
 
 class Drafter(Protocol):
+    def spawn(self) -> Drafter:
+        """A drafter of the same kind for another request in flight at the same time (sharing what may be
+        shared, such as a model's weights; never a token stream)."""
+
     def reset(self) -> None: ...
 
     def commit(self, tokens: list[int]) -> None: ...

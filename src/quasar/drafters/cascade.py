@@ -38,6 +38,9 @@ class CascadeDrafter:
         self.tokens: list[int] = []  # the committed stream
         self.reset()
 
+    def spawn(self) -> CascadeDrafter:
+        return CascadeDrafter(self.model, self.inner.spawn() if self.inner else None, self.k, self.stream.initial_len)
+
     def reset(self) -> None:
         self.tokens = []
         self.provisional = 0  # tokens of the current block committed to the inner drafter

@@ -30,6 +30,9 @@ class ModelDrafter:
     def cache(self) -> KVCache | None:
         return self.stream.cache
 
+    def spawn(self) -> ModelDrafter:
+        return ModelDrafter(self.model, self.vocab_size, self.stream.initial_len)
+
     def reset(self) -> None:
         self.tokens = []
 

@@ -92,6 +92,9 @@ class NgramDrafter:
         self.index = NgramIndex(ngram_min, ngram_max, keep="first")
         self.tokens: list[int] = []
 
+    def spawn(self) -> NgramDrafter:
+        return NgramDrafter(self.index.ngram_min, self.index.ngram_max)
+
     def reset(self) -> None:
         self.index.clear()
         self.tokens = []

@@ -28,6 +28,14 @@ class SuffixDrafter:
     def current(self) -> list[int]:
         return self.docs[-1]
 
+    def spawn(self) -> SuffixDrafter:
+        """A drafter for a concurrent request: it starts from this one's history as it stands, then keeps its
+        own (requests served at the same time do not see each other's tokens)."""
+        other = SuffixDrafter(self.index.ngram_min, self.index.ngram_max, self.max_history)
+        other.docs = [list(doc) for doc in self.docs if doc] + [[]]
+        other.rebuild()
+        return other
+
     def reset(self) -> None:
         if self.current:
             self.docs.append([])
@@ -39,6 +47,9 @@ class SuffixDrafter:
         while sum(len(d) for d in self.docs) > self.max_history // 2 and len(self.docs) > 2:
             self.docs.pop(0)
             self.first_doc += 1
+        self.rebuild()
+
+    def rebuild(self) -> None:
         self.index.clear()
         for i, doc in enumerate(self.docs):
             self.index.add(self.first_doc + i, doc, 0)
