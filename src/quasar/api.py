@@ -5,7 +5,9 @@
     outputs = llm.generate(["The capital of France is"], SamplingParams(max_new_tokens=32))
     print(outputs[0].text, outputs[0].stats.mean_accepted_tokens)
 
-One LLM holds one model and one KV cache: it serves one request at a time (not thread-safe).
+`generate` runs its prompts together in continuous batches (quasar.batching): up to `max_batch` of them share
+each forward, and each gets the tokens it would get alone. One LLM is not thread-safe: for concurrent callers,
+serve it (`quasar serve`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from quasar.batching import Batch
 from quasar.engine import Decoder, Engine
 from quasar.generate import autoregressive
 from quasar.loading import LoadedModel
@@ -102,21 +105,35 @@ class LLM:
         max_context: int | None = None,
         cache_dir: str | Path | None = None,
         guard: float | None = None,
+        max_batch: int = 16,
+        max_batch_tokens: int = 64,
     ) -> None:
         decode = DecodeConfig(drafter, k, ngram_min, ngram_max, guard)
         self.engine = build_engine(model, verifier, decode, max_context, cache_dir)
+        self.batch = Batch(self.engine, max_batch, max_batch_tokens)
 
     @property
     def tokenizer(self) -> Any:  # a transformers tokenizer
         return self.engine.tokenizer
 
     def generate(
-        self, prompts: str | Sequence[str], params: SamplingParams | None = None, chat: bool = False
+        self, prompts: str | Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat: bool = False,
     ) -> list[RequestOutput]:
-        """Complete each prompt (raw text unless chat=True), one after another, in order."""
-        params = params or SamplingParams()
+        """Complete each prompt (raw text unless chat=True), batched; outputs in the prompts' order. `params`: one
+        SamplingParams for all, or one per prompt."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        return [self.engine.generate(self.engine.encode(p, chat), params, p) for p in prompts]
+        return self.run([(self.engine.encode(p, chat), p) for p in prompts], params)
+
+    def run(self, prompts: list[tuple[list[int], Any]], params: SamplingParams | Sequence[SamplingParams] | None
+            ) -> list[RequestOutput]:
+        """(prompt ids, prompt as given) pairs through one batch."""
+        each = [params or SamplingParams()] * len(prompts) if not isinstance(params, Sequence) else list(params)
+        if len(each) != len(prompts):
+            raise ValueError(f"{len(each)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
+        requests = [self.engine.request(ids, p, prompt) for (ids, prompt), p in zip(prompts, each)]
+        self.batch.run_all(requests)
+        return [r.output for r in requests]
 
     def stream(self, prompt: str | Messages, params: SamplingParams | None = None, chat: bool = False) -> Iterator[str]:
         """Text pieces as they are generated; stopping the iteration early stops the generation.
@@ -130,8 +147,8 @@ class LLM:
     def chat(self, messages: Messages | Sequence[Messages], params: SamplingParams | None = None
              ) -> RequestOutput | list[RequestOutput]:
         """Answer one conversation (a list of {'role', 'content'} dicts), or each of several."""
-        params = params or SamplingParams()
         if messages and isinstance(messages[0], dict):
             conversation = list(messages)
-            return self.engine.generate(self.engine.encode(conversation), params, conversation)
-        return [self.chat(conversation, params) for conversation in messages]  # type: ignore[misc]
+            return self.run([(self.engine.encode(conversation), conversation)], params)[0]
+        conversations = [list(c) for c in messages]  # type: ignore[misc]
+        return self.run([(self.engine.encode(c), c) for c in conversations], params)

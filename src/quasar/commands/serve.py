@@ -18,8 +18,9 @@ log = logging.getLogger("quasar")
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "serve", help="serve a model behind an OpenAI-compatible HTTP API",
-        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. Requests "
-        "wait in a bounded queue and are generated one at a time, in order.",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. Concurrent "
+        "requests are batched continuously: up to --max-batch of them share every forward of the model (each "
+        "gets the tokens it would get alone), joining and leaving between steps; more wait in a bounded queue.",
     )
     add_model_args(parser, verifier_default="w8a8")  # the paper's setup, as `quasar generate`
     add_decode_args(parser)
@@ -28,7 +29,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     net.add_argument("--port", type=port, default=8000, help="port (default: %(default)s)")
     net.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* requests")
     net.add_argument("--max-queue", type=positive_int, default=64,
-                     help="requests that may wait while one is generated; more get HTTP 429 (default: %(default)s)")
+                     help="requests that may wait for a place in the batch; more get HTTP 429 (default: %(default)s)")
+    net.add_argument("--max-batch", type=positive_int, default=16,
+                     help="requests generated at once, sharing each forward (default: %(default)s; 1 = one at a time)")
+    net.add_argument("--max-batch-tokens", type=positive_int, default=64,
+                     help="rows (tokens) one forward may hold: every request's next token, then draft tokens and "
+                     "prompt chunks while they fit (default: %(default)s)")
+    net.add_argument("--kv-budget", type=positive_int,
+                     help="KV cache positions all running requests may hold together (each reserves its prompt plus "
+                     "max_tokens); requests wait until theirs fits (default: no limit beyond --max-batch)")
     net.add_argument("--served-model-name", help="the model id clients send (default: the --model value)")
     hand = parser.add_argument_group("vLLM hand-off")
     hand.add_argument("--engine", choices=("quasar", "vllm"), default="quasar",
@@ -50,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     from quasar.server.app import create_app
 
     engine = build_engine(args.model, verifier_name(args), decode_config(args), args.max_context, args.cache_dir)
-    app = create_app(engine, name, api_key=args.api_key, max_queue=args.max_queue)
+    app = create_app(engine, name, api_key=args.api_key, max_queue=args.max_queue, max_batch=args.max_batch,
+                     max_rows=args.max_batch_tokens, kv_budget=args.kv_budget)
     print(f"quasar: serving {name!r} on http://{args.host}:{args.port}/v1 (pid {os.getpid()})", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

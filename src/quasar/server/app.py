@@ -1,4 +1,4 @@
-"""The FastAPI app: OpenAI routes over Engine.run(), a bounded request queue, metrics, API-key check."""
+"""The FastAPI app: OpenAI routes over continuously batched engine requests, a bounded queue, metrics, API-key check."""
 
 from __future__ import annotations
 
@@ -55,14 +55,17 @@ class Guard:
         return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
 
 
-def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = 64) -> FastAPI:
+def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = 64, max_batch: int = 16,
+               max_rows: int = 64, kv_budget: int | None = None) -> FastAPI:
+    """The app over `engine`: up to `max_batch` requests share each forward (at most `max_rows` rows, KV caches
+    within `kv_budget` positions), `max_queue` more wait (quasar.server.scheduler)."""
     metrics = Metrics()
 
     def finished(job: Job, completion: RequestOutput, cancelled: bool) -> None:
         first = None if job.first_piece is None else job.first_piece - job.submitted
         metrics.record(completion.stats, time.perf_counter() - job.submitted, first, cancelled)
 
-    scheduler = Scheduler(max_queue, on_finish=finished)
+    scheduler = Scheduler(engine, max_queue, max_batch, max_rows, kv_budget, on_finish=finished)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -146,11 +149,11 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
         requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
         room = budget(requested, len(ids), engine.max_context)
         try:
-            run = engine.run(ids, req.sampling(room))
+            request = engine.request(ids, req.sampling(room))
         except ValueError as e:
             raise BadRequest(str(e)) from None
         try:
-            job = scheduler.submit(run)
+            job = scheduler.submit(request)
         except QueueFullError as e:
             raise BadRequest(str(e), status=429, kind="rate_limit_exceeded", code="queue_full") from None
         envelope = Envelope(model_name, chat)
@@ -172,7 +175,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             except Exception as e:  # generation failed after the 200 went out: say so in the stream
                 yield event(error_body(f"generation failed: {e}", "server_error"))
                 return
-            completion = job.run.output
+            completion = job.request.output
             yield event(envelope.chunk(None, finish_reason=completion.finish_reason))
             if include_usage:
                 yield event(envelope.usage_chunk(completion))

@@ -1,13 +1,16 @@
-"""A bounded FIFO of requests served one at a time by one worker thread that owns the engine.
+"""Continuous batching behind the HTTP handlers: one worker thread owns the engine and runs a quasar.batching
+Batch, step after step; requests join it between steps and leave as soon as they finish.
 
-The HTTP handlers (asyncio) submit a Run and read its pieces from an asyncio queue; the worker
-(a plain thread, because generation is blocking torch code) iterates the Run and hands the pieces
-over with `call_soon_threadsafe`. A cancelled job (client gone) leaves the queue at once, or, when
-it is running, stops after the piece being computed, and its Run is closed.
+The HTTP handlers (asyncio) submit an engine Request and read its pieces from an asyncio queue; the worker (a
+plain thread, because generation is blocking torch code) runs the steps and hands each request's new pieces
+over with `call_soon_threadsafe`. At most `max_batch` requests run at once (and only as many as the KV
+budget holds); up to `max_queue` more wait, and beyond that `submit` raises QueueFullError (HTTP 429). A
+cancelled job (client gone) leaves the queue at once, or the batch at the next step, freeing its cache. A
+request that fails inside a batch fails alone.
 
 The engine (its model and its Rust-backed tokenizer, which fails with "Already borrowed" when two threads
-use it at once) is used under one lock: the worker holds it for each generation step, the handlers for
-each `call` (prompt encoding). If the worker thread dies, every job it held fails and `unavailable` says why.
+use it at once) is used under one lock: the worker holds it for each step, the handlers for each `call`
+(prompt encoding). If the worker thread dies, every job it held fails and `unavailable` says why.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from quasar.engine import Run
+from quasar.batching import Batch
+from quasar.engine import Engine, Request
 from quasar.outputs import RequestOutput
 
 log = logging.getLogger("quasar")
@@ -39,9 +43,9 @@ class WorkerStoppedError(RuntimeError):
 
 @dataclass
 class Job:
-    """One request: the Run to execute and the channel its pieces come back on."""
+    """One request: the engine Request to run and the channel its pieces come back on."""
 
-    run: Run
+    request: Request
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -67,23 +71,26 @@ class Job:
     async def completion(self) -> RequestOutput:
         async for _ in self.pieces():
             pass
-        return self.run.output
+        return self.request.output
 
 
 Finished = Callable[[Job, RequestOutput, bool], None]  # (job, completion, cancelled) -> None
 
 
 class Scheduler:
-    """At most `max_queue` jobs wait while one runs; `submit` raises QueueFullError beyond that."""
+    """A worker thread serving submitted requests in continuous batches (see the module doc)."""
 
-    def __init__(self, max_queue: int, on_finish: Finished | None = None) -> None:
+    def __init__(self, engine: Engine, max_queue: int = 64, max_batch: int = 16, max_rows: int = 64,
+                 kv_budget: int | None = None, on_finish: Finished | None = None) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.max_queue = max_queue
         self.on_finish = on_finish
-        self._waiting: deque[Job] = deque()
+        self.batch = Batch(engine, max_batch, max_rows, kv_budget)
+        self._jobs: dict[int, Job] = {}  # id(request) -> job, for every job submitted and not yet ended
+        self._incoming: deque[Job] = deque()  # submitted, not yet handed to the batch
+        self._leaving: list[Job] = []  # cancelled while in the batch: to drop at the next step
         self._cond = threading.Condition()
-        self._running: Job | None = None
         self._stopped = False
         self._failure: str | None = None  # why the worker thread died
         self._engine_lock = threading.Lock()
@@ -92,11 +99,12 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        """Requests submitted and not yet generating."""
+        return len(self._incoming) + len(self.batch.waiting)
 
     @property
     def running(self) -> int:
-        return 0 if self._running is None else 1
+        return len(self.batch.active)
 
     @property
     def unavailable(self) -> str | None:
@@ -116,79 +124,103 @@ class Scheduler:
 
         return await asyncio.to_thread(locked)
 
-    def submit(self, run: Run) -> Job:
-        job = Job(run, asyncio.get_running_loop())
+    def submit(self, request: Request) -> Job:
+        job = Job(request, asyncio.get_running_loop())
         with self._cond:
             if self.unavailable is not None:
                 raise WorkerStoppedError(self.unavailable)
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFullError(f"the server is busy: {len(self._waiting)} requests are already waiting")
-            self._waiting.append(job)
+            if self.waiting >= self.max_queue:
+                raise QueueFullError(f"the server is busy: {self.waiting} requests are already waiting")
+            self._jobs[id(request)] = job
+            self._incoming.append(job)
             self._cond.notify()
         return job
 
     def cancel(self, job: Job) -> None:
-        """The client went away: free its place, or stop its generation after the current step."""
+        """The client went away: free its place in the queue now, or its slot in the batch at the next step."""
         with self._cond:
+            if job.cancelled.is_set() or id(job.request) not in self._jobs:
+                return  # already ended
             job.cancelled.set()
-            if job in self._waiting:
-                self._waiting.remove(job)
+            if job in self._incoming:
+                self._incoming.remove(job)
+                del self._jobs[id(job.request)]
                 job.emit("done", None)
+            else:
+                self._leaving.append(job)
+                self._cond.notify()
 
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
             self._cond.notify()
 
-    def _next(self) -> Job | None:
-        with self._cond:
-            while not self._waiting and not self._stopped:
-                self._cond.wait()
-            if self._stopped:
-                return None
-            self._running = self._waiting.popleft()
-            return self._running
-
     def _work(self) -> None:
         try:
-            while (job := self._next()) is not None:
-                self._execute(job)
-                with self._cond:
-                    self._running = None
+            while self._next():
+                with self._engine_lock:
+                    done = self.batch.step()
+                self._deliver(done)
         except BaseException as e:  # not a failed generation (those fail their request): the thread ends here
             log.critical("the generation worker stopped", exc_info=True)
             self._abandon(f"{type(e).__name__}: {e}")
 
+    def _next(self) -> bool:
+        """Wait for work; hand new jobs to the batch and drop cancelled ones. False once stopped."""
+        with self._cond:
+            while not self._incoming and not self._leaving and self.batch.idle and not self._stopped:
+                self._cond.wait()
+            if self._stopped:
+                return False
+            incoming, self._incoming = list(self._incoming), deque()
+            leaving, self._leaving = self._leaving, []
+        for job in incoming:
+            try:
+                self.batch.add(job.request)
+            except ValueError as e:  # more KV positions than the whole budget: it could never run
+                self._end(job, error=e)
+        with self._engine_lock:
+            for job in leaving:
+                self.batch.cancel(job.request)
+        for job in leaving:
+            self._end(job)
+        return True
+
+    def _deliver(self, done: list[Request]) -> None:
+        """Each running request's new pieces to its client; the finished ones end."""
+        for request in list(self.batch.active) + done:
+            job = self._jobs.get(id(request))
+            if job is None:
+                continue
+            pieces = request.take()
+            if pieces and job.first_piece is None:
+                job.first_piece = time.perf_counter()
+            for piece in pieces:
+                job.emit("piece", piece)
+        for request in done:
+            job = self._jobs.get(id(request))
+            if job is not None:
+                self._end(job, self.batch.failures.pop(id(request), None))
+
+    def _end(self, job: Job, error: BaseException | None = None) -> None:
+        with self._cond:
+            if self._jobs.pop(id(job.request), None) is None:
+                return
+        if error is not None:
+            job.emit("error", error)
+            return
+        if self.on_finish is not None:
+            self.on_finish(job, job.request.output, job.cancelled.is_set())
+        job.emit("done", None)
+
     def _abandon(self, failure: str) -> None:
-        """Fail the running job and every waiting one: no one else will run them."""
+        """Fail every job: no one else will run them."""
         with self._cond:
             self._failure = failure
-            running, self._running = self._running, None
-            waiting = list(self._waiting)
-            self._waiting.clear()
-        if running is not None:
-            running.emit("error", RuntimeError(f"generation failed: {failure}"))
-        for job in waiting:
-            job.emit("error", WorkerStoppedError(self.unavailable))
-
-    def _execute(self, job: Job) -> None:
-        pieces = iter(job.run)
-        try:
-            while not job.cancelled.is_set():
-                with self._engine_lock:
-                    piece = next(pieces, None)
-                if piece is None:
-                    break
-                if job.first_piece is None:
-                    job.first_piece = time.perf_counter()
-                job.emit("piece", piece)
-        except Exception as e:  # a failed generation fails its request, not the server
-            log.exception("generation failed")
-            job.emit("error", e)
-            return
-        finally:
-            with self._engine_lock:
-                job.run.close()
-        if self.on_finish is not None:
-            self.on_finish(job, job.run.output, job.cancelled.is_set())
-        job.emit("done", None)
+            jobs = list(self._jobs.values())
+            self._jobs.clear()
+            self._incoming.clear()
+        for job in jobs:
+            running = job.request.cache is not None
+            job.emit("error", RuntimeError(f"generation failed: {failure}") if running
+                     else WorkerStoppedError(self.unavailable))

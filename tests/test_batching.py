@@ -1,0 +1,194 @@
+"""Continuous batching (quasar.batching): every request gets what it gets alone, whatever else is in the batch;
+requests join and leave between steps; a cancelled or failing request leaves alone; the KV budget holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from conftest import needs_kernels
+
+from quasar.api import DecodeConfig, build_decoder, build_engine
+from quasar.batching import Batch
+from quasar.engine import Engine
+from quasar.models.llama import Step
+from quasar.sampling import SamplingParams
+
+TEXTS = ["def fib(n):", "The capital of France is", "Write a story about a cat. " * 12, "import numpy as np\n" * 4,
+         "Hello", "1, 2, 3, 4, 5,", "Once upon a time", "SELECT name FROM users WHERE"]
+
+
+def mixed_params() -> list[SamplingParams]:
+    """Different lengths, stop rules and sampling: greedy, a stop string, EOS allowed, seeded T > 0."""
+    return [
+        SamplingParams(max_new_tokens=48, stop=("\n\n",)),
+        SamplingParams(max_new_tokens=40),
+        SamplingParams(max_new_tokens=30, stop=("cat",)),
+        SamplingParams(max_new_tokens=32, temperature=0.8, seed=7),
+        SamplingParams(max_new_tokens=8),
+        SamplingParams(max_new_tokens=36, temperature=1.0, top_p=0.9, seed=3, ignore_eos=True),
+        SamplingParams(max_new_tokens=24, ignore_eos=True),
+        SamplingParams(max_new_tokens=5, ignore_eos=True),
+    ]
+
+
+def alone_then_batched(engine: Engine, batch: Batch, texts: list[str], params: list[SamplingParams]):
+    ids = [engine.encode(t, chat=False) for t in texts]
+    alone = [engine.run(i, p).result() for i, p in zip(ids, params)]
+    requests = [engine.request(i, p) for i, p in zip(ids, params)]
+    batch.run_all(requests)
+    return alone, [r.output for r in requests]
+
+
+def assert_same(alone, batched) -> None:
+    for want, got in zip(alone, batched, strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.text == want.text
+        assert got.finish_reason == want.finish_reason
+
+
+@needs_kernels
+@pytest.mark.parametrize("verifier", ["w8a8", "bf16"])
+def test_forward_steps_give_each_sequence_its_logits_alone(verifier):
+    """Several sequences' rows in one forward (prompt chunks among them) get bitwise their logits alone."""
+    from quasar.verifiers import load_verifier
+
+    model = load_verifier("default", verifier).model
+    assert model.batches_rows
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 20000) for _ in range(n)] for n in (5, 40, 17)]
+    with torch.inference_mode():
+        alone = []
+        for prompt in prompts:
+            cache = model.new_cache(256)
+            first = model(torch.tensor([prompt]), cache, last_only=True)[0]
+            alone.append((first, model(torch.tensor([[7, 8, 9]]), cache)[0]))
+        caches = [model.new_cache(256) for _ in prompts]
+        one = model.forward_steps([Step(prompts[0], caches[0], True), Step(prompts[1][:10], caches[1], True),
+                                   Step(prompts[2], caches[2], True)])
+        two = model.forward_steps([Step([7, 8, 9], caches[0]), Step(prompts[1][10:], caches[1], True),
+                                   Step([7, 8, 9], caches[2])])
+        three = model.forward_steps([Step([7, 8, 9], caches[1])])
+    assert [tuple(t.shape) for t in one] == [(1, model.config.vocab_size)] * 3
+    assert torch.equal(one[0], alone[0][0]) and torch.equal(two[1], alone[1][0]) and torch.equal(one[2], alone[2][0])
+    assert torch.equal(two[0], alone[0][1]) and torch.equal(three[0], alone[1][1]) and torch.equal(two[2], alone[2][1])
+
+
+@pytest.fixture(scope="module")
+def w8a8_engine():
+    return build_engine("default", "w8a8", DecodeConfig(drafter="ngram"))
+
+
+@needs_kernels
+@pytest.mark.parametrize("drafter,max_rows", [("ngram", 24), ("ngram", 3), ("none", 6), ("layerskip:10", 12)])
+def test_batched_answers_equal_answers_alone(w8a8_engine, drafter, max_rows):
+    """Default model, W8A8 on the kernels: 8 requests of mixed lengths, stop rules and temperatures, at most 5 at
+    once (so requests join and leave mid-way), few rows per forward (drafts cut, prompts prefilled in chunks)."""
+    target = w8a8_engine.target
+    engine = Engine(target, build_decoder(target, DecodeConfig(drafter=drafter)))
+    batch = Batch(engine, max_batch=5, max_rows=max_rows)
+    alone, batched = alone_then_batched(engine, batch, TEXTS, mixed_params())
+    assert {a.finish_reason for a in alone} == {"stop", "length"}
+    assert_same(alone, batched)
+    assert batch.idle and engine.caches.taken == 0
+
+
+def test_the_torch_path_batches_too_one_forward_per_request(tiny_model):
+    """fp32 runs on torch (rows not independent): each request gets its own forward, prompts whole; same answers."""
+    engine = Engine(tiny_model, build_decoder(tiny_model, DecodeConfig(drafter="ngram", k=3)))
+    assert not tiny_model.model.batches_rows
+    alone, batched = alone_then_batched(engine, Batch(engine, max_batch=3, max_rows=2), TEXTS[:5], mixed_params()[:5])
+    assert_same(alone, batched)
+
+
+def test_cancel_frees_the_place_and_the_cache(tiny_model):
+    engine = Engine(tiny_model)
+    batch = Batch(engine, max_batch=1)
+    first = engine.request([1, 2, 3], SamplingParams(max_new_tokens=200, ignore_eos=True))
+    second = engine.request([4, 5, 6], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    batch.add(first)
+    batch.add(second)
+    batch.step()
+    batch.step()
+    assert batch.active == [first] and list(batch.waiting) == [second]
+    batch.cancel(first)
+    assert first.finished and 0 < len(first.output.token_ids) < 10 and engine.caches.taken == 0
+    while not batch.idle:
+        batch.step()
+    assert len(second.output.token_ids) == 4
+
+
+def test_requests_wait_until_their_cache_fits_the_kv_budget(tiny_model):
+    engine = Engine(tiny_model)
+    requests = [engine.request([1, 2, 3 + i], SamplingParams(max_new_tokens=6, ignore_eos=True)) for i in range(3)]
+    size = requests[0].cache_len
+    batch = Batch(engine, max_batch=3, kv_budget=size)  # room for one request's cache at a time
+    for request in requests:
+        batch.add(request)
+    most = 0
+    while not batch.idle:
+        batch.step()
+        most = max(most, len(batch.active))
+        assert engine.caches.taken <= size
+    assert most == 1 and all(len(r.output.token_ids) == 6 for r in requests)
+    with pytest.raises(ValueError, match="KV budget"):
+        Batch(engine, kv_budget=size).add(engine.request([1] * 300, SamplingParams(max_new_tokens=8)))
+    for bad in ({"max_batch": 0}, {"max_rows": 0}, {"kv_budget": 0}):
+        with pytest.raises(ValueError):
+            Batch(engine, **bad)
+
+
+def failing_on(marker: int):
+    """A decoder that fails a request whose prompt holds `marker` after its prompt's forward, plain otherwise."""
+    from quasar.generate import autoregressive
+
+    def decoder(model, cache, prompt_ids, params, stop, stats):
+        if marker in prompt_ids:
+            yield Step(prompt_ids, cache, last_only=True)
+            raise RuntimeError("this request breaks")
+        yield from autoregressive(model, cache, prompt_ids, params, stop, stats)
+
+    return decoder
+
+
+def test_a_request_that_fails_inside_a_batch_fails_alone(tiny_model):
+    engine = Engine(tiny_model, failing_on(99))
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    good = [engine.request([1, 2, i], params) for i in range(3)]
+    bad = engine.request([1, 99, 3], params)
+    overflow = engine.request([1, 2, 3], params)
+    overflow.cache_len = 4  # its cache overflows in the batched forward: the step is retried one by one
+    batch = Batch(engine, max_batch=8)
+    for request in [*good[:2], bad, overflow, good[2]]:
+        batch.add(request)
+    while not batch.idle:
+        batch.step()
+    assert all(len(r.output.token_ids) == 5 for r in good)
+    assert isinstance(batch.failures[id(bad)], RuntimeError)
+    assert "context window" in str(batch.failures[id(overflow)])
+    assert engine.caches.taken == 0
+    with pytest.raises(RuntimeError, match="breaks"):
+        batch.run_all([engine.request([99], params)])
+
+
+def test_a_seeded_request_keeps_its_drafts_uncut_and_an_unseeded_one_may_lose_them(tiny_model):
+    """Cutting a draft changes which random numbers a sampled request draws: never for a seeded one."""
+    from quasar.generate import StopRule
+    from quasar.speculative import Speculative
+    from quasar.stats import GenerationStats
+
+    decoder = build_decoder(tiny_model, DecodeConfig(drafter="ngram", k=3))
+    assert isinstance(decoder, Speculative)
+    model, cuts = tiny_model.model, {}
+    for name, params in {"greedy": SamplingParams(), "seeded": SamplingParams(temperature=1.0, seed=1),
+                         "unseeded": SamplingParams(temperature=1.0)}.items():
+        params = dataclasses.replace(params, max_new_tokens=8, ignore_eos=True)
+        steps = decoder(model, model.new_cache(64), [1, 2, 1, 2, 1, 2, 1], params, StopRule(params, (), 8),
+                        GenerationStats())
+        prefill = next(steps)
+        steps.send(model.forward_steps([prefill])[0])  # -> the first token
+        cuts[name] = steps.send(None).cut  # the first verify step
+        steps.close()
+    assert cuts == {"greedy": True, "seeded": False, "unseeded": True}
