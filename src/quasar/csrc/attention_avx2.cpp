@@ -159,54 +159,110 @@ void attend_rows(const std::vector<Row>& rows, const float* keys, const float* v
   }
 }
 
+// New rows [row0, row0 + rows) of q/k/v belong to one sequence whose cache layer is k_cache, v_cache [H_kv, S, D].
+struct View {
+  float *k_cache, *v_cache;
+  int64_t S, start, row0, rows;
+};
+
+// Rope, cache writes and attention for the rows of several sequences (views), each over its own cache; one
+// parallel loop over every (sequence, kv head, block of rows) work item.
+void attend_views(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& cos,
+                  const torch::Tensor& sin, const std::vector<View>& views, int64_t H_kv, int64_t D, torch::Tensor& out) {
+  for (const auto& t : {q, k, v, cos, sin})
+    TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(),
+                "contiguous float32 CPU tensors expected");
+  const int64_t H = q.size(1) / D;
+  TORCH_CHECK(D % 8 == 0 && H % H_kv == 0 && q.size(1) == H * D && k.size(1) == H_kv * D, "bad head shapes");
+  auto q_rot = torch::empty_like(q);
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float* qr = q_rot.data_ptr<float>();
+  for (const View& view : views) {
+    TORCH_CHECK(view.start >= 0 && view.start + view.rows <= view.S, "the new tokens do not fit the cache");
+    for (int64_t t = view.row0; t < view.row0 + view.rows; ++t) {
+      const int64_t pos = view.start + t - view.row0;
+      for (int64_t h = 0; h < H; ++h) rope(qp + (t * H + h) * D, cp + t * D, sp + t * D, qr + (t * H + h) * D, D);
+      for (int64_t h = 0; h < H_kv; ++h) {
+        rope(kp + (t * H_kv + h) * D, cp + t * D, sp + t * D, view.k_cache + (h * view.S + pos) * D, D);
+        std::copy(vp + (t * H_kv + h) * D, vp + (t * H_kv + h + 1) * D, view.v_cache + (h * view.S + pos) * D);
+      }
+    }
+  }
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const int64_t group = H / H_kv;
+  // Work items: the rows of one kv head of one sequence, split in parts of at most kItemRows rows (a
+  // prefill's scores stay small), and into at least two items per thread when there are few; rows of an
+  // item share every key block read. How rows are grouped never changes a result.
+  constexpr int64_t kItemRows = 32;
+  int64_t base_items = 0;
+  for (const View& view : views) base_items += H_kv * ((view.rows * group + kItemRows - 1) / kItemRows);
+  const int64_t want = 2 * at::get_num_threads();
+  struct Item {
+    const View* view;
+    int64_t kv, first, count;
+  };
+  std::vector<Item> items;
+  for (const View& view : views) {
+    const int64_t per_kv = view.rows * group;
+    int64_t chunks = (per_kv + kItemRows - 1) / kItemRows;
+    if (base_items < want) chunks = std::min(per_kv, std::max(chunks, (want + H_kv - 1) / H_kv));
+    const int64_t chunk = (per_kv + chunks - 1) / chunks;
+    for (int64_t kv = 0; kv < H_kv; ++kv)
+      for (int64_t first = 0; first < per_kv; first += chunk)
+        items.push_back(Item{&view, kv, first, std::min(chunk, per_kv - first)});
+  }
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores;
+    std::vector<Row> rows;
+    for (int64_t i = i0; i < i1; ++i) {
+      const Item& item = items[i];
+      const View& view = *item.view;
+      rows.clear();
+      for (int64_t r = item.first; r < item.first + item.count; ++r) {
+        const int64_t t = view.row0 + r / group, h = item.kv * group + r % group;
+        rows.push_back(Row{qr + (t * H + h) * D, view.start + r / group, op + (t * H + h) * D});
+      }
+      attend_rows(rows, view.k_cache + item.kv * view.S * D, view.v_cache + item.kv * view.S * D, D, scale, scores);
+    }
+  });
+}
+
 }  // namespace
 
 // q [T, H*D], k and v [T, H_kv*D], cos and sin [T, D], cache_k and cache_v [H_kv, S, D] (one layer, batch
 // 0), all float32 -> out [T, H*D]. Writes the rotated k and v at cache positions [start, start + T).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
                                torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v, int64_t start) {
-  for (const auto& t : {q, k, v, cos, sin, cache_k, cache_v})
-    TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(),
-                "contiguous float32 CPU tensors expected");
-  const int64_t T = q.size(0), H_kv = cache_k.size(0), S = cache_k.size(1), D = cache_k.size(2);
-  const int64_t H = q.size(1) / D;
-  TORCH_CHECK(D % 8 == 0 && H % H_kv == 0 && q.size(1) == H * D && k.size(1) == H_kv * D, "bad head shapes");
-  TORCH_CHECK(start >= 0 && start + T <= S, "the new tokens do not fit the cache");
+  TORCH_CHECK(cache_k.dtype() == torch::kFloat32 && cache_v.dtype() == torch::kFloat32 && cache_k.is_contiguous() &&
+              cache_v.is_contiguous() && cache_k.device().is_cpu(), "contiguous float32 CPU caches expected");
   auto out = torch::empty_like(q);
-  auto q_rot = torch::empty_like(q);
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *ck = cache_k.data_ptr<float>(), *cv = cache_v.data_ptr<float>(), *qr = q_rot.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t h = 0; h < H; ++h) rope(qp + (t * H + h) * D, cp + t * D, sp + t * D, qr + (t * H + h) * D, D);
-    for (int64_t h = 0; h < H_kv; ++h) {
-      float* slot = ck + (h * S + start + t) * D;
-      rope(kp + (t * H_kv + h) * D, cp + t * D, sp + t * D, slot, D);
-      std::copy(vp + (t * H_kv + h) * D, vp + (t * H_kv + h + 1) * D, cv + (h * S + start + t) * D);
-    }
+  const View view{cache_k.data_ptr<float>(), cache_v.data_ptr<float>(), cache_k.size(1), start, 0, q.size(0)};
+  attend_views(q, k, v, cos, sin, {view}, cache_k.size(0), cache_k.size(2), out);
+  return out;
+}
+
+// The rows of several sequences one after another (q, k, v, cos, sin as decode_attention's, over all rows),
+// segment i attending over layer `layer` of its own cache [L, H_kv, S, D].
+torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
+                                const std::vector<Segment>& segments, int64_t layer) {
+  std::vector<View> views;
+  int64_t row = 0;
+  const auto& first = segments.at(0).cache_k;
+  const int64_t H_kv = first.size(1), D = first.size(3);
+  for (const Segment& s : segments) {
+    TORCH_CHECK(s.cache_k.dim() == 4 && s.cache_k.size(1) == H_kv && s.cache_k.size(3) == D &&
+                s.cache_k.dtype() == torch::kFloat32 && s.cache_v.dtype() == torch::kFloat32 &&
+                s.cache_k.is_contiguous() && s.cache_v.is_contiguous() && s.cache_k.sizes() == s.cache_v.sizes(),
+                "contiguous float32 caches [L, H_kv, S, D] expected");
+    const int64_t S = s.cache_k.size(2), layer_size = H_kv * S * D;
+    views.push_back(View{s.cache_k.data_ptr<float>() + layer * layer_size, s.cache_v.data_ptr<float>() + layer * layer_size,
+                         S, s.start, row, s.rows});
+    row += s.rows;
   }
-  const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  const int64_t group = H / H_kv, per_kv = T * group;
-  // Work items: the rows of one kv head, split in `chunks` parts so that there are at least two items per
-  // thread and at most kItemRows rows per item (a prefill's scores stay small); rows of an item share every
-  // key block read.
-  constexpr int64_t kItemRows = 32;
-  const int64_t chunks = std::min(per_kv, std::max({(2 * at::get_num_threads() + H_kv - 1) / H_kv,
-                                                    (per_kv + kItemRows - 1) / kItemRows, int64_t{1}}));
-  const int64_t chunk = (per_kv + chunks - 1) / chunks;
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, H_kv * chunks, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
-    std::vector<Row> rows;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t kv = i / chunks, first = (i % chunks) * chunk;
-      rows.clear();
-      for (int64_t r = first; r < std::min(first + chunk, per_kv); ++r) {
-        const int64_t t = r / group, h = kv * group + r % group;
-        rows.push_back(Row{qr + (t * H + h) * D, start + t, op + (t * H + h) * D});
-      }
-      if (!rows.empty()) attend_rows(rows, ck + kv * S * D, cv + kv * S * D, D, scale, scores);
-    }
-  });
+  TORCH_CHECK(row == q.size(0), "the segments' rows are q's rows");
+  auto out = torch::empty_like(q);
+  attend_views(q, k, v, cos, sin, views, H_kv, D, out);
   return out;
 }

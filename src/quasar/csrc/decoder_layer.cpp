@@ -40,24 +40,6 @@ std::vector<torch::Tensor> linears(const torch::Tensor& x, const std::vector<tor
   return w8a8_linear_many(x, w, scale, bias);
 }
 
-// Attention of each segment over its own cache (one layer's [H_kv, S, D] of each), then the segments' rows
-// back in order.
-torch::Tensor segment_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<Segment>& segments,
-                                int64_t layer) {
-  if (segments.size() == 1)
-    return decode_attention(q, k, v, cos, sin, segments[0].cache_k[layer], segments[0].cache_v[layer], segments[0].start);
-  std::vector<torch::Tensor> parts;
-  int64_t row = 0;
-  for (const Segment& s : segments) {
-    auto rows = [&](const torch::Tensor& a) { return a.narrow(0, row, s.rows).contiguous(); };
-    parts.push_back(decode_attention(rows(q), rows(k), rows(v), rows(cos), rows(sin), s.cache_k[layer],
-                                     s.cache_v[layer], s.start));
-    row += s.rows;
-  }
-  return torch::cat(parts);
-}
-
 }  // namespace
 
 torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> t, std::vector<int64_t> kinds, double eps,

@@ -27,6 +27,9 @@ struct Segment {
   torch::Tensor cache_k, cache_v;
   int64_t start, rows;
 };
+// decode_attention for the rows of several sequences, each over layer `layer` of its own cache.
+torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
+                                const std::vector<Segment>& segments, int64_t layer);
 torch::Tensor decoder_layer_segments(torch::Tensor x, const std::vector<torch::Tensor>& t,
                                      const std::vector<int64_t>& kinds, double eps, const torch::Tensor& cos,
                                      const torch::Tensor& sin, const std::vector<Segment>& segments, int64_t layer);
