@@ -8,16 +8,23 @@ positions within the cache pool's budget) and leave as soon as they finish or ar
 
 Same answers as alone: on quasar's kernels every row is computed from its own input only, so a request's
 logits are bitwise those it gets alone, whatever else is in the batch, and prompts can be prefilled in
-chunks. A forward holds at most `max_rows` rows: each request's first row always runs; draft rows beyond
-the budget are cut (the shorter draft is still a valid draft, so output is unchanged at temperature 0 and
-its distribution unchanged otherwise), except for seeded sampled requests, which must draw as they would
-alone; prompt chunks fill what is left. On the torch path (CUDA, fp32) rows are not independent of their
+chunks.
+
+Rows: a forward holds at most `max_rows`. Each request's first row always runs. Draft rows are added in order
+of their chance of acceptance (from each decoder's recent acceptance at each draft position) while they
+pay for themselves: past ~8 rows a CPU forward costs about linearly more per row, so a row is added only if
+its expected tokens raise the forward's tokens per second under a cost model fitted on the recent forwards
+(CostModel). Alone, nearly every draft pays; in a full batch only the likely ones do. A cut draft is still a
+valid draft (output unchanged at temperature 0, its distribution unchanged otherwise), but it changes which
+random numbers a sampled request draws, so a seeded sampled request keeps its whole draft. Prompt chunks
+come before drafts (they are certain work), at least MIN_CHUNK tokens a step. On the torch path (CUDA, fp32) rows are not independent of their
 neighbours, so each request gets a forward of its own, prompts whole: the same answers, without the gain.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 import torch
@@ -28,6 +35,49 @@ from quasar.models.llama import Step
 log = logging.getLogger("quasar")
 
 MIN_CHUNK = 32  # prompt tokens a waiting prefill gets per step even when the decoding rows fill the budget
+
+
+def worth(step: Step) -> tuple[float, ...]:
+    """The chance that each row after a step's first is of use, non-increasing (a prefix is what gets cut)."""
+    chances = list(step.chances[: len(step.tokens) - 1]) + [1.0] * (len(step.tokens) - 1 - len(step.chances))
+    for i in range(1, len(chances)):
+        chances[i] = min(chances[i], chances[i - 1])
+    return tuple(chances)
+
+
+class CostModel:
+    """What a forward costs as a function of its rows, fitted on the recent ones: seconds ~ a + b * rows by
+    least squares with exponentially decaying weights, so it follows the batch and the machine as they change.
+    (Default model, W8A8, kernels:dpbusd: a ~ 5 ms, the weights' read; b ~ 0.5-1 ms, a row's compute.)"""
+
+    DECAY, MIN_WEIGHT, MIN_SPREAD, PRIOR = 0.97, 4.0, 0.5, 0.125
+
+    def __init__(self) -> None:
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+        self.last: tuple[float, float] | None = None
+
+    def add(self, rows: int, seconds: float) -> None:
+        d = self.DECAY
+        self.w, self.x, self.y = d * self.w + 1, d * self.x + rows, d * self.y + seconds
+        self.xx, self.xy = d * self.xx + rows * rows, d * self.xy + rows * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) from the recent forwards; while they hardly vary in rows, the last fit that could tell them
+        apart (None before there is one)."""
+        if self.w >= self.MIN_WEIGHT:
+            mx, my = self.x / self.w, self.y / self.w
+            spread = self.xx / self.w - mx * mx
+            if spread >= self.MIN_SPREAD:
+                b = max(0.0, (self.xy / self.w - mx * my) / spread)
+                self.last = (max(0.0, my - b * mx), b)
+        return self.last
+
+    def pays(self, value: float, tokens: float, rows: int) -> bool:
+        """Whether one more row worth `value` expected tokens raises the tokens per second of a forward that
+        now holds `rows` rows worth `tokens`: value / b > tokens / (a + b * rows). Before the first fit, a row
+        is taken to cost PRIOR of the weights' read (about what it does on the default model)."""
+        a, b = self.fit() or (1.0, self.PRIOR)
+        return value * (a + b * rows) > b * tokens
 
 
 class Batch:
@@ -41,6 +91,7 @@ class Batch:
         if kv_budget is not None and kv_budget < 1:
             raise ValueError(f"the KV budget must be a positive number of tokens, got {kv_budget}")
         self.engine, self.max_batch, self.max_rows = engine, max_batch, max_rows
+        self.cost = CostModel()
         engine.caches.budget, engine.caches.spare = kv_budget, max_batch
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
@@ -91,30 +142,30 @@ class Batch:
             self.guarded(request, request.begin, caches.take(request.cache_len))
 
     def plan(self) -> dict[Request, Step]:
-        """The rows each request runs in this step: every decode step's first row; the uncut steps whole; draft
-        rows of the others one depth at a time while the budget lasts; then prompt chunks."""
+        """The rows each request runs in this step: every decode step's first row and the uncut steps whole, then
+        prompt chunks, then draft rows in order of their chance of acceptance while they pay for themselves."""
         decoding = [r for r in self.active if r.step is not None and not r.step.last_only]
         prefilling = [r for r in self.active if r.step is not None and r.step.last_only]
         if not self.engine.target.model.batches_rows:  # one forward per request anyway: nothing to share or cut
             return {r: r.step for r in decoding + prefilling}  # type: ignore[misc]
         rows = {r: (1 if r.step.cut else len(r.step.tokens)) for r in decoding}  # type: ignore[union-attr]
-        spare = self.max_rows - sum(rows.values())
-        depth = 1
-        while spare > 0:
-            deeper = [r for r in decoding if r.step.cut and len(r.step.tokens) > depth]  # type: ignore[union-attr]
-            for request in deeper[:spare]:
-                rows[request] += 1
-            spare -= min(spare, len(deeper))
-            if not deeper:
-                break
-            depth += 1
-        plan = {r: r.step._replace(tokens=r.step.tokens[: rows[r]]) for r in decoding}  # type: ignore[union-attr]
-        for i, request in enumerate(prefilling):
-            chunk = max(spare, MIN_CHUNK) if i == 0 else spare
+        drafts = sorted(((chance, depth, i, r) for i, r in enumerate(decoding) if r.step.cut  # type: ignore[union-attr]
+                         for depth, chance in enumerate(worth(r.step), 1)), key=lambda d: (-d[0], d[1], d[2]))
+        plan: dict[Request, Step] = {}
+        used = sum(rows.values())
+        for i, request in enumerate(prefilling):  # prompt rows are certain work: before uncertain drafts
+            chunk = max(self.max_rows - used, MIN_CHUNK) if i == 0 else self.max_rows - used
             if chunk <= 0:
                 break
             plan[request] = request.step._replace(tokens=request.step.tokens[:chunk])  # type: ignore[union-attr]
-            spare -= len(plan[request].tokens)
+            used += len(plan[request].tokens)
+        tokens = float(len(decoding) + len(plan))
+        for value, _, _, request in drafts:
+            if used >= self.max_rows or not self.cost.pays(value, tokens, used):
+                break
+            rows[request] += 1
+            used, tokens = used + 1, tokens + value
+        plan.update({r: r.step._replace(tokens=r.step.tokens[: rows[r]]) for r in decoding})  # type: ignore[union-attr]
         return plan
 
     def forward(self, requests: list[Request], steps: list[Step]) -> list[torch.Tensor | None]:
@@ -124,7 +175,10 @@ class Batch:
         lengths = [step.cache.length for step in steps]
         with torch.inference_mode():
             try:
-                return list(model.forward_steps(steps))
+                start = time.perf_counter()
+                logits = list(model.forward_steps(steps))
+                self.cost.add(sum(len(step.tokens) for step in steps), time.perf_counter() - start)
+                return logits
             except Exception as e:  # noqa: BLE001 (whatever failed, retried one by one below)
                 if len(steps) == 1:
                     self.fail(requests[0], e)

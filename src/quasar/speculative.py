@@ -30,14 +30,34 @@ class DraftLength:
     chance to accept longer runs while short acceptance keeps wasted verify rows few."""
 
     K_MIN, K_MAX, K_START, WEIGHT = 1, FIXED_ROWS - 1, 4, 0.5  # k + 1 rows per verify step
+    DECAY, PRIOR_HITS, PRIOR_TRIES = 0.9, 1.0, 4.0  # the acceptance counts behind `chances`
 
     def __init__(self, k: int | str) -> None:
         self.adaptive = k == AUTO
         self.k = self.K_START if self.adaptive else int(k)
         self.ema = float(self.k - 1)
+        # per draft position: tokens accepted / judged there (a position is judged once the ones before it
+        # were accepted), recent steps weighing more, from a cautious prior (1 in 4): a batch spends rows on the
+        # drafts most likely to be accepted, and a few lucky steps must not make a draft look certain
+        self.hits, self.tries = [self.PRIOR_HITS] * self.K_MAX, [self.PRIOR_TRIES] * self.K_MAX
+
+    def chances(self, n: int) -> tuple[float, ...]:
+        """The chance that each of n draft tokens is accepted: the product of the acceptance rates of the
+        positions up to it (n-gram drafts tend to be all right or wrong early, so later positions that are
+        reached are accepted more often than the first)."""
+        out, chance = [], 1.0
+        for hits, tries in zip(self.hits[:n], self.tries[:n]):
+            chance *= hits / tries
+            out.append(chance)
+        return tuple(out)
 
     def update(self, proposed: int, accepted: int) -> None:
-        if not self.adaptive or proposed == 0:
+        if proposed == 0:
+            return
+        for position in range(min(accepted + 1, proposed)):  # the judged positions
+            self.hits[position] = self.DECAY * self.hits[position] + (position < accepted)
+            self.tries[position] = self.DECAY * self.tries[position] + 1
+        if not self.adaptive:
             return
         self.ema = self.WEIGHT * accepted + (1 - self.WEIGHT) * self.ema
         self.k = min(self.K_MAX, max(self.K_MIN, int(self.ema + 0.5) + 1))
@@ -119,8 +139,10 @@ class Speculative:
             start = time.perf_counter()
             draft = drafter.propose(k, params, sampler.generator)
             verifying = time.perf_counter()
-            target_logits = yield Step([pending[-1], *draft.tokens], cache, cut=may_cut)  # [scored, V]
-            if len(target_logits) <= len(draft):  # the batch scored only a prefix of the draft
+            chances = length.chances(len(draft))
+            target_logits = yield Step([pending[-1], *draft.tokens], cache, cut=may_cut, chances=chances)
+            # target_logits: [scored, V]; a full batch may have scored only a prefix of the draft
+            if len(target_logits) <= len(draft):
                 draft = Draft(draft.tokens[: len(target_logits) - 1], draft.probs)
             verdict, _ = judge(draft, target_logits, params, sampler, sampler.generator)
             if self.guard is not None:

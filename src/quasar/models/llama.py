@@ -205,12 +205,14 @@ class Backbone(nn.Module):
 
 class Step(NamedTuple):
     """One sequence's next forward: `tokens` appended to its `cache`; logits of every token, or of the last.
-    `cut`: a full batch may run only a prefix of the tokens (at least one) and return that prefix's logits."""
+    `cut`: a busy batch may run only a prefix of the tokens (at least one) and return that prefix's logits;
+    `chances`: for each token after the first, the chance that its row is of use (a draft token's acceptance)."""
 
     tokens: list[int]
     cache: KVCache
     last_only: bool = False
     cut: bool = False
+    chances: tuple[float, ...] = ()
 
 
 class Transformer(nn.Module):
