@@ -2,24 +2,28 @@
 #include "int8_dot.h"
 #include "kernels.h"
 
+// Every kernel runs without the GIL (as PyTorch's own operators do): a server's HTTP thread keeps streaming
+// while a forward computes.
+using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("w8a8_linear", &w8a8_linear, "per-token int8 quantization, exact int32 GEMM, rescale and bias");
-  m.def("w8a8_linear_many", &w8a8_linear_many, "several W8A8 linears of one input, quantized once");
+  m.def("w8a8_linear", &w8a8_linear, "per-token int8 quantization, exact int32 GEMM, rescale and bias", NoGil());
+  m.def("w8a8_linear_many", &w8a8_linear_many, "several W8A8 linears of one input, quantized once", NoGil());
   m.def("int8_mm", &int8_mm, "exact int8 x int8 -> int32 with w [N, K]", pybind11::arg("x"), pybind11::arg("w"),
-        pybind11::arg("path") = "auto");
+        pybind11::arg("path") = "auto", NoGil());
   m.def("int8_group_mm", &int8_group_mm, "group-wise int8 product of quantized q and w with their scales",
         pybind11::arg("q"), pybind11::arg("x_scale"), pybind11::arg("w"), pybind11::arg("w_scale"),
-        pybind11::arg("path") = "auto");
+        pybind11::arg("path") = "auto", NoGil());
   m.def("use_int8_path", &use_int8_path, "run every later W8A8 linear on this int8 path ('auto': the fastest); "
         "for benchmarks of what another CPU kind runs; returns the path's name");
   m.def("int8_path", &int8_path, "the int8 path every W8A8 linear runs on now");
   m.def("int8_paths", &int8_paths, "the int8 dot-product paths this CPU runs, fastest first");
-  m.def("float_act_linear", &float_act_linear, "float32 x times int8 or bfloat16 w, fixed-order fp32 sums");
-  m.def("rms_norm", &rms_norm, "RMSNorm of each row, sums in a fixed order");
-  m.def("decode_attention", &decode_attention, "rope, cache write and causal attention for a few new tokens");
+  m.def("float_act_linear", &float_act_linear, "float32 x times int8 or bfloat16 w, fixed-order fp32 sums", NoGil());
+  m.def("rms_norm", &rms_norm, "RMSNorm of each row, sums in a fixed order", NoGil());
+  m.def("decode_attention", &decode_attention, "rope, cache write and causal attention for a few new tokens", NoGil());
   pybind11::class_<FusedLayers>(m, "FusedLayers", "all decoder layers of a model, tensors handed over once")
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, double>())
-      .def("forward", &FusedLayers::forward, "x [T, hidden] through every layer; caches [L, H_kv, S, D]")
+      .def("forward", &FusedLayers::forward, "x [T, hidden] through every layer; caches [L, H_kv, S, D]", NoGil())
       .def("forward_segments", &FusedLayers::forward_segments,
-           "the rows of several sequences through every layer, each attending over its own cache");
+           "the rows of several sequences through every layer, each attending over its own cache", NoGil());
 }
