@@ -53,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or str(args.model)
     if args.engine == "vllm":
         return hand_off(args, name)
+    import signal
+    import threading
+
     import uvicorn
 
     from quasar.api import build_engine
@@ -60,9 +63,32 @@ def run(args: argparse.Namespace) -> int:
 
     engine = build_engine(args.model, verifier_name(args), decode_config(args), args.max_context, args.cache_dir)
     app = create_app(engine, name, api_key=args.api_key, max_queue=args.max_queue, max_batch=args.max_batch,
-                     max_rows=args.max_batch_tokens, kv_budget=args.kv_budget)
+                     max_rows=args.max_batch_tokens, kv_budget=args.kv_budget, own_thread=False)
+    # Generation runs on this thread, the one that loaded the model (Scheduler.work says why); HTTP on another,
+    # with a short GIL switch interval so that streamed tokens leave as soon as they are made.
+    sys.setswitchinterval(0.0005)
+    http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+
+    def shut_down(*_: object) -> None:
+        http.should_exit = True
+        app.state.scheduler.stop()
+
+    def serve_http() -> None:
+        try:
+            http.run()
+        finally:  # stopped, or it could not start (the port is taken): generation stops too
+            app.state.scheduler.stop()
+
+    signal.signal(signal.SIGTERM, shut_down)
+    signal.signal(signal.SIGINT, shut_down)
+    server_thread = threading.Thread(target=serve_http, name="quasar-http", daemon=True)
+    server_thread.start()
     print(f"quasar: serving {name!r} on http://{args.host}:{args.port}/v1 (pid {os.getpid()})", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    app.state.scheduler.work()  # until stopped (or the worker failed: HTTP then answers 503 until stopped)
+    while server_thread.is_alive():
+        server_thread.join(timeout=1.0)
+    if not http.started:
+        raise ValueError(f"could not serve on {args.host}:{args.port} (see the error above)")
     return 0
 
 

@@ -56,16 +56,17 @@ class Guard:
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = 64, max_batch: int = 16,
-               max_rows: int = 64, kv_budget: int | None = None) -> FastAPI:
+               max_rows: int = 64, kv_budget: int | None = None, own_thread: bool = True) -> FastAPI:
     """The app over `engine`: up to `max_batch` requests share each forward (at most `max_rows` rows, KV caches
-    within `kv_budget` positions), `max_queue` more wait (quasar.server.scheduler)."""
+    within `kv_budget` positions), `max_queue` more wait (quasar.server.scheduler). With own_thread=False the
+    caller runs `app.state.scheduler.work()` (quasar serve does, on the thread that loaded the model)."""
     metrics = Metrics()
 
     def finished(job: Job, completion: RequestOutput, cancelled: bool) -> None:
         first = None if job.first_piece is None else job.first_piece - job.submitted
         metrics.record(completion.stats, time.perf_counter() - job.submitted, first, cancelled)
 
-    scheduler = Scheduler(engine, max_queue, max_batch, max_rows, kv_budget, on_finish=finished)
+    scheduler = Scheduler(engine, max_queue, max_batch, max_rows, kv_budget, on_finish=finished, own_thread=own_thread)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
