@@ -244,7 +244,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 }
 
 // The rows of several sequences one after another (q, k, v, cos, sin as decode_attention's, over all rows),
-// segment i attending over layer `layer` of its own cache [L, H_kv, S, D].
+// segment i attending over layer `layer` of its own cache [L, H_kv, S, D] (checked by FusedLayers::forward_segments).
 torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                                 const std::vector<Segment>& segments, int64_t layer) {
   std::vector<View> views;
@@ -252,10 +252,6 @@ torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
   const auto& first = segments.at(0).cache_k;
   const int64_t H_kv = first.size(1), D = first.size(3);
   for (const Segment& s : segments) {
-    TORCH_CHECK(s.cache_k.dim() == 4 && s.cache_k.size(1) == H_kv && s.cache_k.size(3) == D &&
-                s.cache_k.dtype() == torch::kFloat32 && s.cache_v.dtype() == torch::kFloat32 &&
-                s.cache_k.is_contiguous() && s.cache_v.is_contiguous() && s.cache_k.sizes() == s.cache_v.sizes(),
-                "contiguous float32 caches [L, H_kv, S, D] expected");
     const int64_t S = s.cache_k.size(2), layer_size = H_kv * S * D;
     views.push_back(View{s.cache_k.data_ptr<float>() + layer * layer_size, s.cache_v.data_ptr<float>() + layer * layer_size,
                          S, s.start, row, s.rows});

@@ -23,7 +23,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "rope, cache write and causal attention for a few new tokens", NoGil());
   pybind11::class_<FusedLayers>(m, "FusedLayers", "all decoder layers of a model, tensors handed over once")
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, double>())
-      .def("forward", &FusedLayers::forward, "x [T, hidden] through every layer; caches [L, H_kv, S, D]", NoGil())
       .def("forward_segments", &FusedLayers::forward_segments,
            "the rows of several sequences through every layer, each attending over its own cache", NoGil());
 }

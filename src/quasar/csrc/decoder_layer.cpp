@@ -42,16 +42,9 @@ std::vector<torch::Tensor> linears(const torch::Tensor& x, const std::vector<tor
 
 }  // namespace
 
-torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> t, std::vector<int64_t> kinds, double eps,
-                            torch::Tensor cos, torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v,
-                            int64_t start) {
-  return decoder_layer_segments(x, t, kinds, eps, cos, sin, 
-                                std::vector<Segment>{Segment{cache_k.unsqueeze(0), cache_v.unsqueeze(0), start, x.size(0)}}, 0);
-}
-
-torch::Tensor decoder_layer_segments(torch::Tensor x, const std::vector<torch::Tensor>& t,
-                                     const std::vector<int64_t>& kinds, double eps, const torch::Tensor& cos,
-                                     const torch::Tensor& sin, const std::vector<Segment>& segments, int64_t layer) {
+torch::Tensor decoder_layer(torch::Tensor x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& kinds,
+                            double eps, const torch::Tensor& cos, const torch::Tensor& sin,
+                            const std::vector<Segment>& segments, int64_t layer) {
   TORCH_CHECK(t.size() == 4 + 3 * 7 && kinds.size() == 7, "4 norm tensors, then 7 x (weight, scale, bias)");
   const int64_t T = x.size(0), D = segments[0].cache_k.size(3);
   auto qkv = linears(rms_norm(x, t[0], eps), t, kinds, {0, 1, 2});
@@ -72,12 +65,6 @@ FusedLayers::FusedLayers(std::vector<std::vector<torch::Tensor>> tensors, std::v
   TORCH_CHECK(tensors_.size() == kinds_.size(), "one kinds list per layer");
 }
 
-// x [T, hidden]; cache_k and cache_v [L, H_kv, S, D] (batch 0 of a KVCache) -> the last layer's output.
-torch::Tensor FusedLayers::forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor cache_k,
-                                   torch::Tensor cache_v, int64_t start) const {
-  return forward_segments(x, cos, sin, {cache_k}, {cache_v}, {start}, {x.size(0)});
-}
-
 // x [N, hidden], cos and sin [N, D]: the rows of several sequences one after another, `rows[i]` of them for
 // sequence i, whose cache is caches_k[i], caches_v[i] [L, H_kv, S, D] with `starts[i]` positions filled.
 torch::Tensor FusedLayers::forward_segments(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
@@ -87,15 +74,19 @@ torch::Tensor FusedLayers::forward_segments(torch::Tensor x, torch::Tensor cos, 
   TORCH_CHECK(n > 0 && caches_v.size() == n && starts.size() == n && rows.size() == n, "one cache, start and row count per segment");
   std::vector<Segment> segments;
   int64_t total = 0;
-  for (size_t i = 0; i < n; ++i) {
-    TORCH_CHECK(caches_k[i].dim() == 4 && caches_k[i].size(0) == static_cast<int64_t>(tensors_.size()),
-                "cache [L, H_kv, S, D] expected");
+  for (size_t i = 0; i < n; ++i) {  // checked once here, not in every layer's attention
+    const auto &k = caches_k[i], &v = caches_v[i];
+    TORCH_CHECK(k.dim() == 4 && k.size(0) == static_cast<int64_t>(tensors_.size()) && k.sizes() == v.sizes() &&
+                k.size(1) == caches_k[0].size(1) && k.size(3) == caches_k[0].size(3),
+                "caches [L, H_kv, S, D] of this model expected");
+    TORCH_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 && k.is_contiguous() &&
+                v.is_contiguous() && k.device().is_cpu() && v.device().is_cpu(), "contiguous float32 CPU caches expected");
     TORCH_CHECK(rows[i] > 0, "every segment has at least one row");
     segments.push_back(Segment{caches_k[i], caches_v[i], starts[i], rows[i]});
     total += rows[i];
   }
   TORCH_CHECK(total == x.size(0) && cos.size(0) == total && sin.size(0) == total, "the segments' rows are x's rows");
   for (size_t i = 0; i < tensors_.size(); ++i)
-    x = decoder_layer_segments(x, tensors_[i], kinds_[i], eps_, cos, sin, segments, static_cast<int64_t>(i));
+    x = decoder_layer(x, tensors_[i], kinds_[i], eps_, cos, sin, segments, static_cast<int64_t>(i));
   return x;
 }

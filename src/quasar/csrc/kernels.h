@@ -18,28 +18,24 @@ torch::Tensor float_act_linear(torch::Tensor x, torch::Tensor w, torch::Tensor s
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
                                torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v, int64_t start);
-torch::Tensor decoder_layer(torch::Tensor x, std::vector<torch::Tensor> t, std::vector<int64_t> kinds, double eps,
-                            torch::Tensor cos, torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v,
-                            int64_t start);
-
 // One sequence's rows inside a call over several: its cache [L, H_kv, S, D], positions filled, row count.
 struct Segment {
   torch::Tensor cache_k, cache_v;
   int64_t start, rows;
 };
-// decode_attention for the rows of several sequences, each over layer `layer` of its own cache.
+// decode_attention for the rows of several sequences, each over layer `layer` of its own cache (caches checked
+// by the caller: contiguous float32 [L, H_kv, S, D], one H_kv and D).
 torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                                 const std::vector<Segment>& segments, int64_t layer);
-torch::Tensor decoder_layer_segments(torch::Tensor x, const std::vector<torch::Tensor>& t,
-                                     const std::vector<int64_t>& kinds, double eps, const torch::Tensor& cos,
-                                     const torch::Tensor& sin, const std::vector<Segment>& segments, int64_t layer);
+// One decoder layer (decoder_layer.cpp) over the rows of the segments, layer `layer` of each one's cache.
+torch::Tensor decoder_layer(torch::Tensor x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& kinds,
+                            double eps, const torch::Tensor& cos, const torch::Tensor& sin,
+                            const std::vector<Segment>& segments, int64_t layer);
 
 // All decoder layers of one model (see decoder_layer): built once, then one call per forward.
 class FusedLayers {
  public:
   FusedLayers(std::vector<std::vector<torch::Tensor>> tensors, std::vector<std::vector<int64_t>> kinds, double eps);
-  torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, torch::Tensor cache_k,
-                        torch::Tensor cache_v, int64_t start) const;
   torch::Tensor forward_segments(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                                  std::vector<torch::Tensor> caches_k, std::vector<torch::Tensor> caches_v,
                                  std::vector<int64_t> starts, std::vector<int64_t> rows) const;
