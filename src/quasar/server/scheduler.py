@@ -96,8 +96,8 @@ class Scheduler:
         self._stopped = False
         self._failure: str | None = None  # why the worker thread died
         self._engine_lock = threading.Lock()
-        self._thread = threading.Thread(target=self.work, name="quasar-worker", daemon=True)
         if own_thread:
+            self._thread = threading.Thread(target=self.work, name="quasar-worker", daemon=True)
             self._thread.start()
         else:
             self._thread = threading.current_thread()
