@@ -2,7 +2,8 @@
 
 It must equal, bitwise, the same kernels called layer by layer from Python (the unfused path), stay
 close to the plain float path, and give a token the same logits alone and inside a verify block, on
-llama, qwen2 (q/k/v biases) and qwen3 (qk-norm) shapes and on W8A8, W8A16 and bf16 linears.
+llama, qwen2 (q/k/v biases) and qwen3 (qk-norm) shapes and on W8A8, W8A16, bf16 (float32 or bf16 inputs)
+and float32 linears.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ def make(kind: str, model_type: str, directory):
     from quasar.loading import load
 
     model = load(directory, "fp32").model
-    if kind == "bf16":
-        use_bf16_linears_(model)
-    else:
+    if kind in ("bf16", "bf16-inputs"):
+        use_bf16_linears_(model, bf16_inputs=kind == "bf16-inputs")
+    elif kind != "fp32":
         quantize_(model, W8A8Config() if kind == "w8a8" else W8A16Config())
         use_bf16_linears_(model, ["lm_head"])
     assert backends.prepare_(model).startswith("kernels:")
@@ -36,9 +37,11 @@ def model_dir(request, tmp_path_factory, tokenizer_dir):
     return write_hf_dir(tiny_hf_model(request.param, seed=3), tmp_path_factory.mktemp(request.param), tokenizer_dir)
 
 
-def steps(model, fused: bool) -> list[torch.Tensor]:
-    """Prefill 20 tokens, then a verify block of 5 and two single-token steps; logits of each step."""
-    backends.prepare_(model, fuse=fused)  # unfused: every layer through the Python modules, same kernels
+def steps(model, fused: bool | None) -> list[torch.Tensor]:
+    """Prefill 20 tokens, then a verify block of 5 and two single-token steps; logits of each step. fused None:
+    the model stays on torch."""
+    if fused is not None:
+        backends.prepare_(model, fuse=fused)  # unfused: every layer through the Python modules, same kernels
     torch.manual_seed(0)
     ids = torch.randint(0, 1000, (1, 27))
     cache = model.new_cache(64)
@@ -47,24 +50,24 @@ def steps(model, fused: bool) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["w8a8", "w8a16", "bf16"])
+@pytest.mark.parametrize("kind", ["w8a8", "w8a16", "bf16", "bf16-inputs", "fp32"])
 def test_fused_layer_equals_the_unfused_kernels(kind, model_dir):
     model = make(kind, "", model_dir)
     for fused, unfused in zip(steps(model, True), steps(model, False)):
         assert torch.equal(fused, unfused)
 
 
-@pytest.mark.parametrize("kind", ["w8a8", "bf16"])
+@pytest.mark.parametrize("kind", ["w8a8", "bf16", "bf16-inputs", "fp32"])
 def test_fused_path_is_close_to_the_float_path(kind, model_dir):
     from quasar.loading import load
 
-    reference = steps(load(model_dir, "fp32").model, True)
+    reference = steps(load(model_dir, "fp32").model, None)  # plain torch
     got = steps(make(kind, "", model_dir), True)
     for ours, ref in zip(got, reference):
         assert (ours - ref).abs().max() < (0.05 if kind == "w8a8" else 0.02) * ref.abs().max()
 
 
-@pytest.mark.parametrize("kind", ["w8a8", "bf16"])
+@pytest.mark.parametrize("kind", ["w8a8", "bf16", "bf16-inputs", "fp32"])
 def test_token_alone_equals_token_in_verify_block(kind, model_dir):
     model = make(kind, "", model_dir)
     torch.manual_seed(1)

@@ -1,9 +1,9 @@
 """The one switch between quasar's CPU kernels and plain torch, decided once per model, at load.
 
 `prepare_(model)` swaps modules (as torchao and gpt-fast do): where quasar's kernels run (quasar.native) and
-every linear of the model offers a kernel form (`on_kernel(kernel)`: int8, W8A16 and bf16 layers), norms,
+every linear of the model offers a kernel form (`kernel_form()`: float32, bf16, int8 and W8A16 layers), norms,
 attention and the layer stack become their kernel forms (models/kernel_layers.py) and decode/verify steps run
-all layers in one kernel call. Anywhere else (CUDA, no compiler, a float32 linear) the model stays on the
+all layers in one kernel call. Anywhere else (CUDA, no compiler, a shape the kernels do not take) the model stays on the
 torch modules of models/llama.py, which keep every decode/verify step at one fixed shape. Either way greedy
 speculative decoding gives plain decoding's tokens bit for bit; the forward itself never asks again.
 """
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from quasar import native
-from quasar.models.kernel_layers import FusedLayers, KernelAttention, KernelModule, KernelRMSNorm
-from quasar.models.llama import Attention, Layers, RMSNorm, Transformer
+from quasar.models.kernel_layers import FusedLayers, KernelAttention, KernelLinear, KernelModule, KernelRMSNorm
+from quasar.models.llama import Attention, Layers, Linear, RMSNorm, Transformer
 
 TORCH = "torch"
 
@@ -32,7 +32,7 @@ def kernel_for(model: Transformer, cache_dir: str | Path | None = None) -> Any |
 
 def prepare_(model: Transformer, fuse: bool = True, cache_dir: str | Path | None = None) -> str:
     """Put model on quasar's kernels where every part of it can run there, else leave it on torch; returns
-    the backend's name ('kernels:dpbusd', 'kernels:maddubs', ... or 'torch'), also kept as model.backend.
+    the backend's name ('kernels:dpbusd+avx512bf16', 'kernels:avx2', ... or 'torch'), also kept as model.backend.
     Idempotent: a model already on the kernels (a layer-skip view of one, say) only gets its stack rebuilt."""
     kernel = kernel_for(model, cache_dir)
     forms = {m: kernel_form(m) for m in model.modules() if isinstance(m, nn.Linear) or hasattr(m, "in_features")}
@@ -48,14 +48,25 @@ def prepare_(model: Transformer, fuse: bool = True, cache_dir: str | Path | None
     stack.__class__ = FusedLayers if fuse else Layers
     if fuse:
         stack.build(kernel, model.config.rms_norm_eps)
-    model.backend = f"kernels:{kernel.int8_path()}"
+    model.backend = kernel_paths(kernel, forms)
     return model.backend
+
+
+def kernel_paths(kernel: Any, modules: dict[nn.Module, type]) -> str:
+    """'kernels:' and the instruction-set paths the linears run on: the int8 path of W8A8 ones (kind 0), the
+    float path of the others ('kernels:dpbusd+avx512bf16' for a W8A8 model with its bf16 lm_head)."""
+    kinds = {module.kernel_args()[0] for module in modules if hasattr(module, "kernel_args")}
+    paths = ([kernel.int8_path()] if 0 in kinds else []) + ([kernel.float_path()] if kinds - {0} else [])
+    return "kernels:" + "+".join(paths)
 
 
 def kernel_form(linear: nn.Module) -> type | None:
     """The kernel class a linear becomes (its own class if it is one already), None if it has none."""
     if isinstance(linear, KernelModule):
         return type(linear)
+    if type(linear) is Linear:  # float32 weights (the fp32 verifier)
+        usable = linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu" and linear.in_features % 16 == 0
+        return KernelLinear if usable else None
     return linear.kernel_form() if hasattr(linear, "kernel_form") else None
 
 

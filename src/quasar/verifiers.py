@@ -31,13 +31,13 @@ def load_fp32(model: str | Path, arg: str | None, cache_dir: str | Path | None =
 
 
 def load_bf16(model: str | Path, arg: str | None, cache_dir: str | Path | None = None) -> LoadedModel:
-    """bf16 weights, float32 activations and sums (as llama.cpp runs BF16 GGUFs): on quasar's kernels the
-    weights are widened in registers; the numbers are the same on every host."""
+    """bf16 weights, every linear's input rounded to bf16, float32 sums, norms, attention and KV cache (as
+    llama.cpp runs BF16 GGUFs): vdpbf16ps on CPUs with AVX512-BF16, the same floats from AVX2 elsewhere."""
     from quasar.quant.bf16 import float32_activations_, use_bf16_linears_
 
     no_argument("bf16", arg)
     loaded = load(model, "bf16", cache_dir)
-    use_bf16_linears_(loaded.model)  # shares the bf16 weights
+    use_bf16_linears_(loaded.model, bf16_inputs=True)  # shares the bf16 weights
     float32_activations_(loaded.model)
     return loaded
 

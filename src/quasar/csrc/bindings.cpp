@@ -1,4 +1,4 @@
-// The Python module of quasar's CPU kernels (linear_avx2.cpp, int8_dot.cpp, int8_group.cpp, attention_avx2.cpp, decoder_layer.cpp).
+// The Python module of quasar's CPU kernels (linear_avx2.cpp, float_dot.cpp, int8_dot.cpp, int8_group.cpp, attention_avx2.cpp, decoder_layer.cpp).
 #include "int8_dot.h"
 #include "kernels.h"
 
@@ -18,7 +18,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "for benchmarks of what another CPU kind runs; returns the path's name");
   m.def("int8_path", &int8_path, "the int8 path every W8A8 linear runs on now");
   m.def("int8_paths", &int8_paths, "the int8 dot-product paths this CPU runs, fastest first");
-  m.def("float_act_linear", &float_act_linear, "float32 x times int8 or bfloat16 w, fixed-order fp32 sums", NoGil());
+  m.def("float_act_linear", &float_act_linear, "float32 x times float32, int8 or bfloat16 w, fixed-order fp32 sums", NoGil());
+  m.def("bf16_linear", &bf16_linear, "x rounded to bfloat16 times bfloat16 w, fp32 sums as vdpbf16ps", NoGil());
+  m.def("float_paths", &float_paths, "the float-linear paths this CPU runs, fastest first");
+  m.def("use_float_path", &use_float_path, "run every later float-activation linear on this path ('auto': the "
+        "fastest); all paths give the same floats; returns the path's name");
+  m.def("float_path", &float_path, "the path float-activation linears run on now");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, sums in a fixed order", NoGil());
   m.def("decode_attention", &decode_attention, "rope, cache write and causal attention for a few new tokens", NoGil());
   pybind11::class_<FusedLayers>(m, "FusedLayers", "all decoder layers of a model, tensors handed over once")

@@ -1,5 +1,5 @@
-// Linear kernels for x86 CPUs with AVX2. W8A8: dynamic per-token int8 activations, int8 per-channel
-// weights (below); float_act_linear: float32 activations times int8 (W8A16) or bfloat16 weights.
+// W8A8 linear kernels for x86 CPUs with AVX2: dynamic per-token int8 activations, int8 per-channel or
+// group-wise weights (float-activation linears are in float_dot.cpp).
 //
 //   y[m, n] = (sum_k q(x)[m, k] * w[n, k]) * x_scale[m] * w_scale[n] + bias[n]
 //   x_scale[m] = max_k |x[m, k]| / 127 (1 for an all-zero row), q(x) = clamp(round_half_even(x / x_scale))
@@ -11,6 +11,7 @@
 // bytes) stay in cache.
 #include "kernels.h"
 #include "blocking.h"
+#include "float_lanes.h"
 #include "int8_dot.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -120,96 +121,7 @@ void run_jobs(Int8Path path, const int8_t* q, const float* x_scale, const std::v
   });
 }
 
-// ---- float activations x low-precision weights (W8A16 int8, bf16): fp32 FMA in a fixed order ----------
-
-// Eight weights widened to float32.
-inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-inline __m256 load8(const uint16_t* p) {  // bfloat16: the high half of a float32
-  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-}
-
-// Sum of the 8 lanes of a + b, always in the same order.
-inline float hsum_ps(__m256 a, __m256 b) {
-  const __m256 v = _mm256_add_ps(a, b);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// Every row runs the same instruction sequence (two accumulators, K in steps of 16), whatever MB is,
-// so a row's result never depends on how many rows the call has.
-template <int MB, typename W>
-void fdot_block(const float* x, const W* w, float* out, int64_t m0, int64_t N, int64_t K, int64_t n0,
-                int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const W* wn = w + n * K;
-    __m256 a0[MB], a1[MB];
-    for (int i = 0; i < MB; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-      _mm_prefetch(reinterpret_cast<const char*>(wn + k) + kPrefetch, _MM_HINT_T0);
-      const __m256 w0 = load8(wn + k), w1 = load8(wn + k + 8);
-      for (int i = 0; i < MB; ++i) {
-        const float* xr = x + (m0 + i) * K + k;
-        a0[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a0[i]);
-        a1[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a1[i]);
-      }
-    }
-    for (int i = 0; i < MB; ++i) out[(m0 + i) * N + n] = hsum_ps(a0[i], a1[i]);
-  }
-}
-
-// Up to 6 rows per pass over the weights (12 accumulators + 3 operands fill the 16 registers).
-template <typename W>
-void float_dot(const float* x, const W* w, float* out, int64_t M, int64_t N, int64_t K) {
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    row_blocks<6>(M, [&](auto rows, int64_t m) { fdot_block<decltype(rows)::value>(x, w, out, m, N, K, n0, n1); });
-  });
-}
-
-// y [M, N] = (y * scale[n]) + bias[n], each step rounded to float32 (scale, bias may be empty).
-void epilogue(float* y, int64_t M, int64_t N, const torch::Tensor& scale, const torch::Tensor& bias) {
-  const float* sp = scale.numel() ? scale.data_ptr<float>() : nullptr;
-  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  if (!sp && !bp) return;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) {
-      float v = y[m * N + n];
-      if (sp) v = v * sp[n];
-      if (bp) v = v + bp[n];
-      y[m * N + n] = v;
-    }
-}
-
 }  // namespace
-
-// Float activations times int8 (W8A16) or bfloat16 weights, fp32 accumulation in a fixed order:
-// x [M, K] float32, w [N, K] int8 or bfloat16, scale [N] float32 or empty, bias [N] float32 or empty
-// -> y [M, N] float32 = (x . w[n]) * scale[n] + bias[n]. Row m of the result depends on x[m] only.
-torch::Tensor float_act_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor bias) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32, "float32 x expected");
-  TORCH_CHECK(w.dtype() == torch::kInt8 || w.dtype() == torch::kBFloat16, "int8 or bfloat16 w expected");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] and w [N, K] expected");
-  TORCH_CHECK(x.size(1) % 16 == 0, "K must be a multiple of 16");
-  x = x.contiguous();
-  w = w.contiguous();
-  scale = scale.contiguous();
-  bias = bias.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(scale.numel() == 0 || scale.numel() == N, "scale must have N entries");
-  TORCH_CHECK(bias.numel() == 0 || bias.numel() == N, "bias must have N entries");
-  auto y = torch::empty({M, N}, x.options());
-  if (w.dtype() == torch::kInt8)
-    float_dot(x.data_ptr<float>(), w.data_ptr<int8_t>(), y.data_ptr<float>(), M, N, K);
-  else
-    float_dot(x.data_ptr<float>(), reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
-              y.data_ptr<float>(), M, N, K);
-  epilogue(y.data_ptr<float>(), M, N, scale, bias);
-  return y;
-}
 
 namespace {
 

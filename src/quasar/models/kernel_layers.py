@@ -14,21 +14,36 @@ import torch
 from torch import nn
 
 from quasar.kv_cache import KVCache
-from quasar.models.llama import Attention, Layers, RMSNorm
+from quasar.models.llama import Attention, Layers, Linear, RMSNorm
 
 NONE = torch.empty(0)
 
 
 class KernelModule:
-    """A module on quasar's kernels, made from its torch form in place (same parameters, new class)."""
+    """A module on quasar's kernels, made from its torch form in place (same parameters, new class). The
+    kernel module (one per process) is a class attribute, so such a module still deep-copies."""
 
-    kernel: Any
+    kernel: Any = None
 
     @classmethod
     def adopt(cls, module: nn.Module, kernel: Any) -> nn.Module:
+        assert KernelModule.kernel in (None, kernel), "one kernel module per process"
+        KernelModule.kernel = kernel
         module.__class__ = cls
-        module.kernel = kernel
         return module
+
+
+class KernelLinear(KernelModule, Linear):
+    """A float32 linear (the fp32 verifier) on the float kernel: fixed-order float32 sums, any row count."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # [M, K] float32
+        y = self.kernel.float_act_linear(rows, self.weight, NONE, self.kernel_args()[3])
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kind 1 = float32 activations, weight, scale, bias) for the fused decoder-layer kernel."""
+        return 1, self.weight, NONE, NONE if self.bias is None else self.bias
 
 
 class KernelRMSNorm(KernelModule, RMSNorm):

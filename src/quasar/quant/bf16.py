@@ -1,10 +1,15 @@
-"""BF16Linear: bfloat16 weights, float32 activations and sums.
+"""BF16Linear: bfloat16 weights, float32 sums, and float32 or bfloat16 inputs.
 
-Without AVX512-BF16 arithmetic PyTorch's bf16 GEMM converts and runs slowly at a few rows. On quasar's
-kernel (csrc/linear_avx2.cpp, `float_act_linear`) each weight is widened to float32 in registers and summed
-in a fixed order: half the bytes of fp32, and every row of the result depends on its own input row only.
-Elsewhere (CUDA, no kernel) it is F.linear on the weight cast to the activations' dtype, at the fixed
-shape of models/llama.py. quasar.backends picks the kernel at load (KernelBF16Linear).
+Two kinds, fixed when the layer is made:
+- float32 inputs (the bf16 lm_head of W8A8 checkpoints): each weight is widened to float32 in registers
+  (csrc/float_dot.cpp, `float_act_linear`);
+- bfloat16 inputs (`bf16_inputs`, every linear of the bf16 verifier, as llama.cpp runs a BF16 model): the
+  input rows are rounded to bfloat16 and multiplied with AVX512-BF16's vdpbf16ps where the CPU has it, the
+  same two FMAs per pair elsewhere (`bf16_linear`): the same floats on every x86 host.
+Either way half the bytes of fp32, and every row of the result depends on its own input row only.
+Elsewhere (CUDA, no kernel) it is F.linear on the weight cast to the activations' dtype (inputs rounded
+through bfloat16 first for the second kind), at the fixed shape of models/llama.py. quasar.backends picks
+the kernel at load (KernelBF16Linear).
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ NO_TENSOR = torch.empty(0)
 class BF16Linear(Linear):
     """A Linear with a bfloat16 weight [N, K] (state dicts and exports see a plain linear)."""
 
+    bf16_inputs = False  # round the input rows to bfloat16 (vdpbf16ps) instead of multiplying them as float32
+
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> BF16Linear:
+    def from_linear(cls, linear: nn.Linear, bf16_inputs: bool = False) -> BF16Linear:
         with torch.device("meta"):
             layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        layer.bf16_inputs = bf16_inputs
         layer.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)  # shared if bf16
         layer.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         return layer
@@ -34,34 +42,40 @@ class BF16Linear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.bf16_inputs:
+            x = x.to(torch.bfloat16).to(x.dtype)
         return at_fixed_shape(lambda rows: F.linear(rows, self.weight.to(x.dtype), bias), x)
 
     def kernel_form(self) -> type | None:
-        return None if self.weight.device.type != "cpu" or self.in_features % 16 else KernelBF16Linear
+        multiple = 32 if self.bf16_inputs else 16  # the kernels' step over K
+        return None if self.weight.device.type != "cpu" or self.in_features % multiple else KernelBF16Linear
 
 
 class KernelBF16Linear(KernelModule, BF16Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()  # [M, K]
-        y = self.kernel.float_act_linear(rows, self.weight, NO_TENSOR, self.kernel_bias())  # [M, N] float32
+        if self.bf16_inputs:
+            y = self.kernel.bf16_linear(rows, self.weight, self.kernel_bias())  # [M, N] float32
+        else:
+            y = self.kernel.float_act_linear(rows, self.weight, NO_TENSOR, self.kernel_bias())
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def kernel_bias(self) -> torch.Tensor:
         return NO_TENSOR if self.bias is None else self.bias.float()
 
     def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kind 1 = float activations, weight, scale, bias) for the fused decoder-layer kernel."""
-        return 1, self.weight, NO_TENSOR, self.kernel_bias()
+        """(kind 1 = float32 inputs or 2 = bfloat16 inputs, weight, scale, bias) for the fused decoder-layer kernel."""
+        return 2 if self.bf16_inputs else 1, self.weight, NO_TENSOR, self.kernel_bias()
 
 
-def use_bf16_linears_(model: nn.Module, names: list[str] | None = None) -> list[str]:
-    """Swap the named float linears (default: all) for BF16Linear in place; returns the names swapped. A tied
-    lm_head keeps sharing its (now bf16) table with the embedding."""
+def use_bf16_linears_(model: nn.Module, names: list[str] | None = None, bf16_inputs: bool = False) -> list[str]:
+    """Swap the named float linears (default: all) for BF16Linear in place (with bfloat16 inputs if asked);
+    returns the names swapped. A tied lm_head keeps sharing its (now bf16) table with the embedding."""
     if names is None:
         names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, BF16Linear)]
     for name in names:
-        swap_module_(model, name, BF16Linear.from_linear(model.get_submodule(name)))
+        swap_module_(model, name, BF16Linear.from_linear(model.get_submodule(name), bf16_inputs))
     if "lm_head" in names and getattr(model.config, "tie_word_embeddings", False):
         model.model.embed_tokens.weight = model.lm_head.weight  # still tied: lookups read the bf16 rows
     return names
