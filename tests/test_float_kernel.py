@@ -9,7 +9,7 @@ import torch
 from conftest import needs_kernels
 
 from quasar import backends, native
-from quasar.quant.bf16 import BF16Linear, KernelBF16Linear
+from quasar.quant.bf16 import BF16Linear, KernelBF16Linear, pack_panels
 
 pytestmark = needs_kernels
 E = torch.empty(0)
@@ -61,14 +61,32 @@ def test_float_activations_are_the_same_on_every_path_and_row_by_row(kernel, M, 
     assert torch.equal(alone, y)
 
 
-@pytest.mark.parametrize("M,K,N", [s for s in SHAPES if s[1] % 32 == 0])
+@pytest.mark.parametrize("M,K,N", [(1, 64, 48), (5, 6, 32), (13, 576, 80), (9, 1536, 144)])  # K past a chunk of 512
 def test_bf16_inputs_are_the_same_on_every_path_and_row_by_row(kernel, M, K, N):
     torch.manual_seed(M + N)
     x, w, bias = torch.randn(M, K), torch.randn(N, K).to(torch.bfloat16), torch.randn(N)
-    y = assert_same_everywhere(on_every_path(kernel, lambda: kernel.bf16_linear(x, w, bias)))
+    packed = pack_panels(w)
+    assert packed[1, 2, 3, 1] == w[16 + 3, 2 * 2 + 1]
+    y = assert_same_everywhere(on_every_path(kernel, lambda: kernel.bf16_linear(x, packed, bias)))
     exact = x.to(torch.bfloat16).double() @ w.double().T + bias.double()  # the products of bf16 are exact
     assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
-    alone = torch.cat([kernel.bf16_linear(x[m : m + 1], w, bias) for m in range(M)])
+    alone = torch.cat([kernel.bf16_linear(x[m : m + 1], packed, bias) for m in range(M)])
+    assert torch.equal(alone, y)
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 64, 48), (5, 7, 32), (13, 576, 80), (9, 1536, 144)])
+def test_packed_fp32_is_the_same_on_every_path_and_row_by_row(kernel, M, K, N):
+    torch.manual_seed(M * K)
+    x, w, bias = torch.randn(M, K), torch.randn(N, K), torch.randn(N)
+    packed = w.view(N // 16, 16, K).transpose(1, 2).contiguous()
+    y = assert_same_everywhere(on_every_path(kernel, lambda: kernel.fp32_linear(x, packed, bias)))
+    chain = torch.zeros(M, N)  # one float32 FMA chain per output, k in order: the kernel's sum exactly
+    for k in range(K):
+        chain = torch.addcmul(chain, x[:, k : k + 1], w[:, k][None])
+    assert torch.allclose(y, chain + bias, rtol=1e-5, atol=1e-5)  # addcmul rounds each product, an FMA does not
+    expected = x.double() @ w.double().T + bias.double()
+    assert torch.allclose(y.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+    alone = torch.cat([kernel.fp32_linear(x[m : m + 1], packed, bias) for m in range(M)])
     assert torch.equal(alone, y)
 
 
@@ -78,7 +96,7 @@ def test_bf16_inputs_round_as_torch_does_ties_to_even_and_nan(kernel):
     ties = (base.view(torch.int32) | 0x8000).view(torch.float32)  # exactly half way: to the even neighbour
     above = (base.view(torch.int32) | 0x8001).view(torch.float32)
     x = torch.cat([ties, above, torch.randn(48)]).reshape(1, 64)
-    w = torch.randn(16, 64).to(torch.bfloat16)
+    w = pack_panels(torch.randn(16, 64).to(torch.bfloat16))
     for path in kernel.float_paths():
         kernel.use_float_path(path)
         assert torch.equal(kernel.bf16_linear(x, w, E), kernel.bf16_linear(x.to(torch.bfloat16).float(), w, E))
@@ -89,14 +107,14 @@ def test_bf16_inputs_round_as_torch_does_ties_to_even_and_nan(kernel):
 
 def test_bf16_input_layer_on_torch_and_on_the_kernel_agree():
     torch.manual_seed(2)
-    linear = torch.nn.Linear(576, 200)
+    linear = torch.nn.Linear(576, 208)
     layer = BF16Linear.from_linear(linear, bf16_inputs=True)
     x = torch.randn(3, 4, 576)
     on_torch = layer(x)
     on_kernel = backends.on_kernel(layer)(x)
     assert isinstance(layer, KernelBF16Linear) and layer.kernel_args()[0] == 2
     assert torch.allclose(on_kernel, on_torch, rtol=1e-4, atol=1e-4)
-    assert BF16Linear.from_linear(torch.nn.Linear(48, 8), bf16_inputs=True).kernel_form() is None  # K % 32
+    assert BF16Linear.from_linear(torch.nn.Linear(48, 8), bf16_inputs=True).kernel_form() is None  # N % 16
 
 
 def test_fp32_and_bf16_verifiers_run_on_the_float_kernels(tiny_model_dir):
@@ -113,5 +131,16 @@ def test_fp32_and_bf16_verifiers_run_on_the_float_kernels(tiny_model_dir):
             assert model.backend == f"kernels:{kernel.float_path()}", name
             got = model(ids, model.new_cache(16))
             assert (got - expected).abs().max() <= tolerance * expected.abs().max(), name
+            linears = [m for m in model.modules() if getattr(m, "packed", None) is not None]
+            assert len(linears) == 2 * 7 + 1 and all(m.weight.data_ptr() == m.packed.data_ptr() for m in linears), name
         w8a8 = load_verifier(tiny_model_dir, "w8a8").model
     assert w8a8.backend == f"kernels:{kernel.int8_path()}+{kernel.float_path()}"  # int8 layers, bf16 lm_head
+
+
+def test_a_tied_lm_head_keeps_its_rows_for_the_embedding():
+    from quasar.verifiers import load_verifier
+
+    model = load_verifier("default", "bf16").model  # SmolLM2 ties lm_head and embedding
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert model.lm_head.packed.shape == (49152 // 16, 576 // 2, 16, 2)
+    assert model.model.layers[0].mlp.up_proj.weight.data_ptr() == model.model.layers[0].mlp.up_proj.packed.data_ptr()

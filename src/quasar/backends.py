@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from quasar import native
-from quasar.models.kernel_layers import FusedLayers, KernelAttention, KernelLinear, KernelModule, KernelRMSNorm
+from quasar.models.kernel_layers import (FusedLayers, KernelAttention, KernelLinear, KernelModule, KernelRMSNorm,
+                                         drop_plain_weights_)
 from quasar.models.llama import Attention, Layers, Linear, RMSNorm, Transformer
 
 TORCH = "torch"
@@ -30,10 +31,12 @@ def kernel_for(model: Transformer, cache_dir: str | Path | None = None) -> Any |
     return native.kernel(cache_dir)
 
 
-def prepare_(model: Transformer, fuse: bool = True, cache_dir: str | Path | None = None) -> str:
+def prepare_(model: Transformer, fuse: bool = True, cache_dir: str | Path | None = None, owned: bool = False) -> str:
     """Put model on quasar's kernels where every part of it can run there, else leave it on torch; returns
     the backend's name ('kernels:dpbusd+avx512bf16', 'kernels:avx2', ... or 'torch'), also kept as model.backend.
-    Idempotent: a model already on the kernels (a layer-skip view of one, say) only gets its stack rebuilt."""
+    Idempotent: a model already on the kernels (a layer-skip view of one, say) only gets its stack rebuilt.
+    owned: nothing else reads the model's weights, so the linears the kernels read packed (fp32, bf16 inputs)
+    keep only that copy (models/kernel_layers.drop_plain_weights_)."""
     kernel = kernel_for(model, cache_dir)
     forms = {m: kernel_form(m) for m in model.modules() if isinstance(m, nn.Linear) or hasattr(m, "in_features")}
     if kernel is None or any(form is None for form in forms.values()):
@@ -44,6 +47,8 @@ def prepare_(model: Transformer, fuse: bool = True, cache_dir: str | Path | None
     for module, form in forms.items():
         if type(module) is not form:
             form.adopt(module, kernel)
+    if owned:
+        drop_plain_weights_(model)
     stack = model.model.layers
     stack.__class__ = FusedLayers if fuse else Layers
     if fuse:
@@ -65,7 +70,7 @@ def kernel_form(linear: nn.Module) -> type | None:
     if isinstance(linear, KernelModule):
         return type(linear)
     if type(linear) is Linear:  # float32 weights (the fp32 verifier)
-        usable = linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu" and linear.in_features % 16 == 0
+        usable = linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu" and linear.out_features % 16 == 0
         return KernelLinear if usable else None
     return linear.kernel_form() if hasattr(linear, "kernel_form") else None
 

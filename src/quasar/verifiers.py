@@ -55,5 +55,5 @@ def load_verifier(model: str | Path, verifier: str, cache_dir: str | Path | None
     """'fp32', 'bf16', 'w8a8', 'w8a8:pc', 'pruned:8', ... -> the loaded verifier, on its backend."""
     name, _, arg = verifier.partition(":")
     loaded = lookup(VERIFIERS, name, "verifier", FORMS)(model, arg or None, cache_dir=cache_dir)
-    backends.prepare_(loaded.model, cache_dir=cache_dir)
+    backends.prepare_(loaded.model, cache_dir=cache_dir, owned=True)
     return loaded

@@ -1,6 +1,6 @@
-"""F16 and Q8_0 copies of a GGUF model, for the llama.cpp peers (same weights as quasar's methods).
+"""F16, BF16 and Q8_0 copies of a GGUF model, for the llama.cpp peers (same weights as quasar's methods).
 
-Every metadata field is copied; each 2-D weight is dequantized and re-encoded (F16, or Q8_0 where rows
+Every metadata field is copied; each 2-D weight is dequantized and re-encoded (F16, BF16, or Q8_0 where rows
 are a multiple of its 32-value block), 1-D tensors (norms, biases) stay F32 as llama.cpp expects.
 Written once into the user cache, keyed by the source's sha256.
 """
@@ -17,7 +17,7 @@ from quasar.files import cache_root, sha256_memo
 from quasar.loading import open_gguf, resolve
 
 log = logging.getLogger("quasar")
-PRECISIONS = {"f16": ("F16", "MOSTLY_F16"), "q8_0": ("Q8_0", "MOSTLY_Q8_0")}  # -> (tensor type, file type)
+PRECISIONS = {"f16": ("F16", "MOSTLY_F16"), "bf16": ("BF16", "MOSTLY_BF16"), "q8_0": ("Q8_0", "MOSTLY_Q8_0")}  # -> (tensor type, file type)
 
 
 def encode(weights: np.ndarray, precision: str) -> tuple[np.ndarray, object]:
@@ -61,7 +61,7 @@ def write_copy(source: Path, target: Path, precision: str) -> None:
 
 
 def exported_gguf(model: str | Path, precision: str, cache_dir: str | Path | None = None) -> Path:
-    """The cached `precision` ('f16' or 'q8_0') copy of a GGUF model, made on first use."""
+    """The cached `precision` ('f16', 'bf16' or 'q8_0') copy of a GGUF model, made on first use."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown GGUF precision {precision!r}; choose from {', '.join(PRECISIONS)}")
     source = resolve(model, cache_dir)

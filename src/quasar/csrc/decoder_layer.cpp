@@ -12,7 +12,8 @@
 // k-norm weights (empty without qk-norm), then weight, scale and bias for q, k, v, o, gate, up, down
 // (scale or bias empty where absent). kinds[i] says how linear i runs: 0 = W8A8 (int8 weight, per-token
 // int8 activations), 1 = float32 activations (float32 weight, int8 weight with per-channel scale, or bfloat16
-// weight), 2 = bfloat16 activations and weight (bf16_linear).
+// weight), 2 = bfloat16 activations and packed bfloat16 weight (bf16_linear), 3 = packed float32 weight
+// (fp32_linear).
 #include "kernels.h"
 
 namespace {
@@ -20,7 +21,8 @@ namespace {
 torch::Tensor linear(int64_t kind, const torch::Tensor& x, const std::vector<torch::Tensor>& t, int i) {
   const torch::Tensor &w = t[4 + 3 * i], &scale = t[5 + 3 * i], &bias = t[6 + 3 * i];
   if (kind == 0) return w8a8_linear(x, w, scale, bias);
-  return kind == 1 ? float_act_linear(x, w, scale, bias) : bf16_linear(x, w, bias);
+  if (kind == 1) return float_act_linear(x, w, scale, bias);
+  return kind == 2 ? bf16_linear(x, w, bias) : fp32_linear(x, w, bias);
 }
 
 // Linears `first`.. of the same input; W8A8 ones share one activation quantization.

@@ -6,16 +6,19 @@
 //   output is 16 lanes, lane j summing the k = j (mod 16) in k order with FMAs, then hsum_ps(lanes 0-7,
 //   lanes 8-15). AVX2 keeps the 16 lanes in two registers, AVX-512 in one: the same float either way.
 // - bf16_linear: x rounded to bfloat16 (to nearest even, as torch's x.to(torch.bfloat16)) times bfloat16
-//   weights, float32 sums: the bf16 verifier (as llama.cpp runs a BF16 model). An output is 16 lanes, lane
-//   j taking the pairs (32 s + 2 j, 32 s + 2 j + 1), the odd element first: exactly AVX512-BF16's vdpbf16ps,
-//   which runs it where the CPU has it. AVX2 runs the same two FMAs per pair; a product of two bfloat16 is
-//   exact in float32, so each FMA rounds once, as vdpbf16ps does. (vdpbf16ps also flushes denormal inputs
-//   and results to zero, the AVX2 path does not: results differ only where a product or partial sum falls
-//   below 1.2e-38.)
+//   weights packed in panels of 16 channels ([N/16][K/2][16][2]: each channel's input pairs side by side),
+//   float32 sums: the bf16 verifier (as llama.cpp runs a BF16 model). An output is one float32 lane that
+//   takes the input pairs in order, the odd element first: exactly AVX512-BF16's vdpbf16ps with the pair of
+//   x broadcast, which runs it where the CPU has it (16 channels per instruction, no lane sums at the end).
+//   AVX2 runs the same two FMAs per pair on 8 channels; a product of two bfloat16 is exact in float32, so
+//   each FMA rounds once, as vdpbf16ps does. (vdpbf16ps also flushes denormal inputs and results to zero,
+//   the AVX2 path does not: results differ only where a product or partial sum falls below 1.2e-38.)
 //
-// Both are tiled: R rows x C channels of accumulators in registers, so each weight load serves R rows and
-// each activation load C channels, and a thread walks its channels in blocks small enough to stay in L2
-// while every row passes: a prefill of many rows reads each weight from memory once.
+// Both are tiled: R rows x C channels (or panels) of accumulators in registers, so each weight load serves R
+// rows and each activation load C channels, and a thread walks its channels in blocks small enough to stay
+// in L2 while every row passes: a prefill of many rows reads each weight from memory once. bf16_linear also
+// walks K in chunks, keeping its partial sums in y between them (a float stored and loaded is the same
+// float, so the chunks change no result).
 #include "kernels.h"
 #include "blocking.h"
 #include "float_lanes.h"
@@ -23,6 +26,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 
 namespace {
 
@@ -89,49 +93,112 @@ void act32_tile_avx2(const float* x, const W* w, float* y, int64_t m0, int64_t n
     for (int c = 0; c < C; ++c) y[(m0 + r) * N + n0 + c] = hsum_ps(acc[0][r][c], acc[1][r][c]);
 }
 
-// Bfloat16 x and w, vdpbf16ps in two FMAs per pair: a 32-bit lane holding elements (2 j, 2 j + 1) gives
-// the odd one as its high half (mask) and the even one shifted up. R <= 2, C <= 2.
+// Inputs per chunk of a packed product, and panels per block: 16 panels x 512 inputs x 32 (bf16) or 64 (fp32)
+// bytes = 256 or 512 KB, in L2 while the rows pass.
+constexpr int64_t kKChunk = 512, kPanelBlock = 16;
+
+// Rows [0, M) times panels [p0, p1) of 16 channels, K in chunks: tile(rows, panels, m, p, k0, k1).
+template <int RMAX, int CMAX, typename F>
+void panel_tiles(int64_t M, int64_t p0, int64_t p1, int64_t K, F tile) {
+  for (int64_t k0 = 0; k0 < K; k0 += kKChunk) {
+    const int64_t k1 = std::min(K, k0 + kKChunk);
+    for (int64_t b = p0; b < p1; b += kPanelBlock) {
+      const int64_t b1 = std::min(b + kPanelBlock, p1);
+      row_blocks<RMAX>(M, [&](auto rows, int64_t m) {
+        row_blocks<CMAX>(b1 - b, [&](auto panels, int64_t c) { tile(rows, panels, m, b + c, k0, k1); });
+      });
+    }
+  }
+}
+
+inline int32_t pair_at(const uint16_t* p) {  // two bfloat16 as one 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// vdpbf16ps in two FMAs per pair, 8 channels a register: a 32-bit lane holding a pair gives its odd element
+// as the high half (mask) and its even one shifted up. Inputs [k0, k1) of rows m0.. and panels p0..; the
+// partial sums come from y after the first chunk. R <= 4, C = 1 fill the 16 registers.
 template <int R, int C>
-void bf16_tile_avx2(const uint16_t* x, const uint16_t* w, float* y, int64_t m0, int64_t n0, int64_t N, int64_t K) {
+void bf16_tile_avx2(const uint16_t* x, const uint16_t* wp, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K,
+                    int64_t k0, int64_t k1) {
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m256 acc[2][R][C];
+  __m256 acc[R][C][2];
 #pragma GCC unroll 16
-  for (int h = 0; h < 2; ++h)
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) acc[h][r][c] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int h = 0; h < 2; ++h)
+        acc[r][c][h] = k0 ? _mm256_loadu_ps(y + (m0 + r) * N + 16 * (p0 + c) + 8 * h) : _mm256_setzero_ps();
+  for (int64_t k = k0; k < k1; k += 2) {
+    __m256 w_odd[C][2], w_even[C][2];
 #pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) prefetch_row(w + (n0 + c) * K + k);
+    for (int c = 0; c < C; ++c) {
+      const uint16_t* panel = wp + (p0 + c) * K * 16 + k * 16;
+      prefetch_row(panel);
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      __m256 w_odd[C], w_even[C];
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n0 + c) * K + k + 16 * h));
-        w_odd[c] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-        w_even[c] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + 16 * h));
+        w_odd[c][h] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        w_even[c][h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
       }
+    }
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + (m0 + r) * K + k + 16 * h));
-        const __m256 x_odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-        const __m256 x_even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    for (int r = 0; r < R; ++r) {
+      const __m256i v = _mm256_set1_epi32(pair_at(x + (m0 + r) * K + k));
+      const __m256 x_odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+      const __m256 x_even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 #pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) {
-          acc[h][r][c] = _mm256_fmadd_ps(x_odd, w_odd[c], acc[h][r][c]);
-          acc[h][r][c] = _mm256_fmadd_ps(x_even, w_even[c], acc[h][r][c]);
+      for (int c = 0; c < C; ++c)
+        for (int h = 0; h < 2; ++h) {
+          acc[r][c][h] = _mm256_fmadd_ps(x_odd, w_odd[c][h], acc[r][c][h]);
+          acc[r][c][h] = _mm256_fmadd_ps(x_even, w_even[c][h], acc[r][c][h]);
         }
-      }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[(m0 + r) * N + n0 + c] = hsum_ps(acc[0][r][c], acc[1][r][c]);
+    for (int c = 0; c < C; ++c)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + r) * N + 16 * (p0 + c) + 8 * h, acc[r][c][h]);
+}
+
+// Float32 x times float32 weights packed [N/16][K][16]: x[m, k] broadcast, one FMA per 8 channels and input,
+// each channel's sum one chain in k order. R <= 6, C = 1 (12 accumulators, 2 weights, x).
+template <int R, int C>
+void fp32_tile_avx2(const float* x, const float* wp, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t k0,
+                    int64_t k1) {
+  __m256 acc[R][C][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int h = 0; h < 2; ++h)
+        acc[r][c][h] = k0 ? _mm256_loadu_ps(y + (m0 + r) * N + 16 * (p0 + c) + 8 * h) : _mm256_setzero_ps();
+  for (int64_t k = k0; k < k1; ++k) {
+    __m256 wv[C][2];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const float* panel = wp + ((p0 + c) * K + k) * 16;
+      prefetch_row(panel);
+      wv[c][0] = _mm256_loadu_ps(panel);
+      wv[c][1] = _mm256_loadu_ps(panel + 8);
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + (m0 + r) * K + k);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c)
+        for (int h = 0; h < 2; ++h) acc[r][c][h] = _mm256_fmadd_ps(xv, wv[c][h], acc[r][c][h]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + r) * N + 16 * (p0 + c) + 8 * h, acc[r][c][h]);
 }
 
 // x [count] float32 -> bfloat16 bits, to nearest even (NaN stays a quiet NaN): torch's rounding, 8 at a time.
 void round_bf16(const float* x, int64_t count, uint16_t* out) {
   const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF), nan = _mm256_set1_epi32(0x7FC0);
-  for (int64_t i = 0; i < count; i += 8) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
     const __m256 f = _mm256_loadu_ps(x + i);
     const __m256i v = _mm256_castps_si256(f);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(v, 16), one);
@@ -139,6 +206,11 @@ void round_bf16(const float* x, int64_t count, uint16_t* out) {
     r = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);  // 8 uint16 in the low half
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(packed));
+  }
+  for (; i < count; ++i) {
+    uint32_t v;
+    std::memcpy(&v, x + i, sizeof v);
+    out[i] = x[i] != x[i] ? 0x7FC0 : static_cast<uint16_t>((v + 0x7FFF + ((v >> 16) & 1)) >> 16);
   }
 }
 
@@ -196,6 +268,39 @@ void act32(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K
   });
 }
 
+// Float32 x times float32 weights packed [N/16][K][16], 16 channels a register: R <= 6, C <= 4.
+template <int R, int C>
+void fp32_tile(const float* x, const float* wp, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t k0,
+               int64_t k1) {
+  __m512 acc[R][C];
+#pragma GCC unroll 24
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = k0 ? _mm512_loadu_ps(y + (m0 + r) * N + 16 * (p0 + c)) : _mm512_setzero_ps();
+  for (int64_t k = k0; k < k1; ++k) {
+    __m512 wv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const float* panel = wp + ((p0 + c) * K + k) * 16;
+      prefetch_row(panel);
+      wv[c] = _mm512_loadu_ps(panel);
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[(m0 + r) * K + k]);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(y + (m0 + r) * N + 16 * (p0 + c), acc[r][c]);
+}
+
+void fp32_dot(const float* x, const float* wp, float* y, int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
+  panel_tiles<6, 4>(M, p0, p1, K, [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
+    fp32_tile<decltype(rows)::value, decltype(panels)::value>(x, wp, y, m, p, N, K, k0, k1);
+  });
+}
+
 }  // namespace
 }  // namespace avx512
 #pragma GCC pop_options
@@ -205,38 +310,36 @@ void act32(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K
 namespace avx512bf16 {
 namespace {
 
-inline float sum16(__m512 a) {
-  return hsum_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-}
-
-inline __m512bh load_bf16(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
-
-// R <= 4, C <= 4, one vdpbf16ps per row, channel and 32 inputs.
+// R <= 6, C <= 4: 24 accumulators and 4 weight registers of the 32; the pair of x is a broadcast operand.
 template <int R, int C>
-void bf16_tile(const uint16_t* x, const uint16_t* w, float* y, int64_t m0, int64_t n0, int64_t N, int64_t K) {
+void bf16_tile(const uint16_t* x, const uint16_t* wp, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K,
+               int64_t k0, int64_t k1) {
   __m512 acc[R][C];
-#pragma GCC unroll 16
+#pragma GCC unroll 24
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    __m512bh xv[R];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) xv[r] = load_bf16(x + (m0 + r) * K + k);
+    for (int c = 0; c < C; ++c) acc[r][c] = k0 ? _mm512_loadu_ps(y + (m0 + r) * N + 16 * (p0 + c)) : _mm512_setzero_ps();
+  for (int64_t k = k0; k < k1; k += 2) {
+    __m512bh wv[C];
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
-      prefetch_row(w + (n0 + c) * K + k);
-      const __m512bh wv = load_bf16(w + (n0 + c) * K + k);
+      const uint16_t* panel = wp + (p0 + c) * K * 16 + k * 16;
+      prefetch_row(panel);
+      wv[c] = (__m512bh)_mm512_loadu_si512(panel);
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair_at(x + (m0 + r) * K + k));
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv[r], wv);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[(m0 + r) * N + n0 + c] = sum16(acc[r][c]);
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(y + (m0 + r) * N + 16 * (p0 + c), acc[r][c]);
 }
 
-void bf16_dot(const uint16_t* x, const uint16_t* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  tiles<4, 4>(M, n0, n1, K * 2, [&](auto rows, auto cols, int64_t m, int64_t n) {
-    bf16_tile<decltype(rows)::value, decltype(cols)::value>(x, w, y, m, n, N, K);
+void bf16_dot(const uint16_t* x, const uint16_t* wp, float* y, int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
+  panel_tiles<6, 4>(M, p0, p1, K, [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
+    bf16_tile<decltype(rows)::value, decltype(panels)::value>(x, wp, y, m, p, N, K, k0, k1);
   });
 }
 
@@ -345,25 +448,53 @@ torch::Tensor float_act_linear(torch::Tensor x, torch::Tensor w, torch::Tensor s
   return y;
 }
 
-// x [M, K] float32 rounded to bfloat16, times w [N, K] bfloat16, float32 sums as vdpbf16ps takes them, plus
-// bias [N] float32 (or empty) -> y [M, N] float32. Row m of the result depends on x[m] only.
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias) {
-  TORCH_CHECK(w.dtype() == torch::kBFloat16, "bfloat16 w expected");
-  check_float_linear(x, w, bias, 32);
+// x [M, K] float32 rounded to bfloat16, times bfloat16 weights packed [N/16, K/2, 16, 2] (w[n, k] at
+// [n / 16, k / 2, n % 16, k % 2]), float32 sums as vdpbf16ps takes them, plus bias [N] float32 (or empty)
+// -> y [M, N] float32. Row m of the result depends on x[m] only.
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias) {
+  TORCH_CHECK(wp.dtype() == torch::kBFloat16 && wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 2,
+              "bfloat16 weights packed [N/16, K/2, 16, 2] expected");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == 2 * wp.size(1), "float32 x [M, K] expected");
+  const int64_t M = x.size(0), K = x.size(1), P = wp.size(0), N = 16 * P;
+  TORCH_CHECK(bias.numel() == 0 || (bias.dtype() == torch::kFloat32 && bias.numel() == N), "float32 bias [N] or empty expected");
   x = x.contiguous();
-  w = w.contiguous();
+  wp = wp.contiguous();
   bias = bias.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   std::vector<uint16_t> xb(M * K);
   round_bf16(x.data_ptr<float>(), M * K, xb.data());
   auto y = torch::empty({M, N}, x.options());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
   const FloatPath path = current_path();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    if (path == FloatPath::Avx512Bf16) return avx512bf16::bf16_dot(xb.data(), wp, yp, M, N, K, n0, n1);
-    tiles<2, 2>(M, n0, n1, K * 2, [&](auto rows, auto cols, int64_t m, int64_t n) {
-      bf16_tile_avx2<decltype(rows)::value, decltype(cols)::value>(xb.data(), wp, yp, m, n, N, K);
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    if (path == FloatPath::Avx512Bf16) return avx512bf16::bf16_dot(xb.data(), w, yp, M, N, K, p0, p1);
+    panel_tiles<4, 1>(M, p0, p1, K, [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
+      bf16_tile_avx2<decltype(rows)::value, decltype(panels)::value>(xb.data(), w, yp, m, p, N, K, k0, k1);
+    });
+  });
+  epilogue(yp, M, N, nullptr, bias.numel() ? bias.data_ptr<float>() : nullptr);
+  return y;
+}
+
+// x [M, K] float32 times float32 weights packed [N/16, K, 16] (w[n, k] at [n / 16, k, n % 16]), each output
+// one float32 FMA chain in k order, plus bias [N] float32 (or empty) -> y [M, N] float32: the fp32 verifier.
+// Row m of the result depends on x[m] only.
+torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias) {
+  TORCH_CHECK(wp.dtype() == torch::kFloat32 && wp.dim() == 3 && wp.size(2) == 16, "float32 weights packed [N/16, K, 16] expected");
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == wp.size(1), "float32 x [M, K] expected");
+  const int64_t M = x.size(0), K = x.size(1), P = wp.size(0), N = 16 * P;
+  TORCH_CHECK(bias.numel() == 0 || (bias.dtype() == torch::kFloat32 && bias.numel() == N), "float32 bias [N] or empty expected");
+  x = x.contiguous();
+  wp = wp.contiguous();
+  bias = bias.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const float *xp = x.data_ptr<float>(), *w = wp.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const FloatPath path = current_path();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    if (path != FloatPath::Avx2) return avx512::fp32_dot(xp, w, yp, M, N, K, p0, p1);
+    panel_tiles<6, 1>(M, p0, p1, K, [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
+      fp32_tile_avx2<decltype(rows)::value, decltype(panels)::value>(xp, w, yp, m, p, N, K, k0, k1);
     });
   });
   epilogue(yp, M, N, nullptr, bias.numel() ? bias.data_ptr<float>() : nullptr);

@@ -34,16 +34,43 @@ class KernelModule:
 
 
 class KernelLinear(KernelModule, Linear):
-    """A float32 linear (the fp32 verifier) on the float kernel: fixed-order float32 sums, any row count."""
+    """A float32 linear (the fp32 verifier) on the float kernel: its weight packed in panels of 16 channels
+    ([N/16, K, 16], made at load), one float32 FMA chain per output, any row count."""
+
+    packed: torch.Tensor
+
+    @classmethod
+    def adopt(cls, module: nn.Module, kernel: Any) -> nn.Module:
+        super().adopt(module, kernel)
+        N, K = module.out_features, module.in_features
+        module.packed = module.weight.detach().view(N // 16, 16, K).transpose(1, 2).contiguous()
+        return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [M, K] float32
-        y = self.kernel.float_act_linear(rows, self.weight, NONE, self.kernel_args()[3])
+        y = self.kernel.fp32_linear(rows, self.packed, self.kernel_args()[3])
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kind 1 = float32 activations, weight, scale, bias) for the fused decoder-layer kernel."""
-        return 1, self.weight, NONE, NONE if self.bias is None else self.bias
+        """(kind 3 = packed float32, weight, scale, bias) for the fused decoder-layer kernel."""
+        return 3, self.packed, NONE, NONE if self.bias is None else self.bias
+
+
+def drop_plain_weights_(model: nn.Module) -> int:
+    """Linears that the kernels read packed (`packed`) give up their plain weight [N, K] for the packed tensor,
+    unless another module shares it (a tied embedding looks rows up in it): one copy of each weight in memory.
+    Only for a model nobody reads in the plain layout afterwards (a loaded verifier); returns how many."""
+    readers: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            readers[param.data_ptr()] = readers.get(param.data_ptr(), 0) + 1
+    dropped = 0
+    for module in model.modules():
+        packed = getattr(module, "packed", None)
+        if packed is not None and module.weight.shape != packed.shape and readers[module.weight.data_ptr()] == 1:
+            module.weight = nn.Parameter(packed, requires_grad=False)
+            dropped += 1
+    return dropped
 
 
 class KernelRMSNorm(KernelModule, RMSNorm):

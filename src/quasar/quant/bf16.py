@@ -14,6 +14,8 @@ the kernel at load (KernelBF16Linear).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,16 +49,29 @@ class BF16Linear(Linear):
         return at_fixed_shape(lambda rows: F.linear(rows, self.weight.to(x.dtype), bias), x)
 
     def kernel_form(self) -> type | None:
-        multiple = 32 if self.bf16_inputs else 16  # the kernels' step over K
-        return None if self.weight.device.type != "cpu" or self.in_features % multiple else KernelBF16Linear
+        if self.weight.device.type != "cpu":
+            return None
+        if self.bf16_inputs:  # panels of 16 channels, inputs in pairs
+            return None if self.out_features % 16 or self.in_features % 2 else KernelBF16Linear
+        return None if self.in_features % 16 else KernelBF16Linear
 
 
 class KernelBF16Linear(KernelModule, BF16Linear):
+    """With bf16 inputs the kernel reads the weight packed in panels of 16 channels ([N/16, K/2, 16, 2],
+    made at load beside the plain weight, which state dicts and the tied embedding keep using)."""
+
+    packed: torch.Tensor | None
+
+    @classmethod
+    def adopt(cls, layer: BF16Linear, kernel: Any) -> KernelBF16Linear:
+        super().adopt(layer, kernel)
+        layer.packed = pack_panels(layer.weight) if layer.bf16_inputs else None
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()  # [M, K]
         if self.bf16_inputs:
-            y = self.kernel.bf16_linear(rows, self.weight, self.kernel_bias())  # [M, N] float32
+            y = self.kernel.bf16_linear(rows, self.packed, self.kernel_bias())  # [M, N] float32
         else:
             y = self.kernel.float_act_linear(rows, self.weight, NO_TENSOR, self.kernel_bias())
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -66,7 +81,15 @@ class KernelBF16Linear(KernelModule, BF16Linear):
 
     def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(kind 1 = float32 inputs or 2 = bfloat16 inputs, weight, scale, bias) for the fused decoder-layer kernel."""
-        return 2 if self.bf16_inputs else 1, self.weight, NO_TENSOR, self.kernel_bias()
+        if self.bf16_inputs:
+            return 2, self.packed, NO_TENSOR, self.kernel_bias()
+        return 1, self.weight, NO_TENSOR, self.kernel_bias()
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """w [N, K] -> [N/16, K/2, 16, 2]: 16 channels side by side, each with its pair of inputs (csrc/float_dot.cpp)."""
+    N, K = weight.shape
+    return weight.view(N // 16, 16, K // 2, 2).transpose(1, 2).contiguous()
 
 
 def use_bf16_linears_(model: nn.Module, names: list[str] | None = None, bf16_inputs: bool = False) -> list[str]:
