@@ -98,3 +98,23 @@ def test_attention_rows_are_independent_of_the_rows_attended_with_them(D, H, H_k
                                                k_alone, v_alone, start + t) for t in range(T)])
     assert torch.equal(together, alone)
     assert torch.equal(k_together, k_alone) and torch.equal(v_together, v_alone)
+
+
+@pytest.mark.parametrize("D,H,H_kv,T,start", [(64, 9, 3, 37, 300), (128, 12, 2, 5, 40), (64, 4, 4, 1, 0), (128, 2, 1, 70, 0)])
+def test_attention_is_the_same_on_every_float_path(D, H, H_kv, T, start):
+    """With AVX-512 the kernel holds two rows' partial sums per register and 16 dims of the values: the same
+    floats as AVX2, for prefills (rows with different key counts, odd row counts) and decode steps alike."""
+    torch.manual_seed(T + D)
+    q, k, v = torch.randn(T, H * D), torch.randn(T, H_kv * D), torch.randn(T, H_kv * D)
+    cos, sin = torch.randn(T, D), torch.randn(T, D)
+    cache = torch.randn(2, H_kv, start + T + 3, D)
+    kernel = native.kernel()
+    outs = []
+    try:
+        for path in kernel.float_paths():
+            kernel.use_float_path(path)
+            k_cache, v_cache = cache[0].clone(), cache[1].clone()
+            outs.append(kernel.decode_attention(q, k, v, cos, sin, k_cache, v_cache, start))
+    finally:
+        kernel.use_float_path("auto")
+    assert all(torch.equal(out, outs[0]) for out in outs)

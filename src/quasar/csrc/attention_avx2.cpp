@@ -9,11 +9,14 @@
 // the property that makes greedy speculative decoding equal plain decoding, without padding.
 // The rows that share a kv head (its query heads, every new token) go through the keys together, in
 // blocks that stay in the L1 cache (attend_rows): that changes the cache traffic, not a single result.
+// Where the float path is AVX-512 (float_path_avx512), the same arithmetic runs on 512-bit registers: two
+// rows' partial sums per register for the scores, 16 dims per register for the values, the same floats.
 #include "kernels.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
 #include <algorithm>
+#include <climits>
 #include <vector>
 
 namespace {
@@ -159,6 +162,133 @@ void attend_rows(const std::vector<Row>& rows, const float* keys, const float* v
   }
 }
 
+}  // namespace
+
+// ---- AVX-512: the same floats, twice the lanes --------------------------------------------------------
+// Scores: a 512-bit register holds two rows' 8-lane partial sums for one key (each row's query in its half,
+// the key broadcast to both), half_sums adds each half in hsum8's order. Weighted values: 16 output dims a
+// register, each lane the same chain over keys as the AVX2 code, R rows sharing every value load.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace avx512 {
+namespace {
+
+// Lane 0 <- hsum8(low 8 lanes), lane 8 <- hsum8(high 8 lanes), each in hsum8's order: (l_i + l_{i+4}),
+// then (s_0 + s_2, s_1 + s_3), then their sum.
+inline __m512 half_sums(__m512 a) {
+  a = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(2, 3, 0, 1)));
+  a = _mm512_add_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm512_add_ps(a, _mm512_movehdup_ps(a));
+}
+
+// score_range for two rows at once: qq [D / 8][16] holds the rows' queries 8 dims each side by side.
+void score_pair(const float* qq, const float* keys, int64_t j0, int64_t j1, int64_t D, float scale, float* sa, float* sb) {
+  for (int64_t j = j0; j < j1; j += 4) {
+    const int64_t n = std::min<int64_t>(4, j1 - j);
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m512 qv = _mm512_loadu_ps(qq + 2 * d);
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t)
+        if (t < n) acc[t] = _mm512_fmadd_ps(qv, _mm512_broadcast_f32x8(_mm256_loadu_ps(keys + (j + t) * D + d)), acc[t]);
+    }
+    for (int t = 0; t < n; ++t) {
+      const __m512 s = half_sums(acc[t]);
+      sa[j + t] = _mm_cvtss_f32(_mm512_castps512_ps128(s)) * scale;
+      sb[j + t] = _mm_cvtss_f32(_mm512_extractf32x4_ps(s, 2)) * scale;
+    }
+  }
+}
+
+// acc_out[r][64] += sum_{j in [j0, j1)} e[r][j] v_j[d0 : d0 + 64] for R rows, j in order (64 dims: 4 registers).
+template <int R>
+void weigh_rows(const float* const* e, const float* values, int64_t j0, int64_t j1, int64_t D, int64_t d0, float* const* acc_out) {
+  __m512 acc[R][4];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < 4; ++b) acc[r][b] = _mm512_loadu_ps(acc_out[r] + 16 * b);
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* vj = values + j * D + d0;
+    const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16), v2 = _mm512_loadu_ps(vj + 32),
+                 v3 = _mm512_loadu_ps(vj + 48);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 ej = _mm512_set1_ps(e[r][j]);
+      acc[r][0] = _mm512_fmadd_ps(ej, v0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(ej, v1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(ej, v2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(ej, v3, acc[r][3]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < 4; ++b) _mm512_storeu_ps(acc_out[r] + 16 * b, acc[r][b]);
+}
+
+// attend_rows with AVX-512 (D a multiple of 64): bitwise the same outputs.
+void attend_rows(const std::vector<Row>& rows, const float* keys, const float* values, int64_t D, float scale,
+                 std::vector<float>& scores) {
+  int64_t n_max = 0;
+  for (const Row& r : rows) n_max = std::max(n_max, r.last + 1);
+  const int64_t stride = (n_max + 7) / 8 * 8 + 8, block = std::max<int64_t>(8, 4096 / D);
+  const int64_t count = static_cast<int64_t>(rows.size()), pairs = (count + 1) / 2;
+  scores.resize((count + 1) * stride);  // one spare row for the partner of an odd last row
+  std::vector<float> qq(pairs * 2 * D);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const float *qa = rows[2 * p].q, *qb = rows[std::min(2 * p + 1, count - 1)].q;
+    for (int64_t d = 0; d < D; d += 8) {
+      std::copy(qa + d, qa + d + 8, qq.data() + p * 2 * D + 2 * d);
+      std::copy(qb + d, qb + d + 8, qq.data() + p * 2 * D + 2 * d + 8);
+    }
+  }
+  for (int64_t j0 = 0; j0 < n_max; j0 += block)
+    for (int64_t p = 0; p < pairs; ++p) {
+      const int64_t a = 2 * p, b = 2 * p + 1;
+      const int64_t last = std::max(rows[a].last, rows[std::min(b, count - 1)].last);
+      score_pair(qq.data() + p * 2 * D, keys, j0, std::min(j0 + block, last + 1), D, scale, scores.data() + a * stride,
+                 scores.data() + b * stride);
+    }
+  std::vector<float> norm(count);
+  for (int64_t r = 0; r < count; ++r) norm[r] = softmax_numerators(scores.data() + r * stride, rows[r].last + 1);
+  constexpr int R = 4;
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    for (const Row& r : rows) std::fill(r.out + d0, r.out + d0 + 64, 0.f);
+    for (int64_t r0 = 0; r0 < count; r0 += R) {
+      const int64_t n = std::min<int64_t>(R, count - r0);
+      const float* e[R];
+      float* out[R];
+      int64_t shared = INT64_MAX;
+      for (int64_t i = 0; i < n; ++i) {
+        e[i] = scores.data() + (r0 + i) * stride;
+        out[i] = rows[r0 + i].out + d0;
+        shared = std::min(shared, rows[r0 + i].last + 1);
+      }
+      for (int64_t j0 = 0; j0 < shared; j0 += block) {  // the keys every row of the tile sees, together
+        const int64_t j1 = std::min(j0 + block, shared);
+        switch (n) {
+          case 4: weigh_rows<4>(e, values, j0, j1, D, d0, out); break;
+          case 3: weigh_rows<3>(e, values, j0, j1, D, d0, out); break;
+          case 2: weigh_rows<2>(e, values, j0, j1, D, d0, out); break;
+          default: weigh_rows<1>(e, values, j0, j1, D, d0, out);
+        }
+      }
+      for (int64_t i = 0; i < n; ++i)  // then each row's own later keys, still in order
+        weigh_rows<1>(e + i, values, shared, rows[r0 + i].last + 1, D, d0, out + i);
+    }
+    for (int64_t r = 0; r < count; ++r) {
+      const __m512 n16 = _mm512_set1_ps(norm[r]);
+      for (int64_t d = d0; d < d0 + 64; d += 16)
+        _mm512_storeu_ps(rows[r].out + d, _mm512_div_ps(_mm512_loadu_ps(rows[r].out + d), n16));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace avx512
+#pragma GCC pop_options
+
+namespace {
+
 // New rows [row0, row0 + rows) of q/k/v belong to one sequence whose cache layer is k_cache, v_cache [H_kv, S, D].
 struct View {
   float *k_cache, *v_cache;
@@ -213,6 +343,7 @@ void attend_views(const torch::Tensor& q, const torch::Tensor& k, const torch::T
         items.push_back(Item{&view, kv, first, std::min(chunk, per_kv - first)});
   }
   float* op = out.data_ptr<float>();
+  const bool wide = D % 64 == 0 && float_path_avx512();
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
     std::vector<Row> rows;
@@ -224,7 +355,11 @@ void attend_views(const torch::Tensor& q, const torch::Tensor& k, const torch::T
         const int64_t t = view.row0 + r / group, h = item.kv * group + r % group;
         rows.push_back(Row{qr + (t * H + h) * D, view.start + r / group, op + (t * H + h) * D});
       }
-      attend_rows(rows, view.k_cache + item.kv * view.S * D, view.v_cache + item.kv * view.S * D, D, scale, scores);
+      const float *keys = view.k_cache + item.kv * view.S * D, *values = view.v_cache + item.kv * view.S * D;
+      if (wide)
+        avx512::attend_rows(rows, keys, values, D, scale, scores);
+      else
+        attend_rows(rows, keys, values, D, scale, scores);
     }
   });
 }

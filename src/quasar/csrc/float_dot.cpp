@@ -412,6 +412,8 @@ std::vector<std::string> float_paths() {
 
 std::string float_path() { return path_name(current_path()); }
 
+bool float_path_avx512() { return current_path() != FloatPath::Avx2; }
+
 std::string use_float_path(const std::string& name) {
   for (FloatPath p : available_paths())
     if (name == "auto" || name == path_name(p)) {

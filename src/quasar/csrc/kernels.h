@@ -24,6 +24,7 @@ torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
 std::vector<std::string> float_paths();  // this CPU's: "avx512bf16", "avx512", "avx2", fastest first
 std::string use_float_path(const std::string& name);  // "auto" or one of float_paths(); returns its name
 std::string float_path();  // the path float-activation linears run on now
+bool float_path_avx512();  // whether that path has 512-bit registers (attention follows it)
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
                                torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v, int64_t start);
