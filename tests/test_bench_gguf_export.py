@@ -35,8 +35,9 @@ def small_gguf(path):
     return tensors
 
 
-@pytest.mark.parametrize("precision, weight_type", [("q8_0", Q.Q8_0), ("f16", Q.F16)])
-def test_copy_keeps_metadata_and_values(tmp_path, precision, weight_type):
+@pytest.mark.parametrize("precision, weight_type, down_type", [("q8_0", Q.Q8_0, Q.F16), ("f16", Q.F16, Q.F16),
+                                                               ("bf16", Q.BF16, Q.BF16)])
+def test_copy_keeps_metadata_and_values(tmp_path, precision, weight_type, down_type):
     tensors = small_gguf(tmp_path / "src.gguf")
     write_copy(tmp_path / "src.gguf", tmp_path / "out.gguf", precision)
     reader = open_gguf(tmp_path / "out.gguf")
@@ -44,7 +45,7 @@ def test_copy_keeps_metadata_and_values(tmp_path, precision, weight_type):
     assert reader.fields["llama.block_count"].contents() == 1
     assert reader.fields["general.file_type"].contents() == gguf.LlamaFileType[f"MOSTLY_{precision.upper()}"]
     types = {t.name: t.tensor_type for t in reader.tensors}
-    assert types == {"blk.0.attn_q.weight": weight_type, "blk.0.ffn_down.weight": Q.F16, "blk.0.attn_norm.weight": Q.F32}
+    assert types == {"blk.0.attn_q.weight": weight_type, "blk.0.ffn_down.weight": down_type, "blk.0.attn_norm.weight": Q.F32}
     for t in reader.tensors:
         values = dequantize(t.data, t.tensor_type).reshape(tensors[t.name].shape)
         assert np.abs(values - tensors[t.name]).max() < 0.05  # Q8_0: absmax / 127 per block of 32
