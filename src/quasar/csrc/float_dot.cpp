@@ -121,6 +121,24 @@ inline int32_t pair_at(const uint16_t* p) {  // two bfloat16 as one 32-bit lane
   return v;
 }
 
+// The AVX2 packed tiles' accumulators, two 8-lane halves per panel: zero, or the partial sums in y after the
+// first chunk of K; and back into y.
+template <int R, int C>
+inline void start_acc(__m256 (&acc)[R][C][2], const float* y, int64_t m0, int64_t p0, int64_t N, int64_t k0) {
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int h = 0; h < 2; ++h)
+        acc[r][c][h] = k0 ? _mm256_loadu_ps(y + (m0 + r) * N + 16 * (p0 + c) + 8 * h) : _mm256_setzero_ps();
+}
+
+template <int R, int C>
+inline void store_acc(const __m256 (&acc)[R][C][2], float* y, int64_t m0, int64_t p0, int64_t N) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + r) * N + 16 * (p0 + c) + 8 * h, acc[r][c][h]);
+}
+
 // vdpbf16ps in two FMAs per pair, 8 channels a register: a 32-bit lane holding a pair gives its odd element
 // as the high half (mask) and its even one shifted up. Inputs [k0, k1) of rows m0.. and panels p0..; the
 // partial sums come from y after the first chunk. R <= 4, C = 1 fill the 16 registers.
@@ -129,11 +147,7 @@ void bf16_tile_avx2(const uint16_t* x, const uint16_t* wp, float* y, int64_t m0,
                     int64_t k0, int64_t k1) {
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 acc[R][C][2];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c)
-      for (int h = 0; h < 2; ++h)
-        acc[r][c][h] = k0 ? _mm256_loadu_ps(y + (m0 + r) * N + 16 * (p0 + c) + 8 * h) : _mm256_setzero_ps();
+  start_acc<R, C>(acc, y, m0, p0, N, k0);
   for (int64_t k = k0; k < k1; k += 2) {
     __m256 w_odd[C][2], w_even[C][2];
 #pragma GCC unroll 4
@@ -160,9 +174,7 @@ void bf16_tile_avx2(const uint16_t* x, const uint16_t* wp, float* y, int64_t m0,
         }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c)
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + r) * N + 16 * (p0 + c) + 8 * h, acc[r][c][h]);
+  store_acc<R, C>(acc, y, m0, p0, N);
 }
 
 // Float32 x times float32 weights packed [N/16][K][16]: x[m, k] broadcast, one FMA per 8 channels and input,
@@ -171,11 +183,7 @@ template <int R, int C>
 void fp32_tile_avx2(const float* x, const float* wp, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t k0,
                     int64_t k1) {
   __m256 acc[R][C][2];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c)
-      for (int h = 0; h < 2; ++h)
-        acc[r][c][h] = k0 ? _mm256_loadu_ps(y + (m0 + r) * N + 16 * (p0 + c) + 8 * h) : _mm256_setzero_ps();
+  start_acc<R, C>(acc, y, m0, p0, N, k0);
   for (int64_t k = k0; k < k1; ++k) {
     __m256 wv[C][2];
 #pragma GCC unroll 4
@@ -193,9 +201,7 @@ void fp32_tile_avx2(const float* x, const float* wp, float* y, int64_t m0, int64
         for (int h = 0; h < 2; ++h) acc[r][c][h] = _mm256_fmadd_ps(xv, wv[c][h], acc[r][c][h]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c)
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(y + (m0 + r) * N + 16 * (p0 + c) + 8 * h, acc[r][c][h]);
+  store_acc<R, C>(acc, y, m0, p0, N);
 }
 
 // x [count] float32 -> bfloat16 bits, to nearest even (NaN stays a quiet NaN): torch's rounding, 8 at a time.
@@ -276,38 +282,17 @@ void act32(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K
     tiles<4, 4>(M, n0, n1, K * static_cast<int64_t>(sizeof(W)), tile);
 }
 
-// Float32 x times float32 weights packed [N/16][K][16], 16 channels a register: R <= 6, C <= 4.
-template <int R, int C>
-void fp32_tile(const float* x, const float* wp, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t k0,
-               int64_t k1) {
-  __m512 acc[R][C];
-#pragma GCC unroll 24
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = k0 ? _mm512_loadu_ps(y + (m0 + r) * N + 16 * (p0 + c)) : _mm512_setzero_ps();
-  for (int64_t k = k0; k < k1; ++k) {
-    __m512 wv[C];
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) {
-      const float* panel = wp + ((p0 + c) * K + k) * 16;
-      prefetch_row(panel);
-      wv[c] = _mm512_loadu_ps(panel);
-    }
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[(m0 + r) * K + k]);
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(y + (m0 + r) * N + 16 * (p0 + c), acc[r][c]);
-}
+// Float32 x times float32 weights packed [N/16][K][16], 16 channels a register, x[m, k] broadcast.
+struct Fp32Lanes {
+  using W = __m512;
+  static constexpr int64_t kStep = 1;
+  static W weights(const float* panel) { return _mm512_loadu_ps(panel); }
+  static __m512 input(const float* x) { return _mm512_set1_ps(*x); }
+  static __m512 madd(__m512 acc, __m512 x, W w) { return _mm512_fmadd_ps(x, w, acc); }
+};
 
-void fp32_dot(const float* x, const float* wp, float* y, int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
-  panel_tiles<6, 4>(M, p0, p1, K, 64, [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
-    fp32_tile<decltype(rows)::value, decltype(panels)::value>(x, wp, y, m, p, N, K, k0, k1);
-  });
-}
+using P = Fp32Lanes;
+#include "panel_tile.h"
 
 }  // namespace
 }  // namespace avx512
@@ -318,38 +303,17 @@ void fp32_dot(const float* x, const float* wp, float* y, int64_t M, int64_t N, i
 namespace avx512bf16 {
 namespace {
 
-// R <= 6, C <= 4: 24 accumulators and 4 weight registers of the 32; the pair of x is a broadcast operand.
-template <int R, int C>
-void bf16_tile(const uint16_t* x, const uint16_t* wp, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K,
-               int64_t k0, int64_t k1) {
-  __m512 acc[R][C];
-#pragma GCC unroll 24
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = k0 ? _mm512_loadu_ps(y + (m0 + r) * N + 16 * (p0 + c)) : _mm512_setzero_ps();
-  for (int64_t k = k0; k < k1; k += 2) {
-    __m512bh wv[C];
-#pragma GCC unroll 4
-    for (int c = 0; c < C; ++c) {
-      const uint16_t* panel = wp + (p0 + c) * K * 16 + k * 16;
-      prefetch_row(panel);
-      wv[c] = (__m512bh)_mm512_loadu_si512(panel);
-    }
-#pragma GCC unroll 6
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair_at(x + (m0 + r) * K + k));
-#pragma GCC unroll 4
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(y + (m0 + r) * N + 16 * (p0 + c), acc[r][c]);
-}
+// Bfloat16 pairs: 16 channels' input pairs a register, the pair of x broadcast, one vdpbf16ps per step.
+struct Bf16Pairs {
+  using W = __m512bh;
+  static constexpr int64_t kStep = 2;
+  static W weights(const uint16_t* panel) { return (__m512bh)_mm512_loadu_si512(panel); }
+  static __m512bh input(const uint16_t* x) { return (__m512bh)_mm512_set1_epi32(pair_at(x)); }
+  static __m512 madd(__m512 acc, __m512bh x, W w) { return _mm512_dpbf16_ps(acc, x, w); }
+};
 
-void bf16_dot(const uint16_t* x, const uint16_t* wp, float* y, int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
-  panel_tiles<6, 4>(M, p0, p1, K, 32, [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
-    bf16_tile<decltype(rows)::value, decltype(panels)::value>(x, wp, y, m, p, N, K, k0, k1);
-  });
-}
+using P = Bf16Pairs;
+#include "panel_tile.h"
 
 }  // namespace
 }  // namespace avx512bf16
@@ -481,7 +445,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias)
   float* yp = y.data_ptr<float>();
   const FloatPath path = current_path();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    if (path == FloatPath::Avx512Bf16) return avx512bf16::bf16_dot(xb.data(), w, yp, M, N, K, p0, p1);
+    if (path == FloatPath::Avx512Bf16) return avx512bf16::panel_dot(xb.data(), w, yp, M, N, K, p0, p1);
     panel_tiles<4, 1>(M, p0, p1, K, 32, [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
       bf16_tile_avx2<decltype(rows)::value, decltype(panels)::value>(xb.data(), w, yp, m, p, N, K, k0, k1);
     });
@@ -506,7 +470,7 @@ torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias)
   float* yp = y.data_ptr<float>();
   const FloatPath path = current_path();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    if (path != FloatPath::Avx2) return avx512::fp32_dot(xp, w, yp, M, N, K, p0, p1);
+    if (path != FloatPath::Avx2) return avx512::panel_dot(xp, w, yp, M, N, K, p0, p1);
     panel_tiles<6, 1>(M, p0, p1, K, 64, [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
       fp32_tile_avx2<decltype(rows)::value, decltype(panels)::value>(xp, w, yp, m, p, N, K, k0, k1);
     });
