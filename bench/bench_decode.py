@@ -39,12 +39,12 @@ def quasar_decoder(dtype: str):
 def hf_decoder(dtype: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quasar.loading import default_model_path
+    from quasar.loading import float_directory
 
-    path = default_model_path()
+    directory = float_directory("default")  # plain float safetensors: transformers 5 keeps GGUF weights packed
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch_dtype).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch_dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
     text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
     ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
 

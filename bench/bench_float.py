@@ -59,11 +59,9 @@ class Transformers:
     def __init__(self, model: str, dtype: str) -> None:
         from transformers import AutoModelForCausalLM
 
-        from quasar.files import sha256_memo
-        from quasar.loading import gguf_directory, resolve
+        from quasar.loading import float_directory
 
-        path = resolve(model)  # a GGUF's plain float32 safetensors (transformers 5 keeps GGUF weights packed)
-        directory = gguf_directory(path, sha256_memo(path)) if path.is_file() else path
+        directory = float_directory(model)  # plain float safetensors (transformers 5 keeps GGUF weights packed)
         torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch_dtype).eval()
         self.past = None

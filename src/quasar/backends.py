@@ -17,8 +17,14 @@ import torch
 from torch import nn
 
 from quasar import native
-from quasar.models.kernel_layers import (FusedLayers, KernelAttention, KernelLinear, KernelModule, KernelRMSNorm,
-                                         drop_plain_weights_)
+from quasar.models.kernel_layers import (
+    FusedLayers,
+    KernelAttention,
+    KernelLinear,
+    KernelModule,
+    KernelRMSNorm,
+    drop_plain_weights_,
+)
 from quasar.models.llama import Attention, Layers, Linear, RMSNorm, Transformer
 
 TORCH = "torch"

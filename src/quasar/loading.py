@@ -287,6 +287,13 @@ def source_sha256(path: Path, cache_dir: str | Path | None = None) -> str:
     return hashlib.sha256(b"".join(sha256_memo(f, cache_dir).encode() for f in files)).hexdigest()
 
 
+def float_directory(spec: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """A float model's Hugging Face-style directory, without loading its weights: a GGUF source converted once
+    (cached), a directory as it is. For peers that load the same weights themselves (transformers, vLLM)."""
+    path = resolve(spec, cache_dir)
+    return gguf_directory(path, sha256_memo(path, cache_dir), cache_dir) if path.is_file() else path
+
+
 def quantized_block(path: Path) -> dict[str, Any] | None:
     """The `quantization` block of a checkpoint written by `quasar quantize`, None for anything else."""
     return read_config(path).get("quantization") if path.is_dir() else None

@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from quasar.files import sha256_memo
-from quasar.loading import LoadedModel, gguf_directory, resolve
+from quasar.loading import LoadedModel, float_directory
 from quasar.outputs import RequestOutput
 from quasar.prompt import Messages
 from quasar.sampling import SamplingParams
@@ -59,5 +58,4 @@ class Pool:
 
     def directory(self) -> Path:
         """The model's Hugging Face-style directory (GGUF sources are converted once, cached)."""
-        path = resolve(self.options.model, self.options.cache_dir)
-        return gguf_directory(path, sha256_memo(path, self.options.cache_dir), self.options.cache_dir) if path.is_file() else path
+        return float_directory(self.options.model, self.options.cache_dir)

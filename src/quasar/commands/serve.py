@@ -116,13 +116,11 @@ def vllm_model(model: str, verifier: str, cache_dir: str | None, export_dir: str
     """The directory vLLM should load and the dtype of its float parts."""
     if "+" in verifier:
         raise ValueError(f"the vLLM hand-off serves one model; the cascade {verifier!r} (--exact) runs on quasar's engine")
-    from quasar.loading import gguf_directory, resolve, sha256_file
+    from quasar.loading import float_directory
     from quasar.verifiers import load_verifier
 
     if verifier in ("fp32", "bf16"):  # the float Hugging Face directory, without loading the weights
-        path = resolve(model)
-        directory = gguf_directory(path, sha256_file(path), cache_dir) if path.is_file() else path
-        return directory, {"fp32": "float32", "bf16": "bfloat16"}[verifier]
+        return float_directory(model, cache_dir), {"fp32": "float32", "bf16": "bfloat16"}[verifier]
     if not verifier.startswith("w8a8"):
         raise ValueError(f"the vLLM hand-off supports --verifier fp32, bf16 or w8a8, not {verifier!r}")
     from quasar.export import export, vllm_scheme
