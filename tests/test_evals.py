@@ -12,7 +12,7 @@ import torch
 from quasar.cli import main
 from quasar.engine import Engine
 from quasar.evals import data, gsm8k, humaneval, mmlu
-from quasar.evals.runner import EvalConfig, evaluate, markdown_table
+from quasar.evals.runner import EvalConfig, evaluate, markdown_table, wilson
 from quasar.evals.task import TaskOptions
 
 # ---- loaders -------------------------------------------------------------------------------------
@@ -151,6 +151,58 @@ def test_evaluate_puts_verifiers_side_by_side(tiny_model_dir):
     out = json.loads(json.dumps(report.to_dict()))
     assert len(out["items"]["bf16/mmlu"]) == 2 and out["items"]["bf16/mmlu"][0]["prediction"] in data.LETTERS
     assert "| mmlu | bf16 | 2 |" in markdown_table(report)
+
+
+def test_wilson_interval():
+    assert wilson(0, 0) == (0.0, 100.0)
+    low, high = wilson(50, 100)
+    assert low == pytest.approx(40.38, abs=0.01) and high == pytest.approx(59.62, abs=0.01)
+    assert wilson(0, 10)[0] == 0.0 and wilson(10, 10)[1] == 100.0
+
+
+def test_a_killed_run_goes_on_where_it_stopped(tiny_model_dir, tmp_path, monkeypatch):
+    """A report saved midway (every item here) is resumed: its items are kept, the rest scored, and the result
+    equals an uninterrupted run's; a verifier whose tasks are all done is not even loaded."""
+    import quasar.evals.runner as runner
+
+    config = EvalConfig(model=tiny_model_dir, verifiers=("fp32", "bf16"), tasks=("mmlu", "gsm8k"), limit=3,
+                        options=TaskOptions(max_new_tokens=4))
+    whole = evaluate(config).to_dict()
+    monkeypatch.setattr(runner, "CHECKPOINT_S", 0.0)
+    saved: list[dict] = []
+
+    def stop_after_four(partial):
+        saved.append(json.loads(json.dumps(partial.to_dict())))
+        if sum(len(v) for v in saved[-1]["items"].values()) == 4:
+            raise KeyboardInterrupt  # killed during fp32's gsm8k
+
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(config, on_progress=stop_after_four)
+    loaded: list[str] = []
+    real_load = runner.verifiers.load_verifier
+    monkeypatch.setattr(runner.verifiers, "load_verifier", lambda *a, **k: loaded.append(a[1]) or real_load(*a, **k))
+    resumed = evaluate(config, resume=saved[-1]).to_dict()
+    for key in whole["items"]:
+        assert [r["prediction"] for r in resumed["items"][key]] == [r["prediction"] for r in whole["items"][key]]
+    assert loaded == ["fp32", "bf16"]
+    loaded.clear()
+    again = evaluate(config, resume=resumed)
+    assert loaded == [] and again.rows()[0]["n"] == 3  # all done: nothing loaded
+    other = EvalConfig(model=tiny_model_dir, verifiers=("fp32", "bf16"), tasks=("mmlu", "gsm8k"), limit=2)
+    with pytest.raises(ValueError, match="other settings.*limit"):
+        evaluate(other, resume=resumed)
+
+
+def test_eval_command_resumes_from_its_out_file(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    args = ["eval", "--model", str(tiny_model_dir), "--tasks", "mmlu", "--limit", "2", "--json", "--out", str(out)]
+    assert main(args) == 0
+    first = json.loads(out.read_text())
+    assert main([*args, "--resume"]) == 0  # everything was done: the same report
+    assert json.loads(out.read_text())["items"] == first["items"]
+    capsys.readouterr()
+    assert main([*args, "--resume", "--overwrite"]) == 1
+    assert "--resume" in capsys.readouterr().err
 
 
 def test_eval_config_rejects_repeated_verifiers_and_bad_limits():

@@ -13,8 +13,9 @@ from tqdm.auto import tqdm
 Item = TypeVar("Item")
 
 
-def progress(items: Iterable[Item], description: str, total: int | None = None) -> Iterator[Item]:
-    yield from tqdm(items, desc=description, total=total, disable=None, leave=False, dynamic_ncols=True)
+def progress(items: Iterable[Item], description: str, total: int | None = None, initial: int = 0) -> Iterator[Item]:
+    """items with a bar (count, rate, ETA); `initial` items were done before (a resumed run)."""
+    yield from tqdm(items, desc=description, total=total, initial=initial, disable=None, leave=False, dynamic_ncols=True)
 
 
 @contextmanager

@@ -39,20 +39,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-context", type=positive_int, help="context window in tokens (default: the model's)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
     parser.add_argument("--out", type=Path, help="also write the full report (with every item's answer) as JSON here, "
-                        "rewritten after every task (an existing file needs --overwrite)")
+                        "rewritten every 10 s and after every task (an existing file needs --overwrite or --resume)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out report")
+    parser.add_argument("--resume", action="store_true", help="go on with the run saved in --out (same settings): "
+                        "its scored items are kept, the others are scored")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.out is not None and args.out.exists() and not args.overwrite:
-        raise ValueError(f"{args.out} already exists; pass --overwrite to replace it, or choose another --out")
+    if args.resume and (args.out is None or args.overwrite):
+        raise ValueError("--resume goes on with the report in --out: give --out, without --overwrite")
+    if args.out is not None and args.out.exists() and not (args.overwrite or args.resume):
+        raise ValueError(f"{args.out} already exists; pass --resume to go on with it, --overwrite to replace it, "
+                         "or choose another --out")
+    saved = None
+    if args.resume and args.out.exists():
+        try:
+            saved = json.loads(args.out.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot resume from {args.out}: {e}") from e
     config = EvalConfig(
         model=args.model, verifiers=args.verifier, tasks=args.tasks, limit=args.limit,
         options=TaskOptions(max_new_tokens=args.max_new_tokens, timeout_s=args.timeout),
         cache_dir=args.cache_dir, max_context=args.max_context,
     )
-    report = evaluate(config, on_score=(lambda partial: save(partial, args.out)) if args.out else None)
+    keep = (lambda partial: save(partial, args.out)) if args.out else None
+    report = evaluate(config, on_score=keep, resume=saved, on_progress=keep)
     if args.json:
         print(json.dumps(report.to_dict(with_items=False), indent=2))
     else:
@@ -61,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def save(report: EvalReport, out: Path) -> None:
-    """Write the full report; called after every (verifier, task), so an interrupted run keeps what finished.
+    """Write the full report; called every few seconds and after every (verifier, task), so an interrupted run
+    keeps what it scored (`--resume` goes on from there).
     Atomic: a run killed while writing leaves the previous complete report, never a truncated one."""
     atomic_write_text(out, json.dumps(report.to_dict(with_items=True), indent=2))
 
@@ -73,12 +86,13 @@ def print_table(report: EvalReport) -> None:
     base = report.baseline
     table = Table(title=f"accuracy on {report.config.model} (Δ and agreement vs {base})")
     for name, justify in (("task", "left"), ("verifier", "left"), ("n", "right"), ("accuracy %", "right"),
-                          ("Δ pp", "right"), ("agrees %", "right"), ("time s", "right")):
+                          ("95% CI", "right"), ("Δ pp", "right"), ("agrees %", "right"), ("time s", "right")):
         table.add_column(name, justify=justify)
     for row in report.rows():
         is_base = row["verifier"] == base
+        low, high = row["ci95_pct"]
         table.add_row(
-            row["task"], row["verifier"], str(row["n"]), f"{row['accuracy_pct']:.1f}",
+            row["task"], row["verifier"], str(row["n"]), f"{row['accuracy_pct']:.1f}", f"{low:.1f}-{high:.1f}",
             "" if is_base else f"{row['delta_pp']:+.1f}", "" if is_base else f"{row['agreement_pct']:.1f}",
             f"{row['seconds']:.0f}",
         )

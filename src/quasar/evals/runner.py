@@ -7,7 +7,9 @@ deltas are in percentage points against the first verifier listed (the float bas
 from __future__ import annotations
 
 import gc
+import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -33,6 +35,17 @@ from quasar.progress import progress
 
 log = logging.getLogger("quasar")
 TOO_LONG = "prompt longer than the context window"  # the output of an item that could not be asked
+CHECKPOINT_S = 10.0  # a task in progress is reported (saved) at most this often
+
+
+def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a proportion correct / n (95% for z = 1.96), in percent; (0, 100) for n = 0."""
+    if n == 0:
+        return 0.0, 100.0
+    p = correct / n
+    center = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return 100 * max(0.0, center - half), 100 * min(1.0, center + half)
 
 
 @dataclass(frozen=True)
@@ -110,7 +123,8 @@ class EvalReport:
                     continue
                 rows.append({
                     "task": task, "verifier": verifier, "n": score.n, "correct": score.correct, "too_long": score.too_long,
-                    "accuracy_pct": 100 * score.accuracy, "delta_pp": self.delta(verifier, task),
+                    "accuracy_pct": 100 * score.accuracy, "ci95_pct": wilson(score.correct, score.n),
+                    "delta_pp": self.delta(verifier, task),
                     "agreement_pct": None if base is None else 100 * score.agreement(base),
                     "seconds": score.seconds,
                 })
@@ -144,24 +158,71 @@ def score_item(task: Task, engine: Engine, item: Any, options: TaskOptions) -> I
         return ItemResult(item.id, False, "", TOO_LONG)
 
 
-def score_task(engine: Engine, task_name: str, items: list[Any], verifier: str, options: TaskOptions) -> TaskScore:
+def score_task(engine: Engine, task_name: str, items: list[Any], verifier: str, options: TaskOptions,
+               done: TaskScore | None = None, checkpoint: Callable[[TaskScore], None] | None = None) -> TaskScore:
+    """The task on every item, after those `done` scored before (a resumed run: the first items, in order);
+    checkpoint(partial score) at most every CHECKPOINT_S seconds."""
     task = get_task(task_name)
-    start = time.perf_counter()
-    results = [score_item(task, engine, item, options) for item in progress(items, f"{task_name} [{verifier}]")]
-    return TaskScore(task_name, verifier, results, time.perf_counter() - start)
+    score = done or TaskScore(task_name, verifier, [], 0.0)
+    start, last = time.perf_counter(), time.perf_counter()
+    seconds = score.seconds
+    for item in progress(items[score.n :], f"{task_name} [{verifier}]", total=len(items), initial=score.n):
+        score.items.append(score_item(task, engine, item, options))
+        score.seconds = seconds + time.perf_counter() - start
+        if checkpoint is not None and time.perf_counter() - last >= CHECKPOINT_S:
+            checkpoint(score)
+            last = time.perf_counter()
+    return score
 
 
-def evaluate(config: EvalConfig, on_score: Callable[[EvalReport], None] | None = None) -> EvalReport:
+def resume_scores(saved: dict[str, Any], config: EvalConfig, items: dict[str, list[Any]]) -> dict[tuple[str, str], TaskScore]:
+    """The scores of a report saved by an earlier run of the same config (EvalReport.to_dict), to go on from.
+    Raises ValueError when the settings differ or the saved items are not the first items of the set."""
+    mine = json.loads(json.dumps(EvalReport(config).to_dict(with_items=False)["config"]))  # as a saved file has it
+    theirs = json.loads(json.dumps(saved.get("config") or {}))
+    if theirs != mine:
+        differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        raise ValueError(f"the saved report was made with other settings ({', '.join(differ)}); "
+                         "run with those settings, or start over with --overwrite")
+    seconds = {(r["verifier"], r["task"]): r["seconds"] for r in saved.get("rows", [])}
+    scores = {}
+    for key, results in saved.get("items", {}).items():
+        verifier, _, task = key.partition("/")
+        done = [ItemResult(**r) for r in results]
+        if [r.id for r in done] != [item.id for item in items[task][: len(done)]]:
+            raise ValueError(f"the saved {key} items are not this set's first {len(done)}; start over with --overwrite")
+        scores[(verifier, task)] = TaskScore(task, verifier, done, seconds.get((verifier, task), 0.0))
+    return scores
+
+
+def evaluate(config: EvalConfig, on_score: Callable[[EvalReport], None] | None = None,
+             resume: dict[str, Any] | None = None, on_progress: Callable[[EvalReport], None] | None = None) -> EvalReport:
     """Every task on every verifier; verifiers are loaded one at a time and freed before the next.
-    on_score(report) runs after each (verifier, task), e.g. to save what is finished."""
+    on_score(report) runs after each (verifier, task), e.g. to save what is finished; on_progress(report) every
+    CHECKPOINT_S seconds within a task (the task's row then counts the items scored so far). resume: a report
+    saved by an earlier run of this config (EvalReport.to_dict): its items are kept, the rest are scored, and a
+    verifier whose tasks are all done is not loaded."""
     check_verifiers(config.verifiers)
     items = {name: get_task(name).load(config.limit) for name in config.tasks}
     report = EvalReport(config)
+    done = resume_scores(resume, config, items) if resume else {}
     for verifier in config.verifiers:
-        log.info("loading verifier %s of %s", verifier, config.model)
-        engine = Engine(verifiers.load_verifier(config.model, verifier, config.cache_dir), max_context=config.max_context)
+        todo = [n for n in config.tasks if (verifier, n) not in done or done[(verifier, n)].n < len(items[n])]
+        engine = None
+        if todo:
+            log.info("loading verifier %s of %s", verifier, config.model)
+            engine = Engine(verifiers.load_verifier(config.model, verifier, config.cache_dir), max_context=config.max_context)
         for name in config.tasks:
-            score = score_task(engine, name, items[name], verifier, config.options)
+            def checkpoint(partial: TaskScore, key: tuple[str, str] = (verifier, name)) -> None:
+                report.scores[key] = partial
+                if on_progress is not None:
+                    on_progress(report)
+
+            previous = done.get((verifier, name))
+            if name in todo:
+                score = score_task(engine, name, items[name], verifier, config.options, previous, checkpoint)
+            else:
+                score = previous
             report.scores[(verifier, name)] = score
             log.info("%s on %s: %d/%d correct", verifier, name, score.correct, score.n)
             if on_score is not None:
@@ -174,13 +235,14 @@ def evaluate(config: EvalConfig, on_score: Callable[[EvalReport], None] | None =
 def markdown_table(report: EvalReport) -> str:
     """The accuracy table as Markdown: task, verifier, n, accuracy, delta vs baseline, agreement."""
     lines = [
-        f"| task | verifier | n | accuracy % | Δ vs {report.baseline} (pp) | agrees with {report.baseline} % |",
-        "|---|---|---:|---:|---:|---:|",
+        f"| task | verifier | n | accuracy % | 95% CI (Wilson) | Δ vs {report.baseline} (pp) | agrees with {report.baseline} % |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
     for row in report.rows():
         delta = "" if row["verifier"] == report.baseline or row["delta_pp"] is None else f"{row['delta_pp']:+.1f}"
         agree = "" if row["verifier"] == report.baseline or row["agreement_pct"] is None else f"{row['agreement_pct']:.1f}"
+        low, high = row["ci95_pct"]
         lines.append(
-            f"| {row['task']} | {row['verifier']} | {row['n']} | {row['accuracy_pct']:.1f} | {delta} | {agree} |"
+            f"| {row['task']} | {row['verifier']} | {row['n']} | {row['accuracy_pct']:.1f} | {low:.1f}-{high:.1f} | {delta} | {agree} |"
         )
     return "\n".join(lines)
