@@ -31,6 +31,7 @@ from quasar import native
 from quasar.bench.bandwidth import bytes_per_forward, read_bandwidth
 from quasar.engine import CACHE_BUCKET
 from quasar.loading import load
+from quasar.quant.bf16 import pack_panels
 from quasar.verifiers import load_verifier
 
 SIZES = (1, 6)
@@ -71,7 +72,7 @@ def macs_per_token(model: torch.nn.Module) -> dict[str, int]:
     macs = {"int8": 0, "float": 0}
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if module is model.model.embed_tokens or weight is None or weight.dim() != 2:
+        if module is model.model.embed_tokens or weight is None or weight.dim() < 2:  # packed weights: 3-D, 4-D
             continue
         macs["int8" if weight.dtype == torch.int8 else "float"] += weight.numel()
     return macs
@@ -79,14 +80,15 @@ def macs_per_token(model: torch.nn.Module) -> dict[str, int]:
 
 @torch.inference_mode()
 def compute_roof(rows: int, reps: int = 200) -> dict[str, float]:
-    """Multiply-adds per second of quasar's int8 (W8A8) and bf16 linear kernels at `rows` rows, weight hot
-    in cache: the best a forward's linears can do once memory is not the limit."""
+    """Multiply-adds per second of quasar's int8 (W8A8) and bf16 (the bf16 verifier's, packed) linear kernels at
+    `rows` rows, weight hot in cache: the best a forward's linears can do once memory is not the limit."""
     kernel = native.kernel()
     N, K = ROOF_SHAPE
     x, no_bias = torch.randn(rows, K), torch.empty(0)
-    w8, scale, w16 = torch.randint(-127, 128, (N, K), dtype=torch.int8), torch.rand(N), torch.randn(N, K).bfloat16()
+    w8, scale = torch.randint(-127, 128, (N, K), dtype=torch.int8), torch.rand(N)
+    w16 = pack_panels(torch.randn(N, K).bfloat16())  # as the bf16 verifier holds it
     calls = {"int8": lambda: kernel.w8a8_linear(x, w8, scale, no_bias),
-             "float": lambda: kernel.float_act_linear(x, w16, no_bias, no_bias)}
+             "float": lambda: kernel.bf16_linear(x, w16, no_bias)}
     roof = {}
     for name, call in calls.items():
         times = []
