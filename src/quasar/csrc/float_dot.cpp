@@ -1,8 +1,8 @@
 // Float-activation linears: y [M, N] = x [M, K] . w [N, K]^T (* scale[n]) (+ bias[n]), float32 sums in one
-// fixed order per output, whatever the instruction set and however many rows come together. Two products:
+// fixed order per output, whatever the instruction set and however many rows come together. Three products:
 //
-// - float_act_linear: float32 x times float32 (the fp32 verifier), bfloat16 (the bf16 lm_head of W8A8
-//   checkpoints) or int8 (W8A16, with a per-channel scale) weights, widened to float32 in registers. An
+// - float_act_linear: float32 x times plain [N, K] bfloat16 (the bf16 lm_head of W8A8 checkpoints), int8
+//   (W8A16, with a per-channel scale) or float32 weights, widened to float32 in registers. An
 //   output is 16 lanes, lane j summing the k = j (mod 16) in k order with FMAs, then hsum_ps(lanes 0-7,
 //   lanes 8-15). AVX2 keeps the 16 lanes in two registers, AVX-512 in one: the same float either way.
 // - bf16_linear: x rounded to bfloat16 (to nearest even, as torch's x.to(torch.bfloat16)) times bfloat16
@@ -13,11 +13,13 @@
 //   AVX2 runs the same two FMAs per pair on 8 channels; a product of two bfloat16 is exact in float32, so
 //   each FMA rounds once, as vdpbf16ps does. (vdpbf16ps also flushes denormal inputs and results to zero,
 //   the AVX2 path does not: results differ only where a product or partial sum falls below 1.2e-38.)
+// - fp32_linear: float32 x times float32 weights packed in panels of 16 channels ([N/16][K][16]): the fp32
+//   verifier. An output is one float32 FMA chain in k order, on 16 channels per AVX-512 register or 8 per AVX2.
 //
-// Both are tiled: R rows x C channels (or panels) of accumulators in registers, so each weight load serves R
+// All are tiled: R rows x C channels (or panels) of accumulators in registers, so each weight load serves R
 // rows and each activation load C channels, and a thread walks its channels in blocks small enough to stay
-// in L2 while every row passes: a prefill of many rows reads each weight from memory once. bf16_linear also
-// walks K in chunks, keeping its partial sums in y between them (a float stored and loaded is the same
+// in L2 while every row passes: a prefill of many rows reads each weight from memory once. The packed ones also
+// walk K in chunks, keeping its partial sums in y between them (a float stored and loaded is the same
 // float, so the chunks change no result).
 #include "kernels.h"
 #include "blocking.h"
@@ -426,50 +428,38 @@ torch::Tensor float_act_linear(torch::Tensor x, torch::Tensor w, torch::Tensor s
   return y;
 }
 
-// x [M, K] float32 rounded to bfloat16, times bfloat16 weights packed [N/16, K/2, 16, 2] (w[n, k] at
-// [n / 16, k / 2, n % 16, k % 2]), float32 sums as vdpbf16ps takes them, plus bias [N] float32 (or empty)
-// -> y [M, N] float32. Row m of the result depends on x[m] only.
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias) {
-  TORCH_CHECK(wp.dtype() == torch::kBFloat16 && wp.dim() == 4 && wp.size(2) == 16 && wp.size(3) == 2,
-              "bfloat16 weights packed [N/16, K/2, 16, 2] expected");
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == 2 * wp.size(1), "float32 x [M, K] expected");
-  const int64_t M = x.size(0), K = x.size(1), P = wp.size(0), N = 16 * P;
-  TORCH_CHECK(bias.numel() == 0 || (bias.dtype() == torch::kFloat32 && bias.numel() == N), "float32 bias [N] or empty expected");
-  x = x.contiguous();
-  wp = wp.contiguous();
-  bias = bias.contiguous();
-  std::vector<uint16_t> xb(M * K);
-  round_bf16(x.data_ptr<float>(), M * K, xb.data());
-  auto y = torch::empty({M, N}, x.options());
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
-  float* yp = y.data_ptr<float>();
-  const FloatPath path = current_path();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    if (path == FloatPath::Avx512Bf16) return avx512bf16::panel_dot(xb.data(), w, yp, M, N, K, p0, p1);
-    panel_tiles<4, 1>(M, p0, p1, K, 32, [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
-      bf16_tile_avx2<decltype(rows)::value, decltype(panels)::value>(xb.data(), w, yp, m, p, N, K, k0, k1);
-    });
-  });
-  epilogue(yp, M, N, nullptr, bias.numel() ? bias.data_ptr<float>() : nullptr);
-  return y;
-}
+namespace {
 
-// x [M, K] float32 times float32 weights packed [N/16, K, 16] (w[n, k] at [n / 16, k, n % 16]), each output
-// one float32 FMA chain in k order, plus bias [N] float32 (or empty) -> y [M, N] float32: the fp32 verifier.
-// Row m of the result depends on x[m] only.
-torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias) {
-  TORCH_CHECK(wp.dtype() == torch::kFloat32 && wp.dim() == 3 && wp.size(2) == 16, "float32 weights packed [N/16, K, 16] expected");
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == wp.size(1), "float32 x [M, K] expected");
-  const int64_t M = x.size(0), K = x.size(1), P = wp.size(0), N = 16 * P;
+// The packed products (bf16_linear, fp32_linear): x [M, K] float32 times weights packed in panels of 16 channels,
+// bfloat16 [N/16, K/2, 16, 2] (x rounded to bfloat16 first) or float32 [N/16, K, 16], plus bias [N] float32 or
+// empty -> y [M, N] float32; one parallel region over the panels.
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias) {
+  const bool bf16 = wp.dtype() == torch::kBFloat16;
+  TORCH_CHECK(bf16 ? wp.dim() == 4 && wp.size(3) == 2 : wp.dim() == 3, "weights packed [N/16, K/2, 16, 2] (bfloat16) or "
+              "[N/16, K, 16] (float32) expected");
+  TORCH_CHECK(wp.size(2) == 16, "panels of 16 channels expected");
+  const int64_t K = bf16 ? 2 * wp.size(1) : wp.size(1), P = wp.size(0), N = 16 * P;
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K, "float32 x [M, K] expected");
   TORCH_CHECK(bias.numel() == 0 || (bias.dtype() == torch::kFloat32 && bias.numel() == N), "float32 bias [N] or empty expected");
+  const int64_t M = x.size(0);
   x = x.contiguous();
   wp = wp.contiguous();
   bias = bias.contiguous();
+  std::vector<uint16_t> xb(bf16 ? M * K : 0);
+  if (bf16) round_bf16(x.data_ptr<float>(), M * K, xb.data());
   auto y = torch::empty({M, N}, x.options());
-  const float *xp = x.data_ptr<float>(), *w = wp.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const FloatPath path = current_path();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    if (bf16) {
+      const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
+      if (path == FloatPath::Avx512Bf16) return avx512bf16::panel_dot(xb.data(), w, yp, M, N, K, p0, p1);
+      panel_tiles<4, 1>(M, p0, p1, K, 32, [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
+        bf16_tile_avx2<decltype(rows)::value, decltype(panels)::value>(xb.data(), w, yp, m, p, N, K, k0, k1);
+      });
+      return;
+    }
+    const float *xp = x.data_ptr<float>(), *w = wp.data_ptr<float>();
     if (path != FloatPath::Avx2) return avx512::panel_dot(xp, w, yp, M, N, K, p0, p1);
     panel_tiles<6, 1>(M, p0, p1, K, 64, [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
       fp32_tile_avx2<decltype(rows)::value, decltype(panels)::value>(xp, w, yp, m, p, N, K, k0, k1);
@@ -477,4 +467,22 @@ torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias)
   });
   epilogue(yp, M, N, nullptr, bias.numel() ? bias.data_ptr<float>() : nullptr);
   return y;
+}
+
+}  // namespace
+
+// x [M, K] float32 rounded to bfloat16, times bfloat16 weights packed [N/16, K/2, 16, 2] (w[n, k] at
+// [n / 16, k / 2, n % 16, k % 2]), float32 sums as vdpbf16ps takes them, plus bias [N] float32 (or empty)
+// -> y [M, N] float32: the bf16 verifier. Row m of the result depends on x[m] only.
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias) {
+  TORCH_CHECK(wp.dtype() == torch::kBFloat16, "bfloat16 weights packed [N/16, K/2, 16, 2] expected");
+  return packed_linear(x, wp, bias);
+}
+
+// x [M, K] float32 times float32 weights packed [N/16, K, 16] (w[n, k] at [n / 16, k, n % 16]), each output
+// one float32 FMA chain in k order, plus bias [N] float32 (or empty) -> y [M, N] float32: the fp32 verifier.
+// Row m of the result depends on x[m] only.
+torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias) {
+  TORCH_CHECK(wp.dtype() == torch::kFloat32, "float32 weights packed [N/16, K, 16] expected");
+  return packed_linear(x, wp, bias);
 }

@@ -48,7 +48,7 @@ class KernelLinear(KernelModule, Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [M, K] float32
-        y = self.kernel.fp32_linear(rows, self.packed, self.kernel_args()[3])
+        y = self.kernel.fp32_linear(rows, self.packed, NONE if self.bias is None else self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -57,8 +57,9 @@ class BF16Linear(Linear):
 
 
 class KernelBF16Linear(KernelModule, BF16Linear):
-    """With bf16 inputs the kernel reads the weight packed in panels of 16 channels ([N/16, K/2, 16, 2],
-    made at load beside the plain weight, which state dicts and the tied embedding keep using)."""
+    """With bf16 inputs the kernel reads the weight packed in panels of 16 channels ([N/16, K/2, 16, 2], made at
+    load); a loaded verifier then drops the plain weight unless a tied embedding reads it
+    (models/kernel_layers.drop_plain_weights_)."""
 
     packed: torch.Tensor | None
 
