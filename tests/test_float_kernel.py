@@ -9,6 +9,7 @@ import torch
 from conftest import needs_kernels
 
 from quasar import backends, native
+from quasar.models.kernel_layers import pack_channels
 from quasar.quant.bf16 import BF16Linear, KernelBF16Linear, pack_panels
 
 pytestmark = needs_kernels
@@ -75,11 +76,15 @@ def test_bf16_inputs_are_the_same_on_every_path_and_row_by_row(kernel, M, K, N):
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 64, 48), (5, 7, 32), (13, 576, 80), (9, 1536, 144)])
-def test_packed_fp32_is_the_same_on_every_path_and_row_by_row(kernel, M, K, N):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_fp32_is_the_same_on_every_path_and_row_by_row(kernel, M, K, N, dtype):
     torch.manual_seed(M * K)
-    x, w, bias = torch.randn(M, K), torch.randn(N, K), torch.randn(N)
-    packed = w.view(N // 16, 16, K).transpose(1, 2).contiguous()
+    x, w, bias = torch.randn(M, K), torch.randn(N, K).to(dtype).float(), torch.randn(N)
+    packed = pack_channels(w.to(dtype))
+    assert packed[1, 2, 3] == w[16 + 3, 2]
     y = assert_same_everywhere(on_every_path(kernel, lambda: kernel.fp32_linear(x, packed, bias)))
+    if dtype == torch.bfloat16:  # widened exactly: the floats of the same weights stored as float32
+        assert torch.equal(y, kernel.fp32_linear(x, pack_channels(w), bias))
     chain = torch.zeros(M, N)  # one float32 FMA chain per output, k in order: the kernel's sum exactly
     for k in range(K):
         chain = torch.addcmul(chain, x[:, k : k + 1], w[:, k][None])
@@ -115,6 +120,18 @@ def test_bf16_input_layer_on_torch_and_on_the_kernel_agree():
     assert isinstance(layer, KernelBF16Linear) and layer.kernel_args()[0] == 2
     assert torch.allclose(on_kernel, on_torch, rtol=1e-4, atol=1e-4)
     assert BF16Linear.from_linear(torch.nn.Linear(48, 8), bf16_inputs=True).kernel_form() is None  # N % 16
+
+
+def test_float32_input_layer_reads_packed_bf16_weights_where_n_allows():
+    torch.manual_seed(3)
+    for n, kind in ((208, 3), (200, 1)):  # N % 16: the plain weight on float_act_linear
+        layer = BF16Linear.from_linear(torch.nn.Linear(576, n))
+        x = torch.randn(2, 5, 576)
+        on_torch = layer(x)
+        on_kernel = backends.on_kernel(layer)(x)
+        assert layer.kernel_args()[0] == kind
+        assert torch.allclose(on_kernel, on_torch, rtol=1e-5, atol=1e-5)
+        assert torch.equal(torch.cat([layer(x[:, t : t + 1]) for t in range(5)], 1), on_kernel)  # rows independent
 
 
 def test_fp32_and_bf16_verifiers_run_on_the_float_kernels(tiny_model_dir):

@@ -20,7 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_paths", &int8_paths, "the int8 dot-product paths this CPU runs, fastest first");
   m.def("float_act_linear", &float_act_linear, "float32 x times float32, int8 or bfloat16 w, fixed-order fp32 sums", NoGil());
   m.def("bf16_linear", &bf16_linear, "x rounded to bfloat16 times bfloat16 w packed [N/16, K/2, 16, 2], fp32 sums as vdpbf16ps", NoGil());
-  m.def("fp32_linear", &fp32_linear, "float32 x times float32 w packed [N/16, K, 16], one FMA chain per output", NoGil());
+  m.def("fp32_linear", &fp32_linear, "float32 x times float32 or bfloat16 (widened) w packed [N/16, K, 16], one FMA chain per output", NoGil());
   m.def("float_paths", &float_paths, "the float-linear paths this CPU runs, fastest first");
   m.def("use_float_path", &use_float_path, "run every later float-activation linear on this path ('auto': the "
         "fastest); all paths give the same floats; returns the path's name");

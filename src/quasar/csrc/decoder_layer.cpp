@@ -13,7 +13,7 @@
 // (scale or bias empty where absent). kinds[i] says how linear i runs: 0 = W8A8 (int8 weight, per-token
 // int8 activations), 1 = float32 activations (float32 weight, int8 weight with per-channel scale, or bfloat16
 // weight), 2 = bfloat16 activations and packed bfloat16 weight (bf16_linear), 3 = packed float32 weight
-// (fp32_linear).
+// (float32, or bfloat16 widened: fp32_linear).
 #include "kernels.h"
 
 namespace {

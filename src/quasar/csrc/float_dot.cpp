@@ -1,8 +1,8 @@
 // Float-activation linears: y [M, N] = x [M, K] . w [N, K]^T (* scale[n]) (+ bias[n]), float32 sums in one
 // fixed order per output, whatever the instruction set and however many rows come together. Three products:
 //
-// - float_act_linear: float32 x times plain [N, K] bfloat16 (the bf16 lm_head of W8A8 checkpoints), int8
-//   (W8A16, with a per-channel scale) or float32 weights, widened to float32 in registers. An
+// - float_act_linear: float32 x times plain [N, K] bfloat16, int8 (W8A16, with a per-channel scale) or
+//   float32 weights, widened to float32 in registers (a shape the packed products do not take). An
 //   output is 16 lanes, lane j summing the k = j (mod 16) in k order with FMAs, then hsum_ps(lanes 0-7,
 //   lanes 8-15). AVX2 keeps the 16 lanes in two registers, AVX-512 in one: the same float either way.
 // - bf16_linear: x rounded to bfloat16 (to nearest even, as torch's x.to(torch.bfloat16)) times bfloat16
@@ -13,8 +13,10 @@
 //   AVX2 runs the same two FMAs per pair on 8 channels; a product of two bfloat16 is exact in float32, so
 //   each FMA rounds once, as vdpbf16ps does. (vdpbf16ps also flushes denormal inputs and results to zero,
 //   the AVX2 path does not: results differ only where a product or partial sum falls below 1.2e-38.)
-// - fp32_linear: float32 x times float32 weights packed in panels of 16 channels ([N/16][K][16]): the fp32
-//   verifier. An output is one float32 FMA chain in k order, on 16 channels per AVX-512 register or 8 per AVX2.
+// - fp32_linear: float32 x times weights packed in panels of 16 channels ([N/16][K][16]), float32 (the fp32
+//   verifier) or bfloat16 widened to float32 in registers (exact: the floats of the same weights stored as
+//   float32, in half the bytes; the bf16 lm_head of W8A8 checkpoints). An output is one float32 FMA chain in
+//   k order, on 16 channels per AVX-512 register or 8 per AVX2.
 //
 // All are tiled: R rows x C channels (or panels) of accumulators in registers, so each weight load serves R
 // rows and each activation load C channels, and a thread walks its channels in blocks small enough to stay
@@ -179,10 +181,10 @@ void bf16_tile_avx2(const uint16_t* x, const uint16_t* wp, float* y, int64_t m0,
   store_acc<R, C>(acc, y, m0, p0, N);
 }
 
-// Float32 x times float32 weights packed [N/16][K][16]: x[m, k] broadcast, one FMA per 8 channels and input,
-// each channel's sum one chain in k order. R <= 6, C = 1 (12 accumulators, 2 weights, x).
-template <int R, int C>
-void fp32_tile_avx2(const float* x, const float* wp, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t k0,
+// Float32 x times float32 (or bfloat16, widened) weights packed [N/16][K][16]: x[m, k] broadcast, one FMA per
+// 8 channels and input, each channel's sum one chain in k order. R <= 6, C = 1 (12 accumulators, 2 weights, x).
+template <int R, int C, typename W>
+void fp32_tile_avx2(const float* x, const W* wp, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t k0,
                     int64_t k1) {
   __m256 acc[R][C][2];
   start_acc<R, C>(acc, y, m0, p0, N, k0);
@@ -190,10 +192,10 @@ void fp32_tile_avx2(const float* x, const float* wp, float* y, int64_t m0, int64
     __m256 wv[C][2];
 #pragma GCC unroll 4
     for (int c = 0; c < C; ++c) {
-      const float* panel = wp + ((p0 + c) * K + k) * 16;
+      const W* panel = wp + ((p0 + c) * K + k) * 16;
       prefetch_row(panel);
-      wv[c][0] = _mm256_loadu_ps(panel);
-      wv[c][1] = _mm256_loadu_ps(panel + 8);
+      wv[c][0] = widen8(panel);
+      wv[c][1] = widen8(panel + 8);
     }
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
@@ -284,17 +286,28 @@ void act32(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K
     tiles<4, 4>(M, n0, n1, K * static_cast<int64_t>(sizeof(W)), tile);
 }
 
-// Float32 x times float32 weights packed [N/16][K][16], 16 channels a register, x[m, k] broadcast.
+// Float32 x times float32 (or bfloat16, widened) weights packed [N/16][K][16], 16 channels a register,
+// x[m, k] broadcast.
+template <typename WeightT>
 struct Fp32Lanes {
+  using X = float;
+  using T = WeightT;
   using W = __m512;
   static constexpr int64_t kStep = 1;
-  static W weights(const float* panel) { return _mm512_loadu_ps(panel); }
+  static W weights(const T* panel) { return widen16(panel); }
   static __m512 input(const float* x) { return _mm512_set1_ps(*x); }
   static __m512 madd(__m512 acc, __m512 x, W w) { return _mm512_fmadd_ps(x, w, acc); }
 };
 
-using P = Fp32Lanes;
+namespace fp32 {
+using P = Fp32Lanes<float>;
 #include "panel_tile.h"
+}  // namespace fp32
+
+namespace widened {
+using P = Fp32Lanes<uint16_t>;
+#include "panel_tile.h"
+}  // namespace widened
 
 }  // namespace
 }  // namespace avx512
@@ -307,6 +320,8 @@ namespace {
 
 // Bfloat16 pairs: 16 channels' input pairs a register, the pair of x broadcast, one vdpbf16ps per step.
 struct Bf16Pairs {
+  using X = uint16_t;
+  using T = uint16_t;
   using W = __m512bh;
   static constexpr int64_t kStep = 2;
   static W weights(const uint16_t* panel) { return (__m512bh)_mm512_loadu_si512(panel); }
@@ -430,40 +445,48 @@ torch::Tensor float_act_linear(torch::Tensor x, torch::Tensor w, torch::Tensor s
 
 namespace {
 
-// The packed products (bf16_linear, fp32_linear): x [M, K] float32 times weights packed in panels of 16 channels,
-// bfloat16 [N/16, K/2, 16, 2] (x rounded to bfloat16 first) or float32 [N/16, K, 16], plus bias [N] float32 or
-// empty -> y [M, N] float32; one parallel region over the panels.
+// The packed products (bf16_linear, fp32_linear): x [M, K] float32 times weights packed in panels of 16
+// channels: bfloat16 pairs [N/16, K/2, 16, 2] (x rounded to bfloat16 first), float32 [N/16, K, 16] or
+// bfloat16 [N/16, K, 16] (widened), plus bias [N] float32 or empty -> y [M, N] float32; one parallel region
+// over the panels.
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias) {
-  const bool bf16 = wp.dtype() == torch::kBFloat16;
-  TORCH_CHECK(bf16 ? wp.dim() == 4 && wp.size(3) == 2 : wp.dim() == 3, "weights packed [N/16, K/2, 16, 2] (bfloat16) or "
-              "[N/16, K, 16] (float32) expected");
+  const bool pairs = wp.dim() == 4, widened = wp.dim() == 3 && wp.dtype() == torch::kBFloat16;
+  TORCH_CHECK(pairs ? wp.dtype() == torch::kBFloat16 && wp.size(3) == 2 : wp.dim() == 3,
+              "weights packed [N/16, K/2, 16, 2] (bfloat16 pairs) or [N/16, K, 16] (float32 or bfloat16) expected");
   TORCH_CHECK(wp.size(2) == 16, "panels of 16 channels expected");
-  const int64_t K = bf16 ? 2 * wp.size(1) : wp.size(1), P = wp.size(0), N = 16 * P;
+  const int64_t K = pairs ? 2 * wp.size(1) : wp.size(1), P = wp.size(0), N = 16 * P;
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K, "float32 x [M, K] expected");
   TORCH_CHECK(bias.numel() == 0 || (bias.dtype() == torch::kFloat32 && bias.numel() == N), "float32 bias [N] or empty expected");
   const int64_t M = x.size(0);
   x = x.contiguous();
   wp = wp.contiguous();
   bias = bias.contiguous();
-  std::vector<uint16_t> xb(bf16 ? M * K : 0);
-  if (bf16) round_bf16(x.data_ptr<float>(), M * K, xb.data());
+  std::vector<uint16_t> xb(pairs ? M * K : 0);
+  if (pairs) round_bf16(x.data_ptr<float>(), M * K, xb.data());
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   const FloatPath path = current_path();
+  const float* xp = x.data_ptr<float>();
+  const uint16_t* w16 = wp.dtype() == torch::kBFloat16 ? reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()) : nullptr;
+  const float* w32 = w16 ? nullptr : wp.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    if (bf16) {
-      const uint16_t* w = reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>());
-      if (path == FloatPath::Avx512Bf16) return avx512bf16::panel_dot(xb.data(), w, yp, M, N, K, p0, p1);
+    if (pairs) {
+      if (path == FloatPath::Avx512Bf16) return avx512bf16::panel_dot(xb.data(), w16, yp, M, N, K, p0, p1);
       panel_tiles<4, 1>(M, p0, p1, K, 32, [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
-        bf16_tile_avx2<decltype(rows)::value, decltype(panels)::value>(xb.data(), w, yp, m, p, N, K, k0, k1);
+        bf16_tile_avx2<decltype(rows)::value, decltype(panels)::value>(xb.data(), w16, yp, m, p, N, K, k0, k1);
       });
       return;
     }
-    const float *xp = x.data_ptr<float>(), *w = wp.data_ptr<float>();
-    if (path != FloatPath::Avx2) return avx512::panel_dot(xp, w, yp, M, N, K, p0, p1);
-    panel_tiles<6, 1>(M, p0, p1, K, 64, [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
-      fp32_tile_avx2<decltype(rows)::value, decltype(panels)::value>(xp, w, yp, m, p, N, K, k0, k1);
-    });
+    if (path != FloatPath::Avx2)
+      return widened ? avx512::widened::panel_dot(xp, w16, yp, M, N, K, p0, p1)
+                     : avx512::fp32::panel_dot(xp, w32, yp, M, N, K, p0, p1);
+    const auto tile = [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
+      if (widened)
+        fp32_tile_avx2<decltype(rows)::value, decltype(panels)::value>(xp, w16, yp, m, p, N, K, k0, k1);
+      else
+        fp32_tile_avx2<decltype(rows)::value, decltype(panels)::value>(xp, w32, yp, m, p, N, K, k0, k1);
+    };
+    panel_tiles<6, 1>(M, p0, p1, K, widened ? 32 : 64, tile);
   });
   epilogue(yp, M, N, nullptr, bias.numel() ? bias.data_ptr<float>() : nullptr);
   return y;
@@ -475,14 +498,16 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bia
 // [n / 16, k / 2, n % 16, k % 2]), float32 sums as vdpbf16ps takes them, plus bias [N] float32 (or empty)
 // -> y [M, N] float32: the bf16 verifier. Row m of the result depends on x[m] only.
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias) {
-  TORCH_CHECK(wp.dtype() == torch::kBFloat16, "bfloat16 weights packed [N/16, K/2, 16, 2] expected");
+  TORCH_CHECK(wp.dtype() == torch::kBFloat16 && wp.dim() == 4, "bfloat16 weights packed [N/16, K/2, 16, 2] expected");
   return packed_linear(x, wp, bias);
 }
 
-// x [M, K] float32 times float32 weights packed [N/16, K, 16] (w[n, k] at [n / 16, k, n % 16]), each output
-// one float32 FMA chain in k order, plus bias [N] float32 (or empty) -> y [M, N] float32: the fp32 verifier.
-// Row m of the result depends on x[m] only.
+// x [M, K] float32 times float32 or bfloat16 weights packed [N/16, K, 16] (w[n, k] at [n / 16, k, n % 16]),
+// bfloat16 widened to float32 exactly, each output one float32 FMA chain in k order, plus bias [N] float32
+// (or empty) -> y [M, N] float32: the fp32 verifier, and the bf16 lm_head of W8A8 checkpoints. Row m of the
+// result depends on x[m] only.
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias) {
-  TORCH_CHECK(wp.dtype() == torch::kFloat32, "float32 weights packed [N/16, K, 16] expected");
+  TORCH_CHECK((wp.dtype() == torch::kFloat32 || wp.dtype() == torch::kBFloat16) && wp.dim() == 3,
+              "float32 or bfloat16 weights packed [N/16, K, 16] expected");
   return packed_linear(x, wp, bias);
 }

@@ -1,12 +1,13 @@
 // The packed-panel tile of float_dot.cpp, included inside each AVX-512 target region so that the template is
-// compiled for that instruction set (see dpbusd_path.h). The includer defines P: the weights' register type W,
-// the inputs one step takes (kStep), weights(panel) -> W, input(x) -> the row's inputs broadcast, and
-// madd(acc, inputs, weights). No include guard and no includes of its own, on purpose.
+// compiled for that instruction set (see dpbusd_path.h). The includer defines P: the input and weight element
+// types X and T, the weights' register type W, the inputs one step takes (kStep), weights(panel) -> W,
+// input(x) -> the row's inputs broadcast, and madd(acc, inputs, weights). No include guard and no includes of
+// its own, on purpose.
 
 // Rows m0.. (R <= 6) times panels p0.. (C <= 4) of 16 channels over inputs [k0, k1): 24 accumulators and 4
 // weight registers of the 32; the partial sums come from y after the first chunk of K.
-template <int R, int C, typename T>
-void panel_tile(const T* x, const T* wp, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t k0,
+template <int R, int C, typename X, typename T>
+void panel_tile(const X* x, const T* wp, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t k0,
                 int64_t k1) {
   __m512 acc[R][C];
 #pragma GCC unroll 24
@@ -32,8 +33,8 @@ void panel_tile(const T* x, const T* wp, float* y, int64_t m0, int64_t p0, int64
 }
 
 // Rows [0, M) times panels [p0, p1).
-template <typename T>
-void panel_dot(const T* x, const T* wp, float* y, int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
+template <typename X, typename T>
+void panel_dot(const X* x, const T* wp, float* y, int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
   panel_tiles<6, 4>(M, p0, p1, K, 16 * sizeof(T), [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
     panel_tile<decltype(rows)::value, decltype(panels)::value>(x, wp, y, m, p, N, K, k0, k1);
   });

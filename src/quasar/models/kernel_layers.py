@@ -42,8 +42,7 @@ class KernelLinear(KernelModule, Linear):
     @classmethod
     def adopt(cls, module: nn.Module, kernel: Any) -> nn.Module:
         super().adopt(module, kernel)
-        N, K = module.out_features, module.in_features
-        module.packed = module.weight.detach().view(N // 16, 16, K).transpose(1, 2).contiguous()
+        module.packed = pack_channels(module.weight.detach())
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -54,6 +53,12 @@ class KernelLinear(KernelModule, Linear):
     def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(kind 3 = packed float32, weight, scale, bias) for the fused decoder-layer kernel."""
         return 3, self.packed, NONE, NONE if self.bias is None else self.bias
+
+
+def pack_channels(weight: torch.Tensor) -> torch.Tensor:
+    """w [N, K] -> [N/16, K, 16]: 16 channels side by side for each input (fp32_linear's layout, any dtype)."""
+    N, K = weight.shape
+    return weight.view(N // 16, 16, K).transpose(1, 2).contiguous()
 
 
 def drop_plain_weights_(model: nn.Module) -> int:

@@ -1,8 +1,8 @@
 """BF16Linear: bfloat16 weights, float32 sums, and float32 or bfloat16 inputs.
 
 Two kinds, fixed when the layer is made:
-- float32 inputs (the bf16 lm_head of W8A8 checkpoints): each weight is widened to float32 in registers
-  (csrc/float_dot.cpp, `float_act_linear`);
+- float32 inputs (the bf16 lm_head of W8A8 checkpoints): each weight is widened to float32 in registers, exactly
+  (csrc/float_dot.cpp: `fp32_linear` on panels of 16 channels, `float_act_linear` where N is not a multiple of 16);
 - bfloat16 inputs (`bf16_inputs`, every linear of the bf16 verifier, as llama.cpp runs a BF16 model): the
   input rows are rounded to bfloat16 and multiplied with AVX512-BF16's vdpbf16ps where the CPU has it, the
   same two FMAs per pair elsewhere (`bf16_linear`): the same floats on every x86 host.
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quasar.models.kernel_layers import KernelModule
+from quasar.models.kernel_layers import KernelModule, pack_channels
 from quasar.models.llama import Linear, at_fixed_shape
 from quasar.quant.schemes import swap_module_
 
@@ -57,33 +57,42 @@ class BF16Linear(Linear):
 
 
 class KernelBF16Linear(KernelModule, BF16Linear):
-    """With bf16 inputs the kernel reads the weight packed in panels of 16 channels ([N/16, K/2, 16, 2], made at
-    load); a loaded verifier then drops the plain weight unless a tied embedding reads it
-    (models/kernel_layers.drop_plain_weights_)."""
+    """The kernel reads the weight packed in panels of 16 channels, made at load: [N/16, K/2, 16, 2] with bf16
+    inputs, [N/16, K, 16] with float32 ones (plain [N, K] where N is not a multiple of 16); a loaded verifier
+    then drops the plain weight unless a tied embedding reads it (models/kernel_layers.drop_plain_weights_)."""
 
     packed: torch.Tensor | None
 
     @classmethod
     def adopt(cls, layer: BF16Linear, kernel: Any) -> KernelBF16Linear:
         super().adopt(layer, kernel)
-        layer.packed = pack_panels(layer.weight) if layer.bf16_inputs else None
+        if layer.bf16_inputs:
+            layer.packed = pack_panels(layer.weight)
+        else:
+            layer.packed = None if layer.out_features % 16 else pack_channels(layer.weight)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()  # [M, K]
-        if self.bf16_inputs:
-            y = self.kernel.bf16_linear(rows, self.packed, self.kernel_bias())  # [M, N] float32
+        kind, weight, scale, bias = self.kernel_args()
+        if kind == 2:
+            y = self.kernel.bf16_linear(rows, weight, bias)  # [M, N] float32
+        elif kind == 3:
+            y = self.kernel.fp32_linear(rows, weight, bias)
         else:
-            y = self.kernel.float_act_linear(rows, self.weight, NO_TENSOR, self.kernel_bias())
+            y = self.kernel.float_act_linear(rows, weight, scale, bias)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def kernel_bias(self) -> torch.Tensor:
         return NO_TENSOR if self.bias is None else self.bias.float()
 
     def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kind 1 = float32 inputs or 2 = bfloat16 inputs, weight, scale, bias) for the fused decoder-layer kernel."""
+        """(kind, weight, scale, bias) for the fused decoder-layer kernel: kind 2 = bfloat16 inputs (bf16_linear),
+        3 = float32 inputs on packed weights (fp32_linear), 1 = float32 inputs on the plain weight."""
         if self.bf16_inputs:
             return 2, self.packed, NO_TENSOR, self.kernel_bias()
+        if self.packed is not None:
+            return 3, self.packed, NO_TENSOR, self.kernel_bias()
         return 1, self.weight, NO_TENSOR, self.kernel_bias()
 
 
@@ -91,6 +100,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """w [N, K] -> [N/16, K/2, 16, 2]: 16 channels side by side, each with its pair of inputs (csrc/float_dot.cpp)."""
     N, K = weight.shape
     return weight.view(N // 16, 16, K // 2, 2).transpose(1, 2).contiguous()
+
 
 
 def use_bf16_linears_(model: nn.Module, names: list[str] | None = None, bf16_inputs: bool = False) -> list[str]:
