@@ -154,10 +154,18 @@ def test_fp32_and_bf16_verifiers_run_on_the_float_kernels(tiny_model_dir):
     assert w8a8.backend == f"kernels:{kernel.int8_path()}+{kernel.float_path()}"  # int8 layers, bf16 lm_head
 
 
-def test_a_tied_lm_head_keeps_its_rows_for_the_embedding():
+@pytest.mark.parametrize("name", ["bf16", "w8a8"])
+def test_a_tied_lm_head_is_packed_once_and_the_embedding_looks_rows_up_in_it(name):
+    from quasar.loading import load
+    from quasar.models.kernel_layers import PanelEmbedding
     from quasar.verifiers import load_verifier
 
-    model = load_verifier("default", "bf16").model  # SmolLM2 ties lm_head and embedding
-    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    assert model.lm_head.packed.shape == (49152 // 16, 576 // 2, 16, 2)
-    assert model.model.layers[0].mlp.up_proj.weight.data_ptr() == model.model.layers[0].mlp.up_proj.packed.data_ptr()
+    model = load_verifier("default", name).model  # SmolLM2 ties lm_head and embedding
+    table = load("default", "bf16").model.model.embed_tokens.weight  # the plain [V, D] bf16 rows
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, PanelEmbedding) and model.lm_head.kernel_args()[0] == (2 if name == "bf16" else 3)
+    assert embedding.weight.data_ptr() == model.lm_head.weight.data_ptr() == model.lm_head.packed.data_ptr()
+    ids = torch.tensor([[0, 15, 16, 17, 4242, 49151]])
+    assert torch.equal(embedding(ids), table[ids])
+    if name == "bf16":
+        assert model.model.layers[0].mlp.up_proj.weight.data_ptr() == model.model.layers[0].mlp.up_proj.packed.data_ptr()

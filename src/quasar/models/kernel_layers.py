@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from quasar.kv_cache import KVCache
-from quasar.models.llama import Attention, Layers, Linear, RMSNorm
+from quasar.models.llama import Attention, Embedding, Layers, Linear, RMSNorm
 
 NONE = torch.empty(0)
 
@@ -62,20 +62,37 @@ def pack_channels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def drop_plain_weights_(model: nn.Module) -> int:
-    """Linears that the kernels read packed (`packed`) give up their plain weight [N, K] for the packed tensor,
-    unless another module shares it (a tied embedding looks rows up in it): one copy of each weight in memory.
-    Only for a model nobody reads in the plain layout afterwards (a loaded verifier); returns how many."""
-    readers: dict[int, int] = {}
+    """Linears that the kernels read packed (`packed`) give up their plain weight [N, K] for the packed tensor:
+    one copy of each weight in memory. A tied embedding then looks its rows up in the packed table
+    (PanelEmbedding); a weight any other module shares keeps its plain copy. Only for a model nobody reads in
+    the plain layout afterwards (a loaded verifier); returns how many."""
+    readers: dict[int, list[nn.Module]] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
-            readers[param.data_ptr()] = readers.get(param.data_ptr(), 0) + 1
+            readers.setdefault(param.data_ptr(), []).append(module)
     dropped = 0
     for module in model.modules():
         packed = getattr(module, "packed", None)
-        if packed is not None and module.weight.shape != packed.shape and readers[module.weight.data_ptr()] == 1:
-            module.weight = nn.Parameter(packed, requires_grad=False)
-            dropped += 1
+        if packed is None or module.weight.shape == packed.shape:
+            continue
+        others = [m for m in readers[module.weight.data_ptr()] if m is not module]
+        if not all(type(m) is Embedding and m.weight.shape == module.weight.shape for m in others):
+            continue
+        module.weight = nn.Parameter(packed, requires_grad=False)
+        for embedding in others:
+            embedding.__class__ = PanelEmbedding
+            embedding.weight = module.weight
+        dropped += 1
     return dropped
+
+
+class PanelEmbedding(Embedding):
+    """An embedding tied to an lm_head whose table the kernels read packed in panels of 16 rows ([V/16, D, 16]
+    or [V/16, D/2, 16, 2], pack_channels or quant.bf16.pack_panels): a lookup gathers each token's row from
+    its panel, the same values as the plain table's row."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids // 16, :, ids % 16].reshape(*ids.shape, self.embedding_dim)
 
 
 class KernelRMSNorm(KernelModule, RMSNorm):
