@@ -114,12 +114,11 @@ def test_a_group_size_that_does_not_divide_k_is_refused():
 @pytest.mark.parametrize("G", [32, 64, 96])
 @pytest.mark.parametrize("N", [48, 40])  # 48: packed 16-channel blocks on the dpbusd path; 40: not packable
 @pytest.mark.parametrize("M", [1, 3, 6, 8, 11])
-def test_grouped_linear_is_exact_with_dyadic_scales(G, N, M):
+def test_grouped_linear_is_exact_with_dyadic_scales(G, N, M, K=192):
     """The whole fused linear, packed layout included, bit for bit against float64: inputs whose every group
     holds a +-127 multiple of 2^-e quantize exactly (scale 2^-e), and power-of-two weight scales keep every
     float sum exact, whatever the layout's summation order."""
     gen = torch.Generator().manual_seed(G + N + M)
-    K = 192
     layer = Int8Linear(K, N, bias=False, backend="avx2", group_size=G)
     layer.weight = torch.randint(-128, 128, (N, K), generator=gen, dtype=torch.int8)
     layer.weight_scale = 2.0 ** -torch.randint(0, 3, (N, K // G), generator=gen).float()
@@ -134,12 +133,19 @@ def test_grouped_linear_is_exact_with_dyadic_scales(G, N, M):
         assert torch.equal(layer(x[m : m + 1])[0], y[m])
 
 
+@pytest.mark.parametrize("M", [2, 13])
+def test_grouped_linear_is_exact_across_chunks_of_k(M):
+    """K = 4,128: the packed kernel walks it in chunks of 2,048 inputs, keeping partial sums in the output."""
+    test_grouped_linear_is_exact_with_dyadic_scales(32, 48, M, K=4128)
+
+
 def test_weights_are_packed_once_at_load_on_the_dpbusd_path():
     kernel = native.kernel()
     layer = backends.on_kernel(Int8Linear.from_float(torch.nn.Linear(64, 32), backend="avx2", group_size=32))
     w, scale = layer.kernel_weight
-    if kernel.int8_path() == "dpbusd":
-        assert w.shape == (2, 16, 16, 4) and scale.shape == (2, 2, 16)
+    if kernel.int8_path() == "dpbusd":  # panels of 16 channels x 4 inputs, as unsigned bytes w + 128
+        assert w.shape == (2, 16, 16, 4) and w.dtype == torch.uint8 and scale.shape == (2, 2, 16)
+        assert int(w[1, 3, 5, 2]) == int(layer.weight[16 + 5, 3 * 4 + 2]) + 128
         assert layer.state_dict()["weight"].shape == (32, 64)  # checkpoints and exports keep the plain layout
     else:
         assert w is layer.weight

@@ -1,5 +1,6 @@
-// Loop helpers shared by the linear kernels (linear_avx2.cpp, int8_dot.cpp).
+// Loop helpers shared by the linear kernels (linear_avx2.cpp, int8_dot.cpp, float_dot.cpp, int8_panel.cpp).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -22,4 +23,27 @@ void row_blocks(int64_t M, F block) {
   int64_t m = 0;
   for (; m + MAX <= M; m += MAX) block(std::integral_constant<int, MAX>{}, m);
   last_block<MAX - 1>(M - m, m, block);
+}
+
+// Weights packed in panels of 16 channels: panels per block, and bytes of one panel per chunk of K. A block's
+// outputs stay in cache while K passes in chunks, and a chunk of the block's weights (16 panels x 32 KB: 1,024
+// bf16, 512 fp32 or 2,048 int8 inputs) in L2 while every row passes (measured on the 1.5B model's linears at
+// 1,024 rows: chunks of 256, 512, 1,024 bf16 inputs took 1.31x, 1.26x, 1.23x oneDNN's time).
+constexpr int64_t kPanelBlock = 16, kChunkBytes = 32 * 1024;
+
+// Rows [0, M) times panels [p0, p1) of 16 channels, K in chunks: tile(rows, panels, m, p, k0, k1), rows and
+// panels std::integral_constant. k_bytes: one input of one panel (32 bf16, 64 fp32, 16 int8); chunks are whole
+// steps of `step` inputs (a bf16 pair, an int8 scale group).
+template <int RMAX, int CMAX, typename F>
+void panel_tiles(int64_t M, int64_t p0, int64_t p1, int64_t K, int64_t k_bytes, int64_t step, F tile) {
+  const int64_t chunk = std::max(step, kChunkBytes / k_bytes / step * step);
+  for (int64_t b = p0; b < p1; b += kPanelBlock) {
+    const int64_t b1 = std::min(b + kPanelBlock, p1);
+    for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+      const int64_t k1 = std::min(K, k0 + chunk);
+      row_blocks<RMAX>(M, [&](auto rows, int64_t m) {
+        row_blocks<CMAX>(b1 - b, [&](auto panels, int64_t c) { tile(rows, panels, m, b + c, k0, k1); });
+      });
+    }
+  }
 }

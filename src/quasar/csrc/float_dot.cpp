@@ -97,28 +97,6 @@ void act32_tile_avx2(const float* x, const W* w, float* y, int64_t m0, int64_t n
     for (int c = 0; c < C; ++c) y[(m0 + r) * N + n0 + c] = hsum_ps(acc[0][r][c], acc[1][r][c]);
 }
 
-// Panels per block, and bytes of one panel per chunk of K: a block's outputs stay in cache while K passes in
-// chunks, and a chunk of the block's weights (16 panels x 32 KB: 1,024 bf16 or 512 fp32 inputs) in L2 while
-// every row passes (measured on the 1.5B model's linears at 1,024 rows: chunks of 256, 512, 1,024 bf16
-// inputs took 1.31x, 1.26x, 1.23x oneDNN's time).
-constexpr int64_t kPanelBlock = 16, kChunkBytes = 32 * 1024;
-
-// Rows [0, M) times panels [p0, p1) of 16 channels, K in chunks: tile(rows, panels, m, p, k0, k1).
-// k_bytes: one input of one panel (32 bf16, 64 fp32); chunks are even.
-template <int RMAX, int CMAX, typename F>
-void panel_tiles(int64_t M, int64_t p0, int64_t p1, int64_t K, int64_t k_bytes, F tile) {
-  const int64_t chunk = kChunkBytes / k_bytes / 2 * 2;
-  for (int64_t b = p0; b < p1; b += kPanelBlock) {
-    const int64_t b1 = std::min(b + kPanelBlock, p1);
-    for (int64_t k0 = 0; k0 < K; k0 += chunk) {
-      const int64_t k1 = std::min(K, k0 + chunk);
-      row_blocks<RMAX>(M, [&](auto rows, int64_t m) {
-        row_blocks<CMAX>(b1 - b, [&](auto panels, int64_t c) { tile(rows, panels, m, b + c, k0, k1); });
-      });
-    }
-  }
-}
-
 inline int32_t pair_at(const uint16_t* p) {  // two bfloat16 as one 32-bit lane
   int32_t v;
   std::memcpy(&v, p, sizeof v);
@@ -472,7 +450,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bia
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     if (pairs) {
       if (path == FloatPath::Avx512Bf16) return avx512bf16::panel_dot(xb.data(), w16, yp, M, N, K, p0, p1);
-      panel_tiles<4, 1>(M, p0, p1, K, 32, [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
+      panel_tiles<4, 1>(M, p0, p1, K, 32, 2, [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
         bf16_tile_avx2<decltype(rows)::value, decltype(panels)::value>(xb.data(), w16, yp, m, p, N, K, k0, k1);
       });
       return;
@@ -486,7 +464,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bia
       else
         fp32_tile_avx2<decltype(rows)::value, decltype(panels)::value>(xp, w32, yp, m, p, N, K, k0, k1);
     };
-    panel_tiles<6, 1>(M, p0, p1, K, widened ? 32 : 64, tile);
+    panel_tiles<6, 1>(M, p0, p1, K, widened ? 32 : 64, 2, tile);
   });
   epilogue(yp, M, N, nullptr, bias.numel() ? bias.data_ptr<float>() : nullptr);
   return y;

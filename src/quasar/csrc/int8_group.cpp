@@ -12,7 +12,6 @@
 
 #include <immintrin.h>
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 namespace {
@@ -171,41 +170,6 @@ void pair_block(const uint8_t* x, const float* x_scale2, const int8_t* w, const 
   }
 }
 
-// The packed layout: w [N/16][K/4][16][4] (16 output channels x 4 inputs per 64-byte register) and
-// w_scale [N/16][K/G][16]. One vpdpbusd of a row's 4 inputs (broadcast) against a register accumulates 16
-// channels, so a group's conversion and scaling happen once per 16 channels: at 6 rows this removes most of
-// the float work that the channel-at-a-time loops above do per channel. Lane n of a row's accumulator sees
-// only that row's inputs, in a fixed order: rows stay independent.
-template <int MB>
-void packed_block(const uint8_t* u, const float* x_scale, const int8_t* wp, const float* wsp, float* out,
-                  int64_t m0, int64_t N, int64_t K, int64_t G, int64_t nb) {
-  const int64_t groups = K / G;
-  const __m512i c128 = _mm512_set1_epi8(static_cast<char>(0x80));
-  const int8_t* base = wp + nb * 16 * K;
-  __m512 facc[MB];
-  for (int i = 0; i < MB; ++i) facc[i] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    __m512i corr = _mm512_setzero_si512(), acc[MB];
-    for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_si512();
-    for (int64_t k = g * G; k < (g + 1) * G; k += 4) {
-      const __m512i wv = _mm512_loadu_si512(base + k * 16);
-      _mm_prefetch(reinterpret_cast<const char*>(base + k * 16 + 2048), _MM_HINT_T0);
-      corr = _mm512_dpbusd_epi32(corr, c128, wv);
-      for (int i = 0; i < MB; ++i) {
-        int32_t four;
-        std::memcpy(&four, u + (m0 + i) * K + k, 4);
-        acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(four), wv);
-      }
-    }
-    const __m512 ws = _mm512_loadu_ps(wsp + (nb * groups + g) * 16);
-    for (int i = 0; i < MB; ++i) {
-      const __m512 sc = _mm512_mul_ps(ws, _mm512_set1_ps(x_scale[(m0 + i) * groups + g]));
-      facc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], corr)), sc, facc[i]);
-    }
-  }
-  for (int i = 0; i < MB; ++i) _mm512_storeu_ps(out + (m0 + i) * N + nb * 16, facc[i]);
-}
-
 }  // namespace vnni
 #pragma GCC pop_options
 
@@ -221,14 +185,6 @@ void tiles(int64_t M, int64_t n0, int64_t n1, Block block) {
 }
 
 }  // namespace
-
-void int8_group_dot_packed(const uint8_t* u, const float* x_scale, const int8_t* wp, const float* wsp, float* out,
-                           int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1) {
-  for (int64_t nb = (n0 + 15) / 16; nb * 16 < n1; ++nb)  // the blocks that start in [n0, n1)
-    row_blocks<8>(M, [&](auto rows, int64_t m) {
-      vnni::packed_block<decltype(rows)::value>(u, x_scale, wp, wsp, out, m, N, K, G, nb);
-    });
-}
 
 void int8_group_dot(Int8Path path, const int8_t* q, const uint8_t* u, const float* x_scale, const int8_t* w,
                     const float* w_scale, float* out, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0,

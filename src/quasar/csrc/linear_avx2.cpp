@@ -61,7 +61,7 @@ struct IntJob {
   const float* w_scale = nullptr;
   const float* bias = nullptr;
   int64_t G = 0;
-  bool packed = false;  // w [N/16][K/4][16][4], w_scale [N/16][K/G][16] (int8_group.cpp), dpbusd only
+  bool packed = false;  // w [N/16][K/4][16][4] uint8 = w + 128, w_scale [N/16][K/G][16] (int8_panel.cpp), dpbusd only
 };
 
 // y[m, n] += bias[n] for channels [n0, n1).
@@ -94,10 +94,15 @@ void rescale_range(const IntJob& job, const float* x_scale, int64_t M, int64_t n
 // thread fork and join instead of one per weight); each thread rescales the channels it summed.
 void run_jobs(Int8Path path, const int8_t* q, const float* x_scale, const std::vector<IntJob>& jobs, int64_t M,
               int64_t K) {
-  for (const IntJob& job : jobs)
+  bool any_packed = false, any_plain = false;
+  for (const IntJob& job : jobs) {
     TORCH_CHECK(!job.packed || path == Int8Path::Dpbusd, "packed int8 weights need the dpbusd path (AVX-512 VNNI)");
+    (job.packed ? any_packed : any_plain) = true;
+  }
   std::vector<uint8_t> u;
-  prepare_rows(path, q, M * K, u);
+  if (any_plain) prepare_rows(path, q, M * K, u);
+  std::vector<int32_t> start(any_packed ? M * K / jobs[0].G : 0);  // packed jobs share one group size
+  if (any_packed) group_starts(q, M, K, jobs[0].G, start.data());
   std::vector<int64_t> first(jobs.size() + 1, 0);
   for (size_t i = 0; i < jobs.size(); ++i) first[i + 1] = first[i] + jobs[i].N;
   at::parallel_for(0, first.back(), 16, [&](int64_t a, int64_t b) {
@@ -105,8 +110,9 @@ void run_jobs(Int8Path path, const int8_t* q, const float* x_scale, const std::v
       const int64_t n0 = std::max(a, first[i]) - first[i], n1 = std::min(b, first[i + 1]) - first[i];
       if (n0 >= n1) continue;
       const IntJob& job = jobs[i];
-      if (job.packed) {  // whole 16-channel blocks: those that start in [n0, n1)
-        int8_group_dot_packed(u.data(), x_scale, job.w, job.w_scale, job.y, M, job.N, K, job.G, n0, n1);
+      if (job.packed) {  // whole 16-channel panels: those that start in [n0, n1)
+        int8_panel_dot(q, start.data(), x_scale, reinterpret_cast<const uint8_t*>(job.w), job.w_scale, job.y, M, job.N,
+                       K, job.G, n0, n1);
         add_bias(job, M, (n0 + 15) / 16 * 16, std::min((n1 + 15) / 16 * 16, job.N));
         continue;
       }
@@ -227,10 +233,10 @@ std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::
   std::vector<torch::Tensor> acc, out;
   for (size_t i = 0; i < w.size(); ++i) {
     w[i] = w[i].contiguous();
-    const bool packed = w[i].dim() == 4;  // [N/16][K/4][16][4] with w_scale [N/16][K/G][16]
-    TORCH_CHECK(!packed || (w[i].dtype() == torch::kInt8 && w[i].size(1) * 4 == K && w[i].size(2) == 16 &&
+    const bool packed = w[i].dim() == 4;  // [N/16][K/4][16][4] uint8 = w + 128 with w_scale [N/16][K/G][16]
+    TORCH_CHECK(!packed || (w[i].dtype() == torch::kUInt8 && w[i].size(1) * 4 == K && w[i].size(2) == 16 &&
                             w[i].size(3) == 4 && w_scale[i].dim() == 3 && w_scale[i].size(2) == 16),
-                "packed int8 w [N/16, K/4, 16, 4] with w_scale [N/16, K/G, 16] expected");
+                "packed uint8 w + 128 [N/16, K/4, 16, 4] with w_scale [N/16, K/G, 16] expected");
     if (!packed) check_int8_weight(w[i], K);
     const int64_t N = packed ? w[i].size(0) * 16 : w[i].size(0);
     w_scale[i] = w_scale[i].contiguous();
@@ -243,7 +249,7 @@ std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::
                 "float32 bias [N] or empty expected");
     acc.push_back(G ? torch::Tensor() : torch::empty({M, N}, x.options().dtype(torch::kInt32)));
     out.push_back(torch::empty({M, N}, x.options()));
-    jobs.push_back(IntJob{w[i].data_ptr<int8_t>(), N, G ? nullptr : acc.back().data_ptr<int32_t>(),
+    jobs.push_back(IntJob{static_cast<const int8_t*>(w[i].data_ptr()), N, G ? nullptr : acc.back().data_ptr<int32_t>(),
                           out.back().data_ptr<float>(), w_scale[i].data_ptr<float>(),
                           bias[i].numel() ? bias[i].data_ptr<float>() : nullptr, G, packed});
   }

@@ -35,7 +35,7 @@ void panel_tile(const X* x, const T* wp, float* y, int64_t m0, int64_t p0, int64
 // Rows [0, M) times panels [p0, p1).
 template <typename X, typename T>
 void panel_dot(const X* x, const T* wp, float* y, int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
-  panel_tiles<6, 4>(M, p0, p1, K, 16 * sizeof(T), [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
+  panel_tiles<6, 4>(M, p0, p1, K, 16 * sizeof(T), 2, [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
     panel_tile<decltype(rows)::value, decltype(panels)::value>(x, wp, y, m, p, N, K, k0, k1);
   });
 }

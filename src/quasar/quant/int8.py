@@ -188,9 +188,9 @@ class Int8Linear(nn.Module):
 
 class KernelInt8Linear(KernelModule, Int8Linear):
     """Int8Linear on quasar's CPU kernel: quantization, exact int32 dot products, rescale and bias in one call.
-    On the dpbusd path a group-wise layer's weights are packed 16 channels x 4 inputs per register at load
-    ([N/16, K/4, 16, 4], scales [N/16, K/G, 16]; int8_group.cpp) beside the plain ones, which checkpoints and
-    exports keep using."""
+    On the dpbusd path a group-wise layer's weights are packed 16 channels x 4 inputs per register at load, as
+    unsigned bytes w + 128 ([N/16, K/4, 16, 4] uint8, scales [N/16, K/G, 16]; csrc/int8_panel.cpp) beside the
+    plain ones, which checkpoints and exports keep using."""
 
     kernel_weight: tuple[torch.Tensor, torch.Tensor]  # (weight, scale) as the kernel reads them
 
@@ -200,7 +200,7 @@ class KernelInt8Linear(KernelModule, Int8Linear):
         N, K = layer.weight.shape
         if layer.group_size and N % 16 == 0 and kernel.int8_path() == "dpbusd":
             layer.kernel_weight = (
-                layer.weight.view(N // 16, 16, K // 4, 4).permute(0, 2, 1, 3).contiguous(),
+                (layer.weight.view(N // 16, 16, K // 4, 4).permute(0, 2, 1, 3).to(torch.int16) + 128).to(torch.uint8).contiguous(),
                 layer.weight_scale.view(N // 16, 16, -1).permute(0, 2, 1).contiguous(),
             )
         else:
