@@ -144,7 +144,7 @@ def test_group_scheme_round_trip_and_block(tiny_model, tmp_path):
     ("w8a9", "unknown quantization scheme 'w8a9'"),
     ("w8a8:g48", "multiple of 32"),
     ("w8a8:g96", "group size 96 does not divide the 64 inputs of model.layers.0.self_attn.q_proj"),
-    ("w8a8:g32:1.5", "is neither pc, gN nor an alpha"),
+    ("w8a8:g32:1.5", "is neither pc, gN, lm8 nor an alpha"),
     ("w8a16:g32", "unknown quantization scheme"),
 ])
 def test_cli_quantize_bad_scheme_is_one_line_and_writes_nothing(tiny_model_dir, tmp_path, capsys, scheme, message):
@@ -175,8 +175,25 @@ def test_verifier_names_pick_the_scheme(tiny_model_dir, tmp_path):
     assert load_verifier(tiny_model_dir, "w8a8:pc", cache).model.model.layers[0].mlp.up_proj.group_size == 0
     assert load_verifier(tiny_model_dir, "w8a8:g64", cache).model.model.layers[0].mlp.up_proj.group_size == 64
     assert isinstance(default.model.lm_head, BF16Linear)  # part of the recipe, on every host
-    with pytest.raises(ValueError, match="'x' is neither pc, gN nor an alpha"):
+    with pytest.raises(ValueError, match="'x' is neither pc, gN, lm8 nor an alpha"):
         load_verifier(tiny_model_dir, "w8a8:x", cache)
+
+
+def test_lm8_puts_the_lm_head_in_w8a8_too(tiny_model_dir, tmp_path, capsys):
+    from quasar.quant.int8 import Int8Linear
+    from quasar.quant.recipe import parse_scheme
+    from quasar.quant.verifiers import checkpoint_name
+    from quasar.verifiers import load_verifier
+
+    assert parse_scheme("w8a8:lm8").name == "w8a8:g32:lm8" and parse_scheme("w8a8:pc:0.5:lm8").lm_head
+    head = load_verifier(tiny_model_dir, "w8a8:lm8", tmp_path / "cache").model.lm_head
+    assert isinstance(head, Int8Linear) and head.group_size == 32
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(tiny_model_dir), "--out", str(out), "--calib-samples", "1", "--seq-len",
+                 "32"]) == 0
+    assert checkpoint_name(json.loads((out / "config.json").read_text())["quantization"]) == "w8a8:g32"
+    with pytest.raises(ValueError, match="is a w8a8:g32 checkpoint, but --verifier asks for w8a8:lm8"):
+        load_verifier(out, "w8a8:lm8")
 
 
 def test_a_name_loads_one_model_and_a_quantized_directory_is_no_float_model(tiny_model_dir, tmp_path, capsys):

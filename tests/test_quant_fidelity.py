@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from conftest import needs_kernels
 
 from quasar.quant.calibration import CalibrationSpec
 from quasar.quant.fidelity import compare, held_out_texts, held_out_windows
@@ -29,6 +30,20 @@ def test_quantized_tiny_model_has_small_positive_error(tiny_model):
     quantize_model(quantized, QuantRecipe("w8a16", None))
     report = compare(tiny_model.model, {"w8a16": quantized.model}, _windows())[0]
     assert 0 < report.kl_mean < 0.05 and 0 < min(report.layer_errors)
+
+
+@needs_kernels
+def test_a_model_on_the_fused_kernels_reports_every_layer(tiny_model):
+    """FusedLayers runs the whole stack in one call; the per-layer errors still come from every layer."""
+    from quasar import backends
+
+    quantized = copy.deepcopy(tiny_model)
+    quantize_model(quantized, QuantRecipe("w8a16", None))
+    on_torch = compare(tiny_model.model, {"w8a16": quantized.model}, _windows())[0]
+    assert backends.prepare_(quantized.model).startswith("kernels:")
+    fused = compare(tiny_model.model, {"w8a16": quantized.model}, _windows())[0]
+    assert 0 < min(fused.layer_errors) and fused.layer_errors == pytest.approx(on_torch.layer_errors, rel=0.05)
+    assert type(quantized.model.model.layers).__name__ == "FusedLayers"
 
 
 def test_held_out_text_is_disjoint_from_calibration():

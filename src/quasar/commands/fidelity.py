@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--model", default="default", help="float model: 'default', a .gguf file or a HF directory")
     parser.add_argument("--verifier", action="append", metavar="V",
-                        help="a quantized verifier: w8a8[:pc|:gN][:auto|:none|:ALPHA] or w8a16, repeatable "
+                        help="a quantized verifier: w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8] or w8a16, repeatable "
                         f"(default: {', '.join(DEFAULT_VARIANTS)})")
     parser.add_argument("--quantized", action="append", default=[], metavar="DIR",
                         help="also compare a directory written by `quasar quantize` (repeatable)")

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quasar.models.llama import Layers
 from quasar.quant.calibration import fixture_texts, read_texts, token_windows
 
 HELD_OUT_FIXTURE = "fixtures/gsm8k/cases.jsonl"
@@ -64,10 +65,14 @@ def _layer_outputs(model: nn.Module | Any, ids: torch.Tensor) -> tuple[torch.Ten
     if not isinstance(model, nn.Module):
         return model.logits(ids), None
     outputs: list[torch.Tensor] = []
-    handles = [layer.register_forward_hook(lambda m, a, out: outputs.append(out.float())) for layer in model.model.layers]
+    stack = model.model.layers
+    fused = type(stack)  # FusedLayers runs every layer in one kernel call: the hooks need the layers one by one
+    stack.__class__ = Layers  # the same kernels, called layer by layer: the same floats
+    handles = [layer.register_forward_hook(lambda m, a, out: outputs.append(out.float())) for layer in stack]
     try:
         logits = model(ids, model.new_cache(ids.shape[1]))
     finally:
+        stack.__class__ = fused
         for h in handles:
             h.remove()
     return logits, outputs

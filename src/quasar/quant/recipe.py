@@ -20,7 +20,7 @@ log = logging.getLogger("quasar")
 
 # The group size of plain `w8a8`: the finest scales that keep the speed (the table in docs/quantization.md).
 DEFAULT_W8A8_GROUP = 32
-SCHEME_FORMS = "w8a8[:pc|:gN][:auto|:none|:ALPHA] or w8a16 (e.g. w8a8, w8a8:g32, w8a8:pc:0.5)"
+SCHEME_FORMS = "w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8] or w8a16 (e.g. w8a8, w8a8:g32, w8a8:pc:0.5, w8a8:lm8)"
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,11 @@ class QuantRecipe:
 
     @property
     def name(self) -> str:
-        """The verifier name that gives this recipe: 'w8a8:g64', 'w8a8:pc:0.5', 'w8a16'."""
+        """The verifier name that gives this recipe: 'w8a8:g64', 'w8a8:pc:0.5', 'w8a8:g32:lm8', 'w8a16'."""
         if self.scheme != "w8a8":
             return self.scheme
         alpha = "" if self.alpha == "auto" else f":{'none' if self.alpha is None else self.alpha}"
-        return f"w8a8:{f'g{self.group_size}' if self.group_size else 'pc'}{alpha}"
+        return f"w8a8:{f'g{self.group_size}' if self.group_size else 'pc'}{alpha}{':lm8' if self.lm_head else ''}"
 
     def scheme_config(self) -> Any:
         options = {"group_size": self.group_size} if self.scheme == "w8a8" else {}
@@ -69,13 +69,16 @@ class QuantRecipe:
 
 def parse_scheme(name: str, calib: CalibrationSpec | None = None, **options: Any) -> QuantRecipe:
     """A scheme name -> its recipe: 'w8a8' (group size DEFAULT_W8A8_GROUP, alpha auto), 'w8a8:g32', 'w8a8:pc'
-    (per channel and token, the paper's), 'w8a8:g64:0.5', 'w8a8:none' (no smoothing), 'w8a16'."""
+    (per channel and token, the paper's), 'w8a8:g64:0.5', 'w8a8:none' (no smoothing), 'w8a8:lm8' (the lm_head
+    in W8A8 too, with the layers' group size, instead of bf16), 'w8a16'."""
     scheme, *parts = name.split(":")
     if scheme not in ("w8a8", "w8a16") or (scheme == "w8a16" and parts):
         raise ValueError(f"unknown quantization scheme {name!r}; use {SCHEME_FORMS}")
     group, alpha = DEFAULT_W8A8_GROUP, "auto"
     for part in parts:
-        if part == "pc":
+        if part == "lm8":
+            options["lm_head"] = True
+        elif part == "pc":
             group = 0
         elif part[:1] == "g" and part[1:].isdigit():
             group = int(part[1:])
@@ -85,7 +88,7 @@ def parse_scheme(name: str, calib: CalibrationSpec | None = None, **options: Any
             try:
                 alpha = parse_alpha(part)
             except ValueError:
-                raise ValueError(f"scheme {name!r}: {part!r} is neither pc, gN nor an alpha; use {SCHEME_FORMS}") from None
+                raise ValueError(f"scheme {name!r}: {part!r} is neither pc, gN, lm8 nor an alpha; use {SCHEME_FORMS}") from None
     if scheme == "w8a16":
         return QuantRecipe("w8a16", None, calib or CalibrationSpec(), group_size=0, **options)
     return QuantRecipe("w8a8", alpha, calib or CalibrationSpec(), group_size=group, **options)

@@ -1,6 +1,6 @@
 """The 'w8a8' and 'w8a16' verifiers (names in quasar.verifiers.VERIFIERS).
 
-`w8a8[:pc|:gN][:ALPHA]` (recipe.parse_scheme) and `w8a16` on a float model quantize it once with the default
+`w8a8[:pc|:gN][:ALPHA][:lm8]` (recipe.parse_scheme) and `w8a16` on a float model quantize it once with the default
 calibration set and cache the checkpoint on disk. The cache key is the source weights' sha256 (memoised by
 path, size and mtime), the recipe's settings and a hash of the quantization code, so a fix in the quantizer
 makes new checkpoints instead of reusing stale ones; the float model is loaded only when the key misses. A
@@ -49,11 +49,11 @@ def quantized_cached(model: str | Path, recipe: QuantRecipe, cache_dir: str | Pa
 
 
 def checkpoint_name(block: dict) -> str:
-    """The verifier name of a checkpoint's quantization block: 'w8a8:g32', 'w8a8:pc', 'w8a16'."""
+    """The verifier name of a checkpoint's quantization block: 'w8a8:g32', 'w8a8:pc', 'w8a8:g32:lm8', 'w8a16'."""
     if block["scheme"] != "w8a8":
         return block["scheme"]
     group = block.get("group_size", 0)
-    return f"w8a8:{f'g{group}' if group else 'pc'}"
+    return f"w8a8:{f'g{group}' if group else 'pc'}{':lm8' if block.get('lm_head_dtype') == 'int8' else ''}"
 
 
 def load_scheme(name: str, model: str | Path, cache_dir: str | Path | None) -> LoadedModel:
@@ -63,7 +63,9 @@ def load_scheme(name: str, model: str | Path, cache_dir: str | Path | None) -> L
     if block is None:
         return quantized_cached(model, recipe, cache_dir)
     explicit = any(part == "pc" or part[:1] == "g" for part in name.split(":")[1:])  # a group named, not only alpha
-    if block["scheme"] != recipe.scheme or (explicit and block.get("group_size", 0) != recipe.group_size):
+    bf16_head = block.get("lm_head_dtype") != "int8"  # asked for lm8, the checkpoint has its float lm_head
+    if (block["scheme"] != recipe.scheme or (explicit and block.get("group_size", 0) != recipe.group_size)
+            or (recipe.lm_head and bf16_head)):
         raise ValueError(f"{path} is a {checkpoint_name(block)} checkpoint, but --verifier asks for {name}")
     return load_quantized(path, cache_dir)
 
