@@ -167,5 +167,8 @@ def test_a_tied_lm_head_is_packed_once_and_the_embedding_looks_rows_up_in_it(nam
     assert embedding.weight.data_ptr() == model.lm_head.weight.data_ptr() == model.lm_head.packed.data_ptr()
     ids = torch.tensor([[0, 15, 16, 17, 4242, 49151]])
     assert torch.equal(embedding(ids), table[ids])
-    if name == "bf16":
-        assert model.model.layers[0].mlp.up_proj.weight.data_ptr() == model.model.layers[0].mlp.up_proj.packed.data_ptr()
+    up = model.model.layers[0].mlp.up_proj  # every packed linear of a loaded verifier: one copy of its weight
+    packed = up.packed if name == "bf16" else up.kernel_weight[0]
+    assert up.weight.data_ptr() == packed.data_ptr()
+    if name == "w8a8" and native.kernel().int8_path() == "dpbusd":
+        assert up.weight.dtype == torch.uint8 and up.weight_scale.data_ptr() == up.kernel_weight[1].data_ptr()

@@ -62,8 +62,8 @@ def pack_channels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def drop_plain_weights_(model: nn.Module) -> int:
-    """Linears that the kernels read packed (`packed`) give up their plain weight [N, K] for the packed tensor:
-    one copy of each weight in memory. A tied embedding then looks its rows up in the packed table
+    """Linears that the kernels read packed (`packed`, or their own `drop_plain_()`) give up their plain weight
+    [N, K] for the packed tensor: one copy of each weight in memory. A tied embedding then looks its rows up in the packed table
     (PanelEmbedding); a weight any other module shares keeps its plain copy. Only for a model nobody reads in
     the plain layout afterwards (a loaded verifier); returns how many."""
     readers: dict[int, list[nn.Module]] = {}
@@ -72,6 +72,9 @@ def drop_plain_weights_(model: nn.Module) -> int:
             readers.setdefault(param.data_ptr(), []).append(module)
     dropped = 0
     for module in model.modules():
+        if hasattr(module, "drop_plain_"):  # W8A8 layers keep their packed weight and scale themselves
+            dropped += module.drop_plain_()
+            continue
         packed = getattr(module, "packed", None)
         if packed is None or module.weight.shape == packed.shape:
             continue

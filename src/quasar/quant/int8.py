@@ -190,7 +190,7 @@ class KernelInt8Linear(KernelModule, Int8Linear):
     """Int8Linear on quasar's CPU kernel: quantization, exact int32 dot products, rescale and bias in one call.
     On the dpbusd path a group-wise layer's weights are packed 16 channels x 4 inputs per register at load, as
     unsigned bytes w + 128 ([N/16, K/4, 16, 4] uint8, scales [N/16, K/G, 16]; csrc/int8_panel.cpp) beside the
-    plain ones, which checkpoints and exports keep using."""
+    plain ones, which checkpoints and exports keep using; a loaded verifier keeps the packed copy alone."""
 
     kernel_weight: tuple[torch.Tensor, torch.Tensor]  # (weight, scale) as the kernel reads them
 
@@ -206,6 +206,14 @@ class KernelInt8Linear(KernelModule, Int8Linear):
         else:
             layer.kernel_weight = (layer.weight, layer.weight_scale)
         return layer
+
+    def drop_plain_(self) -> bool:
+        """Keep only the packed copy (the weight and scale buffers become it): for a model nobody reads in the
+        plain layout afterwards (models/kernel_layers.drop_plain_weights_); whether there was a second copy."""
+        if self.kernel_weight[0] is self.weight:
+            return False
+        self.weight, self.weight_scale = self.kernel_weight
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()  # [M, K]
