@@ -38,7 +38,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein 
 @pytest.fixture(scope="module")
 def w8a8(tiny_model_dir, tmp_path_factory) -> LoadedModel:
     """The per-channel/per-token scheme vLLM's int8 kernels run (the default `w8a8` is group-wise)."""
-    return load_verifier(tiny_model_dir, "w8a8:pc", cache_dir=share_kernels(tmp_path_factory.mktemp("cache")))
+    cache = share_kernels(tmp_path_factory.mktemp("cache"))
+    return load_verifier(tiny_model_dir, "w8a8:pc", cache_dir=cache, owned=False)  # as `quasar export` loads it
 
 
 @pytest.fixture(scope="module")

@@ -51,9 +51,11 @@ def available() -> list[str]:
     return sorted(VERIFIERS)
 
 
-def load_verifier(model: str | Path, verifier: str, cache_dir: str | Path | None = None) -> LoadedModel:
-    """'fp32', 'bf16', 'w8a8', 'w8a8:pc', 'pruned:8', ... -> the loaded verifier, on its backend."""
+def load_verifier(model: str | Path, verifier: str, cache_dir: str | Path | None = None, owned: bool = True) -> LoadedModel:
+    """'fp32', 'bf16', 'w8a8', 'w8a8:pc', 'pruned:8', ... -> the loaded verifier, on its backend. owned: only
+    the verifier reads its weights, so the kernels' packed copy is the only one kept; False for a model whose
+    state dict is read in the plain layout afterwards (exports)."""
     name, _, arg = verifier.partition(":")
     loaded = lookup(VERIFIERS, name, "verifier", FORMS)(model, arg or None, cache_dir=cache_dir)
-    backends.prepare_(loaded.model, cache_dir=cache_dir, owned=True)
+    backends.prepare_(loaded.model, cache_dir=cache_dir, owned=owned)
     return loaded

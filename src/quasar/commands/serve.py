@@ -129,7 +129,7 @@ def vllm_model(model: str, verifier: str, cache_dir: str | None, export_dir: str
     verifier, note = vllm_scheme(verifier)
     if note:
         print(f"quasar: {note}", file=sys.stderr)
-    target = load_verifier(model, verifier, cache_dir)
+    target = load_verifier(model, verifier, cache_dir, owned=False)  # the export reads the plain layout
     name = verifier.replace(":", "-")
     out = Path(export_dir) if export_dir else cache_root(cache_dir) / "exports" / f"{target.source_sha256}-{name}-ct"
     if not (out / "config.json").exists():
