@@ -156,6 +156,15 @@ def test_export_refuses_group_scales_vllm_cannot_run(tiny_model_dir, tmp_path):
     assert not (tmp_path / "ct").exists()
 
 
+def test_a_verifier_loaded_to_run_is_refused_with_the_way_out(tiny_model_dir, tmp_path):
+    from quasar.export import export
+
+    running = load_verifier(tiny_model_dir, "w8a8:pc", cache_dir=tmp_path / "cache")  # tied lm_head: packed once
+    with pytest.raises(ValueError, match="packed copy: load the verifier with load_verifier"):
+        export(running, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_vllm_dry_run_points_at_the_export(tiny_model_dir, w8a8, tmp_path):
     cache = w8a8.directory.parent.parent
     out = subprocess.run([sys.executable, "-m", "quasar", "serve", "--engine", "vllm", "--dry-run", "--model",

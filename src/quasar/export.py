@@ -101,6 +101,9 @@ def export_state(model: nn.Module, float_dtype: torch.dtype) -> dict[str, torch.
     layers = quantized_layers(model)
     state: dict[str, torch.Tensor] = {}
     for key, tensor in model.state_dict().items():
+        if key.endswith(".weight") and tensor.dim() > 2:  # a loaded verifier keeps only the kernels' packed copy
+            raise ValueError(f"{key} holds only the kernels' packed copy: load the verifier with "
+                             "load_verifier(..., owned=False) to export it")
         module, _, leaf = key.rpartition(".")
         if module in layers and leaf == "weight_scale":
             tensor = tensor.float().reshape(-1, 1)  # [N, 1]
