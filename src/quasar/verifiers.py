@@ -51,7 +51,8 @@ def available() -> list[str]:
     return sorted(VERIFIERS)
 
 
-def load_verifier(model: str | Path, verifier: str, cache_dir: str | Path | None = None, owned: bool = True) -> LoadedModel:
+def load_verifier(model: str | Path, verifier: str, cache_dir: str | Path | None = None,
+                  owned: bool = True) -> LoadedModel:
     """'fp32', 'bf16', 'w8a8', 'w8a8:pc', 'pruned:8', ... -> the loaded verifier, on its backend. owned: only
     the verifier reads its weights, so the kernels' packed copy is the only one kept; False for a model whose
     state dict is read in the plain layout afterwards (exports)."""

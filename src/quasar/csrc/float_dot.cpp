@@ -445,8 +445,9 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bia
   float* yp = y.data_ptr<float>();
   const FloatPath path = current_path();
   const float* xp = x.data_ptr<float>();
-  const uint16_t* w16 = wp.dtype() == torch::kBFloat16 ? reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()) : nullptr;
-  const float* w32 = w16 ? nullptr : wp.data_ptr<float>();
+  const bool bf16 = wp.dtype() == torch::kBFloat16;
+  const uint16_t* w16 = bf16 ? reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()) : nullptr;
+  const float* w32 = bf16 ? nullptr : wp.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     if (pairs) {
       if (path == FloatPath::Avx512Bf16) return avx512bf16::panel_dot(xb.data(), w16, yp, M, N, K, p0, p1);

@@ -63,9 +63,9 @@ def pack_channels(weight: torch.Tensor) -> torch.Tensor:
 
 def drop_plain_weights_(model: nn.Module) -> int:
     """Linears that the kernels read packed (`packed`, or their own `drop_plain_()`) give up their plain weight
-    [N, K] for the packed tensor: one copy of each weight in memory. A tied embedding then looks its rows up in the packed table
-    (PanelEmbedding); a weight any other module shares keeps its plain copy. Only for a model nobody reads in
-    the plain layout afterwards (a loaded verifier); returns how many."""
+    [N, K] for the packed tensor: one copy of each weight in memory. A tied embedding then looks its rows up
+    in the packed table (PanelEmbedding); a weight any other module shares keeps its plain copy. Only for a
+    model nobody reads in the plain layout afterwards (a loaded verifier); returns how many."""
     readers: dict[int, list[nn.Module]] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):

@@ -102,7 +102,6 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return weight.view(N // 16, 16, K // 2, 2).transpose(1, 2).contiguous()
 
 
-
 def use_bf16_linears_(model: nn.Module, names: list[str] | None = None, bf16_inputs: bool = False) -> list[str]:
     """Swap the named float linears (default: all) for BF16Linear in place (with bfloat16 inputs if asked);
     returns the names swapped. A tied lm_head keeps sharing its (now bf16) table with the embedding."""

@@ -88,7 +88,8 @@ def parse_scheme(name: str, calib: CalibrationSpec | None = None, **options: Any
             try:
                 alpha = parse_alpha(part)
             except ValueError:
-                raise ValueError(f"scheme {name!r}: {part!r} is neither pc, gN, lm8 nor an alpha; use {SCHEME_FORMS}") from None
+                raise ValueError(
+                    f"scheme {name!r}: {part!r} is neither pc, gN, lm8 nor an alpha; use {SCHEME_FORMS}") from None
     if scheme == "w8a16":
         return QuantRecipe("w8a16", None, calib or CalibrationSpec(), group_size=0, **options)
     return QuantRecipe("w8a8", alpha, calib or CalibrationSpec(), group_size=group, **options)
