@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #include <cmath>
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <vector>
 
@@ -327,10 +328,10 @@ void attend_views(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   constexpr int64_t kItemRows = 32;
   int64_t base_items = 0;
   for (const View& view : views) base_items += H_kv * ((view.rows * group + kItemRows - 1) / kItemRows);
-  const int64_t want = 2 * at::get_num_threads();
+  const int64_t threads = at::get_num_threads(), want = 2 * threads;
   struct Item {
     const View* view;
-    int64_t kv, first, count;
+    int64_t kv, first, count, keys;  // keys: the key rows its rows read in all, its cost
   };
   std::vector<Item> items;
   for (const View& view : views) {
@@ -339,15 +340,26 @@ void attend_views(const torch::Tensor& q, const torch::Tensor& k, const torch::T
     if (base_items < want) chunks = std::min(per_kv, std::max(chunks, (want + H_kv - 1) / H_kv));
     const int64_t chunk = (per_kv + chunks - 1) / chunks;
     for (int64_t kv = 0; kv < H_kv; ++kv)
-      for (int64_t first = 0; first < per_kv; first += chunk)
-        items.push_back(Item{&view, kv, first, std::min(chunk, per_kv - first)});
+      for (int64_t first = 0; first < per_kv; first += chunk) {
+        const int64_t count = std::min(chunk, per_kv - first);
+        int64_t keys = 0;
+        for (int64_t r = first; r < first + count; ++r) keys += view.start + r / group + 1;
+        items.push_back(Item{&view, kv, first, count, keys});
+      }
   }
+  // The items of a batch differ in cost by orders of magnitude (a decode row over a short cache next to a
+  // prefill chunk over a long one), so an even split of the list left one thread waiting for the other
+  // about half of the time in a busy batch. Dearest first, each thread takes the next item as it finishes
+  // its last: which thread runs an item never changes its result.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.keys > b.keys; });
   float* op = out.data_ptr<float>();
   const bool wide = D % 64 == 0 && float_path_avx512();
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, std::min(threads, n_items), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
     std::vector<Row> rows;
-    for (int64_t i = i0; i < i1; ++i) {
+    for (int64_t i = next++; i < n_items; i = next++) {
       const Item& item = items[i];
       const View& view = *item.view;
       rows.clear();
