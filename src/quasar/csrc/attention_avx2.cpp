@@ -89,12 +89,17 @@ void score_range(const float* q, const float* keys, int64_t j0, int64_t j1, int6
 // scores[0, n) -> e_j = exp(s_j - max s) in place (zero-padded to a multiple of 8); returns sum_j e_j.
 float softmax_numerators(float* scores, int64_t n) {
   const int64_t padded = (n + 7) / 8 * 8;
-  float top = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) top = std::max(top, scores[j]);
-  for (int64_t j = n; j < padded; ++j) scores[j] = top;  // exp(0) = 1, zeroed below
+  __m256 top8 = _mm256_set1_ps(-INFINITY);  // the maximum is exact in any order: 8 lanes, then across them
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(scores + j));
+  __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
+  t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+  float top = std::max(_mm_cvtss_f32(t4), _mm_cvtss_f32(_mm_movehdup_ps(t4)));
+  for (; j < n; ++j) top = std::max(top, scores[j]);
+  for (j = n; j < padded; ++j) scores[j] = top;  // exp(0) = 1, zeroed below
   __m256 total = _mm256_setzero_ps();
-  const __m256 top8 = _mm256_set1_ps(top);
-  for (int64_t j = 0; j < padded; j += 8) {
+  top8 = _mm256_set1_ps(top);
+  for (j = 0; j < padded; j += 8) {
     __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), top8));
     if (j + 8 > n) {  // the lanes past the last key count zero
       const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -309,17 +314,26 @@ void attend_views(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float* qr = q_rot.data_ptr<float>();
+  std::vector<const View*> row_view(q.size(0), nullptr);  // the sequence of each new row
   for (const View& view : views) {
     TORCH_CHECK(view.start >= 0 && view.start + view.rows <= view.S, "the new tokens do not fit the cache");
-    for (int64_t t = view.row0; t < view.row0 + view.rows; ++t) {
-      const int64_t pos = view.start + t - view.row0;
+    TORCH_CHECK(view.row0 >= 0 && view.row0 + view.rows <= q.size(0), "the sequences' rows are not q's rows");
+    std::fill(row_view.begin() + view.row0, row_view.begin() + view.row0 + view.rows, &view);
+  }
+  // Each row on its own (a batch's rows split between the threads: none waits while one rotates).
+  const int64_t per_row = (H + 2 * H_kv) * D;
+  at::parallel_for(0, q.size(0), std::max<int64_t>(1, 8192 / per_row), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const View* view = row_view[t];
+      if (view == nullptr) continue;
+      const int64_t pos = view->start + t - view->row0;
       for (int64_t h = 0; h < H; ++h) rope(qp + (t * H + h) * D, cp + t * D, sp + t * D, qr + (t * H + h) * D, D);
       for (int64_t h = 0; h < H_kv; ++h) {
-        rope(kp + (t * H_kv + h) * D, cp + t * D, sp + t * D, view.k_cache + (h * view.S + pos) * D, D);
-        std::copy(vp + (t * H_kv + h) * D, vp + (t * H_kv + h + 1) * D, view.v_cache + (h * view.S + pos) * D);
+        rope(kp + (t * H_kv + h) * D, cp + t * D, sp + t * D, view->k_cache + (h * view->S + pos) * D, D);
+        std::copy(vp + (t * H_kv + h) * D, vp + (t * H_kv + h + 1) * D, view->v_cache + (h * view->S + pos) * D);
       }
     }
-  }
+  });
   const float scale = 1.f / std::sqrt(static_cast<float>(D));
   const int64_t group = H / H_kv;
   // Work items: the rows of one kv head of one sequence, split in parts of at most kItemRows rows (a

@@ -21,6 +21,16 @@
 
 namespace {
 
+// fn(m0, m1) over the rows [0, M) of a [M, K] float32 or int8 array, split between the threads where there
+// are rows enough to pay for it (a decode row runs on the calling thread). Every row is computed alone, so
+// the split changes no result; it keeps the other threads from waiting while one quantizes or normalizes
+// a busy batch's rows.
+template <typename F>
+void over_rows(int64_t M, int64_t K, const F& fn) {
+  constexpr int64_t kRowsWork = 8192;  // values per thread at least
+  at::parallel_for(0, M, std::max<int64_t>(1, kRowsWork / std::max<int64_t>(K, 1)), fn);
+}
+
 // Quantize each group of G values of each row of x [M, K] to int8 values in [-127, 127]; write the scales
 // [M, K / G] (G = K: one scale per row). The same operations as quasar.quant.int8.quantize_tokens (IEEE
 // division by the scale, round half to even, clamp), eight lanes at a time; G is a multiple of 16.
@@ -102,7 +112,10 @@ void run_jobs(Int8Path path, const int8_t* q, const float* x_scale, const std::v
   std::vector<uint8_t> u;
   if (any_plain) prepare_rows(path, q, M * K, u);
   std::vector<int32_t> start(any_packed ? M * K / jobs[0].G : 0);  // packed jobs share one group size
-  if (any_packed) group_starts(q, M, K, jobs[0].G, start.data());
+  if (any_packed)
+    over_rows(M, K, [&](int64_t m0, int64_t m1) {
+      group_starts(q + m0 * K, m1 - m0, K, jobs[0].G, start.data() + m0 * (K / jobs[0].G));
+    });
   std::vector<int64_t> first(jobs.size() + 1, 0);
   for (size_t i = 0; i < jobs.size(); ++i) first[i + 1] = first[i] + jobs[i].N;
   at::parallel_for(0, first.back(), 16, [&](int64_t a, int64_t b) {
@@ -142,7 +155,10 @@ std::pair<torch::Tensor, torch::Tensor> quantize(const torch::Tensor& x, int64_t
   TORCH_CHECK(G % 16 == 0 && K % G == 0, "group size ", G, " must be a multiple of 16 dividing K = ", K);
   auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
   auto scale = torch::empty({M, K / G}, x.options());
-  quantize_rows(x.data_ptr<float>(), M, K, G, q.data_ptr<int8_t>(), scale.data_ptr<float>());
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  over_rows(M, K, [&](int64_t m0, int64_t m1) { quantize_rows(xp + m0 * K, m1 - m0, K, G, qp + m0 * K, sp + m0 * (K / G)); });
   return {q, scale};
 }
 
@@ -274,18 +290,20 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   auto y = torch::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = xp + m * K;
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-      const __m256 v = _mm256_loadu_ps(row + k);
-      acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+  over_rows(M, K, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* row = xp + m * K;
+      __m256 acc = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K; k += 8) {
+        const __m256 v = _mm256_loadu_ps(row + k);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+      }
+      const float inv = 1.f / std::sqrt(hsum_ps(acc, _mm256_setzero_ps()) / static_cast<float>(K) + static_cast<float>(eps));
+      const __m256 inv8 = _mm256_set1_ps(inv);
+      for (int64_t k = 0; k < K; k += 8)
+        _mm256_storeu_ps(yp + m * K + k,
+                         _mm256_mul_ps(_mm256_loadu_ps(wp + k), _mm256_mul_ps(_mm256_loadu_ps(row + k), inv8)));
     }
-    const float inv = 1.f / std::sqrt(hsum_ps(acc, _mm256_setzero_ps()) / static_cast<float>(K) + static_cast<float>(eps));
-    const __m256 inv8 = _mm256_set1_ps(inv);
-    for (int64_t k = 0; k < K; k += 8)
-      _mm256_storeu_ps(yp + m * K + k,
-                       _mm256_mul_ps(_mm256_loadu_ps(wp + k), _mm256_mul_ps(_mm256_loadu_ps(row + k), inv8)));
-  }
+  });
   return y;
 }
