@@ -172,37 +172,53 @@ void attend_rows(const std::vector<Row>& rows, const float* keys, const float* v
 
 // ---- AVX-512: the same floats, twice the lanes --------------------------------------------------------
 // Scores: a 512-bit register holds two rows' 8-lane partial sums for one key (each row's query in its half,
-// the key broadcast to both), half_sums adds each half in hsum8's order. Weighted values: 16 output dims a
-// register, each lane the same chain over keys as the AVX2 code, R rows sharing every value load.
+// the key broadcast to both), half_sums8 adds each half of eight keys at once in hsum8's order. Weighted
+// values: 16 output dims a register, each lane the same chain over keys as the AVX2 code, R rows sharing
+// every value load.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
 namespace avx512 {
 namespace {
 
-// Lane 0 <- hsum8(low 8 lanes), lane 8 <- hsum8(high 8 lanes), each in hsum8's order: (l_i + l_{i+4}),
-// then (s_0 + s_2, s_1 + s_3), then their sum.
-inline __m512 half_sums(__m512 a) {
-  a = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(2, 3, 0, 1)));
-  a = _mm512_add_ps(a, _mm512_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2)));
-  return _mm512_add_ps(a, _mm512_movehdup_ps(a));
+// The hsum8 of each half of 8 keys' accumulators a[t] (lanes 0-7: row A's partial sums, 8-15: row B's), in
+// hsum8's order, three shuffle-and-add steps shared by all 8 keys: (l_i + l_{i+4}), then (s_0 + s_2, s_1 + s_3),
+// then their sum. Returns [A's keys 0..7 | B's keys 0..7].
+inline __m512 half_sums8(const __m512* a) {
+  __m512 s[4], t[2];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i)  // quarters [key 2i A, key 2i B, key 2i+1 A, key 2i+1 B] of s_i = l_i + l_{i+4}
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)  // each quarter [s[2i]: s0 + s2, s1 + s3, s[2i+1]: s0 + s2, s1 + s3]
+    t[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // quarter q (row q & 1): keys (q >> 1) + 0, 2, 4, 6
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  return _mm512_permutexvar_ps(order, w);
 }
 
-// score_range for two rows at once: qq [D / 8][16] holds the rows' queries 8 dims each side by side.
+// score_range for two rows at once: qq [D / 8][16] holds the rows' queries 8 dims each side by side. Eight keys
+// at a time (eight independent FMA chains), their sums reduced together (half_sums8).
 void score_pair(const float* qq, const float* keys, int64_t j0, int64_t j1, int64_t D, float scale, float* sa, float* sb) {
-  for (int64_t j = j0; j < j1; j += 4) {
-    const int64_t n = std::min<int64_t>(4, j1 - j);
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  for (int64_t j = j0; j < j1; j += 8) {
+    const int64_t n = std::min<int64_t>(8, j1 - j);
+    __m512 acc[8];
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
       const __m512 qv = _mm512_loadu_ps(qq + 2 * d);
-#pragma GCC unroll 4
-      for (int t = 0; t < 4; ++t)
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t)
         if (t < n) acc[t] = _mm512_fmadd_ps(qv, _mm512_broadcast_f32x8(_mm256_loadu_ps(keys + (j + t) * D + d)), acc[t]);
     }
-    for (int t = 0; t < n; ++t) {
-      const __m512 s = half_sums(acc[t]);
-      sa[j + t] = _mm_cvtss_f32(_mm512_castps512_ps128(s)) * scale;
-      sb[j + t] = _mm_cvtss_f32(_mm512_extractf32x4_ps(s, 2)) * scale;
-    }
+    const __m512 s = _mm512_mul_ps(half_sums8(acc), scale16);
+    const __mmask8 keep = static_cast<__mmask8>((1u << n) - 1);
+    _mm256_mask_storeu_ps(sa + j, keep, _mm512_castps512_ps256(s));
+    _mm256_mask_storeu_ps(sb + j, keep, _mm512_extractf32x8_ps(s, 1));
   }
 }
 
