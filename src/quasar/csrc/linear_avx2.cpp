@@ -158,7 +158,9 @@ std::pair<torch::Tensor, torch::Tensor> quantize(const torch::Tensor& x, int64_t
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
-  over_rows(M, K, [&](int64_t m0, int64_t m1) { quantize_rows(xp + m0 * K, m1 - m0, K, G, qp + m0 * K, sp + m0 * (K / G)); });
+  over_rows(M, K, [&](int64_t m0, int64_t m1) {
+    quantize_rows(xp + m0 * K, m1 - m0, K, G, qp + m0 * K, sp + m0 * (K / G));
+  });
   return {q, scale};
 }
 
