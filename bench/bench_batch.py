@@ -26,7 +26,8 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=32,
                         help="prompts from the load test's pool (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of (batched, one at a time) (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="rounds of (batched, one at a time) (default: %(default)s)")
     parser.add_argument("--max-batch", type=int, default=16, help="requests sharing a forward (default: %(default)s)")
     parser.add_argument("--max-batch-tokens", type=int, default=64, help="rows per forward (default: %(default)s)")
     parser.add_argument("--verifier", default="w8a8", help="default: %(default)s")

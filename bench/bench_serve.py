@@ -9,11 +9,11 @@ Each server is started here as a subprocess on 127.0.0.1, then, for each concurr
 `--max-tokens` tokens) send a pool of the spec suite's prompts (MT-bench, HumanEval, GSM8K and long-context
 passages, categories interleaved: 44 to 2,389 prompt tokens, mean 193 for the default 32) as a closed loop,
 every level the whole pool a whole number of times, at least `--requests` per client (4: once at 1 and 4
-clients, twice at 16, 8 times at 64), within `--deadline` seconds. With 2 requests per client a 16-client
-level was two waves (every client's prompt prefilled at once, decoded together, then a tail of the longest
-answers) and its figure swung between 183 and 247 tokens/s over three runs; 4 measure closer to the steady
-state. Reported per level: aggregate tokens/s (all completion tokens / wall time), time to first token p50/p99, inter-token
-latency p50/p99 (a request's time after its first token over its other tokens, vLLM's TPOT), errors.
+clients, twice at 16, 8 times at 64), within `--deadline` seconds. With 2 per client a 16-client level is one
+wave of prefills, one of decoding and a tail (its figure swung 183-247 tokens/s between runs); 4 come closer
+to the steady state. Reported per level: aggregate tokens/s (all completion tokens / wall time), time to
+first token p50/p99, inter-token latency p50/p99 (a request's time after its first token over its other
+tokens, vLLM's TPOT), errors.
 A peer that is not installed is skipped with one line. Nothing leaves the machine.
 
 Writes DIR/serve.json, DIR/serve.md (the table and a mermaid chart) and DIR/serve.png.
