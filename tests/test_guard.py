@@ -1,39 +1,56 @@
 """--guard MARGIN: W8A8 verifies, and positions where its top-1 logit leads by less than MARGIN take the float
-model's token. MARGIN 0 is plain ngram+w8a8; an infinite MARGIN re-scores every step (the float model's output)."""
+model's token, scored over the request's (W8A8-written) cache. MARGIN 0 is plain ngram+w8a8; an infinite MARGIN
+re-scores every step's first position: the float model decoding over W8A8's prompt cache."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
+import torch
 
 from quasar.api import DecodeConfig, build_engine
+from quasar.guard import fold_value_scales_, guard_model, value_scales
+from quasar.models.llama import FIXED_ROWS
 from quasar.sampling import SamplingParams
 from test_speculative import PROMPTS
 
 PARAMS = SamplingParams(max_new_tokens=24)
 
 
+@torch.inference_mode()
+def float_over_w8a8_prompt(w8a8, float_, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens: the first from W8A8's prefill of the prompt, the others from the float model decoding
+    one token at a time over that cache."""
+    cache = w8a8.new_cache(len(ids) + n + FIXED_ROWS)
+    out = [int(w8a8(torch.tensor([ids]), cache, last_only=True)[0, -1].argmax())]
+    while len(out) < n:
+        out.append(int(float_(torch.tensor([out[-1:]]), cache)[0, -1].argmax()))
+    return out
+
+
 @pytest.fixture(scope="module")
 def answers():
     plain = build_engine("default", "w8a8", DecodeConfig("ngram", k=5))
-    float_ = build_engine("default", "bf16")
     prompts = [plain.encode(p) for p in PROMPTS]
-    return prompts, [plain.generate(ids, PARAMS) for ids in prompts], [float_.generate(ids, PARAMS) for ids in prompts]
+    n = PARAMS.max_new_tokens
+    guard = guard_model("default", "w8a8")
+    return prompts, guard, [plain.generate(ids, PARAMS).token_ids for ids in prompts], [
+        float_over_w8a8_prompt(plain.target.model, guard, ids, n) for ids in prompts]
 
 
-def test_margin_zero_is_plain_w8a8_and_infinity_is_the_float_model(answers):
-    prompts, w8a8, float_ = answers
+def test_margin_zero_is_plain_w8a8_and_infinity_is_the_float_model_over_its_cache(answers):
+    prompts, _, w8a8, float_ = answers
     for margin, expected in ((0.0, w8a8), (math.inf, float_)):
         engine = build_engine("default", "w8a8", DecodeConfig("ngram", k=5, guard=margin))
         for ids, want in zip(prompts, expected):
             got = engine.generate(ids, PARAMS)
-            assert got.token_ids == want.token_ids
+            assert got.token_ids == want[: len(got.token_ids)]
             assert got.stats.rechecked_tokens == (0 if margin == 0 else got.stats.verify_steps)
 
 
 def test_a_finite_margin_rechecks_some_positions(answers):
-    prompts, w8a8, _ = answers
+    prompts, _, w8a8, _ = answers
     engine = build_engine("default", "w8a8", DecodeConfig("ngram", k=5, guard=2.0))
     stats = [engine.generate(ids, PARAMS).stats for ids in prompts]
     assert 0 < sum(s.rechecked_tokens for s in stats) < sum(s.verify_steps for s in stats)
@@ -43,3 +60,44 @@ def test_a_finite_margin_rechecks_some_positions(answers):
 def test_guard_refuses_what_it_cannot_guard(verifier, drafter, match):
     with pytest.raises(ValueError, match=match):
         build_engine("default", verifier, DecodeConfig(drafter, guard=1.0))
+
+
+def test_value_scales_come_back_from_a_quantized_o_proj_and_folding_them_keeps_the_function():
+    from quasar.quant.int8 import Int8Linear
+
+    torch.manual_seed(0)
+    n_kv, heads, head_dim, hidden = 2, 4, 16, 512  # 512 output channels average the int8 rounding out
+    truth = torch.rand(n_kv * head_dim) * 3 + 0.5  # [H_kv * D]
+    columns = truth.view(n_kv, 1, head_dim).expand(-1, heads // n_kv, -1).reshape(-1)  # [H * D]
+    float_o = torch.randn(hidden, heads * head_dim)
+    for group_size in (0, 32):
+        smoothed = torch.nn.Linear(heads * head_dim, hidden, bias=False)
+        smoothed.weight.data = float_o * columns[None, :]
+        quantized = Int8Linear.from_float(smoothed, group_size=group_size)
+        assert torch.allclose(value_scales(quantized, float_o, n_kv, head_dim), truth, rtol=3e-3)
+
+    attention = torch.nn.Module()
+    attention.n_kv, attention.head_dim = n_kv, head_dim
+    attention.v_proj = torch.nn.Linear(hidden, n_kv * head_dim, bias=True)
+    attention.o_proj = torch.nn.Linear(heads * head_dim, hidden, bias=False)
+    x = torch.randn(5, hidden)
+    probs = torch.softmax(torch.randn(heads, 5), -1)  # any attention weights
+    def out(att):  # values mixed per query head (its kv head's values), then o_proj
+        v = att.v_proj(x).view(5, n_kv, head_dim).repeat_interleave(heads // n_kv, 1)  # [5, H, D]
+        return att.o_proj(torch.einsum("ht,thd->hd", probs, v).reshape(-1))
+    before = out(attention)
+    with torch.no_grad():
+        fold_value_scales_(attention, truth)
+    assert torch.allclose(out(attention), before, rtol=1e-4, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_the_guard_model_is_the_float_model_with_the_verifiers_value_basis(answers):
+    from quasar.verifiers import load_verifier
+
+    prompts, guard, _, _ = answers
+    float_ = load_verifier("default", "bf16").model
+    ids = torch.tensor([prompts[0]])
+    folded, plain = (m(ids, m.new_cache(len(prompts[0]) + FIXED_ROWS))[0] for m in (guard, float_))
+    assert float((folded - plain).norm() / plain.norm()) < 0.02  # bf16 rounding of the folded v/o weights
+    assert (folded.argmax(-1) == plain.argmax(-1)).float().mean() > 0.9

@@ -21,6 +21,7 @@ from quasar.batching import Batch
 from quasar.engine import Decoder, Engine
 from quasar.generate import autoregressive
 from quasar.loading import LoadedModel
+from quasar.models.llama import Transformer
 from quasar.outputs import RequestOutput
 from quasar.prompt import Messages
 from quasar.sampling import SamplingParams
@@ -50,7 +51,7 @@ def cascade_levels(verifier: str) -> tuple[str | None, str]:
 
 
 def build_decoder(target: LoadedModel, config: DecodeConfig, cache_dir: str | Path | None = None,
-                  middle: LoadedModel | None = None, guard: LoadedModel | None = None) -> Decoder:
+                  middle: LoadedModel | None = None, guard: Transformer | None = None) -> Decoder:
     """The Decoder for `config`: the plain loop, or speculative decoding with the named drafter. With a
     `middle` model, a cascade: the drafter drafts for `middle`, whose own output drafts for `target`. With a
     `guard` model, positions where the target's margin is below config.guard are re-scored by it."""
@@ -65,7 +66,7 @@ def build_decoder(target: LoadedModel, config: DecodeConfig, cache_dir: str | Pa
     if middle is None:
         from quasar.guard import Guard
 
-        checker = None if guard is None else Guard(guard.model, config.guard)
+        checker = None if guard is None else Guard(guard, config.guard)
         return Speculative(build_drafter(config.drafter, target, options), config.k, checker)
     from quasar.drafters.cascade import CascadeDrafter
 
@@ -87,7 +88,11 @@ def build_engine(
                          "is already float or a cascade")
     target = load_verifier(model, top, cache_dir)
     middle = None if middle_name is None else load_verifier(model, middle_name, cache_dir)
-    guard = None if decode.guard is None else load_verifier(model, "bf16", cache_dir)
+    guard = None
+    if decode.guard is not None:
+        from quasar.guard import guard_model
+
+        guard = guard_model(model, top, cache_dir)
     return Engine(target, build_decoder(target, decode, cache_dir, middle, guard), max_context=max_context)
 
 

@@ -2,53 +2,107 @@
 unsure. A position whose W8A8 top-1 logit leads the runner-up by less than MARGIN is re-scored by the float
 model (bf16) before it is accepted: the float model's token is emitted there and the step ends.
 
-Approximate by design: a position where W8A8 is confident but wrong stays wrong. With MARGIN = 0 the output is
-`ngram+w8a8`'s; with an infinite MARGIN every position is re-scored and the output is the float model's (at
-float cost). The float model's KV cache follows the emitted stream lazily (kv_cache.StreamCache), so it only
-runs where a position is re-scored, over the tokens emitted since its last run.
+The re-score is one float forward over the step's rows up to that position, attending over the request's own
+KV cache: the keys and values the W8A8 model wrote for the context before the step. So a re-score costs about
+one float decode step, whatever came before it (a float model with its own cache would first have to catch
+up on every token emitted since its last run: measured, that catch-up cost more than the re-scores saved).
+SmoothQuant divides each value channel by its v -> o smoothing factor (and multiplies o_proj's input by it),
+so the float model reads W8A8's values only with the same factors folded into its v_proj and o_proj:
+`guard_model` recovers them from the quantized o_proj and folds them (exact in real arithmetic).
+
+Approximate by design, twice: a position where W8A8 is confident but wrong stays wrong, and the float model
+sees W8A8's keys and values of the context. With MARGIN = 0 the output is `ngram+w8a8`'s; with an infinite
+MARGIN every step's first position is re-scored: the float model decoding over W8A8's prompt cache.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from quasar.kv_cache import StreamCache
-from quasar.models.llama import FIXED_ROWS, Transformer
+from quasar.kv_cache import KVCache
+from quasar.models.llama import Transformer
 from quasar.sampling import Sampler
 from quasar.stats import GenerationStats
 from quasar.verify import Verdict
+
+
+QUANTIZED = ("w8a8", "w8a16")  # verifiers a guard serves: the float model's layers, with quantized weights
+
+
+def guard_model(model: str | Path, verifier: str, cache_dir: str | Path | None = None) -> Transformer:
+    """The bf16 model on its backend, with `verifier`'s v -> o smoothing factors folded in (see above)."""
+    from quasar import backends
+    from quasar.registry import lookup
+    from quasar.verifiers import FORMS, VERIFIERS, load_bf16
+
+    name, _, arg = verifier.partition(":")
+    if name not in QUANTIZED:
+        raise ValueError(f"--guard re-scores a quantized verifier's unsure positions with bf16; choose one of "
+                         f"{', '.join(QUANTIZED)}, not --verifier {verifier}")
+    quantized = lookup(VERIFIERS, name, "verifier", FORMS)(model, arg or None, cache_dir=cache_dir).model
+    float_ = load_bf16(model, None, cache_dir).model
+    config = float_.config
+    with torch.no_grad():
+        for q, f in zip(quantized.model.layers, float_.model.layers):
+            fold_value_scales_(f.self_attn, value_scales(q.self_attn.o_proj, f.self_attn.o_proj.weight,
+                                                         config.num_key_value_heads, config.head_dim))
+    del quantized
+    backends.prepare_(float_, cache_dir=cache_dir)
+    return float_
+
+
+def value_scales(o_proj: torch.nn.Module, float_weight: torch.Tensor, n_kv: int, head_dim: int) -> torch.Tensor:
+    """s [H_kv * D] with o_proj's dequantized weight ~ float_weight * s over its input columns, tied across the
+    heads that share a kv head: per column, the least-squares ratio over the output channels (their int8 rounding
+    averages out: unsmoothed layers come out within 0.2% of 1)."""
+    w = o_proj.weight.float()  # [hidden, H * D] int8 values
+    scale = o_proj.weight_scale  # [hidden] or [hidden, groups]
+    if scale.dim() == 1:
+        w = w * scale[:, None]
+    else:
+        w = (w.view(w.shape[0], scale.shape[1], -1) * scale[..., None]).view(w.shape)
+    f = float_weight.float()
+    s = (w * f).sum(0) / (f * f).sum(0).clamp_min(1e-30)  # [H * D]
+    return s.view(n_kv, -1, head_dim).mean(1).reshape(-1)
+
+
+def fold_value_scales_(attention: torch.nn.Module, s: torch.Tensor) -> None:
+    """Values divided by s [H_kv * D] (v_proj's output channels), o_proj's input multiplied by it: the same
+    function, with the quantized verifier's values in the cache."""
+    v, o = attention.v_proj, attention.o_proj
+    v.weight.copy_((v.weight.float() / s[:, None]).to(v.weight.dtype))
+    if v.bias is not None:
+        v.bias.copy_((v.bias.float() / s).to(v.bias.dtype))
+    groups = o.weight.shape[1] // s.numel()  # query heads per kv head
+    columns = s.view(attention.n_kv, 1, attention.head_dim).expand(-1, groups, -1).reshape(-1)  # [H * D]
+    o.weight.copy_((o.weight.float() * columns[None, :]).to(o.weight.dtype))
 
 
 class Guard:
     def __init__(self, model: Transformer, margin: float) -> None:
         if not margin >= 0:
             raise ValueError(f"the guard margin must be a number >= 0 (logits), got {margin}")
-        self.model = model  # the float model
+        self.model = model  # the float model: same architecture as the verifier, so it reads the verifier's cache
         self.margin = margin
-        self.stream = StreamCache(model)
 
     @torch.inference_mode()
-    def review(self, stream: list[int], draft: list[int], logits: torch.Tensor, verdict: Verdict,
-               sampler: Sampler, stats: GenerationStats) -> Verdict:
-        """stream: the tokens before this step's first scored position; logits [k + 1, V] of W8A8's verify step;
-        the verdict W8A8 reached. Returns it, or a shorter one ending in the float model's token at the first
-        unsure position among those the verdict emits."""
-        emitted = [*draft[: verdict.accepted], verdict.token]
+    def review(self, cache: KVCache, scored: list[int], logits: torch.Tensor, verdict: Verdict, sampler: Sampler,
+               stats: GenerationStats) -> Verdict:
+        """scored: the step's tokens [last, *draft], whose keys and values end `cache`; logits [k + 1, V] of W8A8's
+        verify over them; the verdict W8A8 reached. Returns it, or a shorter one ending in the float model's
+        token at the first unsure position among those the verdict emits (then the cache ends at that position,
+        its rows written by the float model)."""
+        emitted = [*scored[1 : verdict.accepted + 1], verdict.token]
         top2 = logits[: len(emitted)].float().topk(2, dim=-1).values  # [a + 1, 2]
         unsure = ((top2[:, 0] - top2[:, 1]) < self.margin).nonzero()
         if len(unsure) == 0:
             return verdict
         j = int(unsure[0])
-        token = self.float_token(stream + emitted[:j], sampler)
+        cache.trim(len(scored))  # back to the context before the step
+        rows = torch.tensor([scored[: j + 1]], device=self.model.device)
+        token = sampler.next_token(self.model(rows, cache, last_only=True)[0, -1])
         stats.rechecked_tokens += 1
         stats.recheck_changed += token != emitted[j]
         return Verdict(j, token)
-
-    def float_token(self, context: list[int], sampler: Sampler) -> int:
-        """The float model's next token after `context` (greedy, or sampled with the request's sampler)."""
-        cache = self.stream.ready(len(context) + FIXED_ROWS)
-        feed = self.stream.follow(context, most=FIXED_ROWS)  # the stretch emitted since the last re-score
-        logits = self.model(torch.tensor([feed], device=self.model.device), cache, last_only=True)[0, -1]  # [V]
-        self.stream.fed(feed)
-        return sampler.next_token(logits)
-

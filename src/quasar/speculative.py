@@ -125,7 +125,6 @@ class Speculative:
         drafter.commit(prompt_ids)
         logits = yield Step(prompt_ids, cache, last_only=True)
         pending = [sampler.next_token(logits[-1])]
-        stream = list(prompt_ids)  # the tokens before this step's first scored position
         stats.prefill_s = time.perf_counter() - start
         tokens, reason = stop.cut(pending)
         while True:
@@ -134,20 +133,20 @@ class Speculative:
                 stats.finish_reason = reason
                 return
             drafter.commit(pending)
-            stream += pending
             k = min(length.k, cache.max_len - cache.length - 1, stop.budget - stop.emitted - 1)
             start = time.perf_counter()
             draft = drafter.propose(k, params, sampler.generator)
             verifying = time.perf_counter()
             chances = length.chances(len(draft))
+            before = cache.length
             target_logits = yield Step([pending[-1], *draft.tokens], cache, cut=may_cut, chances=chances)
             # target_logits: [scored, V]; a full batch may have scored only a prefix of the draft
             if len(target_logits) <= len(draft):
                 draft = Draft(draft.tokens[: len(target_logits) - 1], draft.probs)
             verdict, _ = judge(draft, target_logits, params, sampler, sampler.generator)
             if self.guard is not None:
-                verdict = self.guard.review(stream, draft.tokens, target_logits, verdict, sampler, stats)
-            cache.trim(len(draft) - verdict.accepted)
+                verdict = self.guard.review(cache, [pending[-1], *draft.tokens], target_logits, verdict, sampler, stats)
+            cache.trim(cache.length - (before + verdict.accepted + 1))  # keep [last, *accepted]
             stats.draft_s += verifying - start
             stats.verify_s += time.perf_counter() - verifying
             pending = draft.tokens[: verdict.accepted] + [verdict.token]
