@@ -27,13 +27,15 @@ class NgramIndex:
     """n-gram (ngram_min <= n <= ngram_max) -> (document, position of the token that followed it).
 
     An n-gram is indexed only once a token follows it, so the current suffix never matches itself.
-    keep='first' remembers the earliest occurrence (prompt lookup), 'last' the most recent one.
+    keep='first' remembers the earliest occurrence, 'last' the most recent one (and the ones before it, so
+    `remove` brings back the one it uncovers).
     """
 
     def __init__(self, ngram_min: int, ngram_max: int, keep: str = "first") -> None:
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.keep_last = keep == "last"
         self.where: dict[tuple[int, ...], tuple[int, int]] = {}
+        self.earlier: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # keep='last': occurrences under `where`'s
         self.followers: dict[tuple[int, ...], dict[int, int]] = {}  # n-gram -> {next token: count}
 
     def add(self, doc_id: int, tokens: list[int], start: int) -> None:
@@ -43,6 +45,8 @@ class NgramIndex:
             for n in range(self.ngram_min, min(self.ngram_max, end) + 1):
                 gram = tuple(tokens[end - n : end])
                 if self.keep_last:
+                    if gram in self.where:
+                        self.earlier.setdefault(gram, []).append(self.where[gram])
                     self.where[gram] = (doc_id, end)
                 else:
                     self.where.setdefault(gram, (doc_id, end))
@@ -55,8 +59,14 @@ class NgramIndex:
             following = tokens[end]
             for n in range(self.ngram_min, min(self.ngram_max, end) + 1):
                 gram = tuple(tokens[end - n : end])
-                if self.where.get(gram) == (doc_id, end):  # keep='last' loses an earlier occurrence here
-                    del self.where[gram]
+                if self.where.get(gram) == (doc_id, end):
+                    below = self.earlier.get(gram)
+                    if below:
+                        self.where[gram] = below.pop()
+                        if not below:
+                            del self.earlier[gram]
+                    else:
+                        del self.where[gram]
                 counts = self.followers[gram]
                 counts[following] -= 1
                 if not counts[following]:
@@ -82,6 +92,7 @@ class NgramIndex:
 
     def clear(self) -> None:
         self.where.clear()
+        self.earlier.clear()
         self.followers.clear()
 
 
