@@ -23,6 +23,7 @@ import torch
 
 from quasar.kv_cache import KVCache
 from quasar.models.llama import Transformer
+from quasar.quant.int8 import dequantize
 from quasar.sampling import Sampler
 from quasar.stats import GenerationStats
 from quasar.verify import Verdict
@@ -57,12 +58,7 @@ def value_scales(o_proj: torch.nn.Module, float_weight: torch.Tensor, n_kv: int,
     """s [H_kv * D] with o_proj's dequantized weight ~ float_weight * s over its input columns, tied across the
     heads that share a kv head: per column, the least-squares ratio over the output channels (their int8 rounding
     averages out: unsmoothed layers come out within 0.2% of 1)."""
-    w = o_proj.weight.float()  # [hidden, H * D] int8 values
-    scale = o_proj.weight_scale  # [hidden] or [hidden, groups]
-    if scale.dim() == 1:
-        w = w * scale[:, None]
-    else:
-        w = (w.view(w.shape[0], scale.shape[1], -1) * scale[..., None]).view(w.shape)
+    w = dequantize(o_proj.weight, o_proj.weight_scale)  # [hidden, H * D]
     f = float_weight.float()
     s = (w * f).sum(0) / (f * f).sum(0).clamp_min(1e-30)  # [H * D]
     return s.view(n_kv, -1, head_dim).mean(1).reshape(-1)

@@ -53,6 +53,13 @@ def quantize_groups(t: torch.Tensor, group_size: int = 0) -> tuple[torch.Tensor,
     return torch.round(groups / scale).clamp_(-QMAX, QMAX).to(torch.int8).view(R, K), scale[..., 0]
 
 
+def dequantize(t_int8: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 [R, K] with its scales ([R], [R, 1] or [R, K/G]) -> float32 [R, K]."""
+    R, K = t_int8.shape
+    scale = scale.reshape(R, -1)  # [R, K/G]
+    return (t_int8.float().view(R, scale.shape[1], -1) * scale[..., None]).view(R, K)
+
+
 def quantize_weight(weight: torch.Tensor, group_size: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] float -> (int8 [N, K], scale float32): [N] per output channel, [N, K/G] per group."""
     w_int8, scale = quantize_groups(weight, group_size)

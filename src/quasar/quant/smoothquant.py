@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from quasar.quant.calibration import Calibration
-from quasar.quant.int8 import quantize_groups
+from quasar.quant.int8 import dequantize, quantize_groups
 
 log = logging.getLogger("quasar")
 
@@ -81,9 +81,7 @@ def tie_heads(x: torch.Tensor, n_kv: int, group: int) -> torch.Tensor:
 
 def dequantized(t: torch.Tensor, group_size: int) -> torch.Tensor:
     """t [R, K] rounded to int8 with its scales and back (fake quantization)."""
-    t_int8, scale = quantize_groups(t, group_size)
-    G = group_size or t.shape[1]
-    return (t_int8.float().view(t.shape[0], -1, G) * scale[..., None]).view(t.shape)
+    return dequantize(*quantize_groups(t, group_size))
 
 
 def group_error(rows: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, group_size: int = 0) -> float:
