@@ -83,16 +83,13 @@ def build_engine(
 ) -> Engine:
     """verifier: a name from quasar.verifiers, or a cascade MIDDLE+TOP such as 'w8a8+bf16' (the output is TOP's)."""
     middle_name, top = cascade_levels(verifier)
-    if decode.guard is not None and (middle_name is not None or top in ("fp32", "bf16")):
-        raise ValueError(f"--guard re-scores a quantized verifier's unsure positions with bf16; --verifier {verifier} "
-                         "is already float or a cascade")
-    target = load_verifier(model, top, cache_dir)
-    middle = None if middle_name is None else load_verifier(model, middle_name, cache_dir)
     guard = None
-    if decode.guard is not None:
+    if decode.guard is not None:  # first: it refuses the verifiers it cannot guard
         from quasar.guard import guard_model
 
-        guard = guard_model(model, top, cache_dir)
+        guard = guard_model(model, verifier, cache_dir)
+    target = load_verifier(model, top, cache_dir)
+    middle = None if middle_name is None else load_verifier(model, middle_name, cache_dir)
     return Engine(target, build_decoder(target, decode, cache_dir, middle, guard), max_context=max_context)
 
 

@@ -39,9 +39,9 @@ def guard_model(model: str | Path, verifier: str, cache_dir: str | Path | None =
     from quasar.verifiers import FORMS, VERIFIERS, load_bf16
 
     name, _, arg = verifier.partition(":")
-    if name not in QUANTIZED:
-        raise ValueError(f"--guard re-scores a quantized verifier's unsure positions with bf16; choose one of "
-                         f"{', '.join(QUANTIZED)}, not --verifier {verifier}")
+    if name not in QUANTIZED:  # a float verifier, or a cascade ('w8a8+bf16')
+        raise ValueError(f"--guard re-scores a quantized verifier's ({', '.join(QUANTIZED)}) unsure positions with "
+                         f"bf16; --verifier {verifier} is already float or a cascade")
     quantized = lookup(VERIFIERS, name, "verifier", FORMS)(model, arg or None, cache_dir=cache_dir).model
     float_ = load_bf16(model, None, cache_dir).model
     config = float_.config
