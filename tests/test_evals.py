@@ -12,7 +12,7 @@ import torch
 from quasar.cli import main
 from quasar.engine import Engine
 from quasar.evals import data, gsm8k, humaneval, mmlu
-from quasar.evals.runner import EvalConfig, evaluate, markdown_table, wilson
+from quasar.evals.runner import EvalConfig, evaluate, get_task, markdown_table, wilson
 from quasar.evals.task import TaskOptions
 
 # ---- loaders -------------------------------------------------------------------------------------
@@ -153,6 +153,20 @@ def test_evaluate_puts_verifiers_side_by_side(tiny_model_dir):
     assert "| mmlu | bf16 | 2 |" in markdown_table(report)
 
 
+@pytest.mark.parametrize("model, verifier", [("tiny", "fp32"), ("default", "w8a8")])
+def test_batched_speculative_decoding_gives_each_item_its_plain_answer(model, verifier, tiny_model_dir):
+    """Generative tasks decode several items at once with n-gram drafts; every answer is the one plain
+    decoding gives the item alone (on real weights too), in item order, and the run says how it ran."""
+    config = EvalConfig(model=tiny_model_dir if model == "tiny" else model, verifiers=(verifier,),
+                        tasks=("gsm8k", "humaneval"), limit=5, options=TaskOptions(max_new_tokens=24, timeout_s=5.0))
+    plain = evaluate(config, batch=1, drafter="none").to_dict()
+    batched = evaluate(config, batch=3, drafter="ngram").to_dict()
+    assert batched["run"] == {"batch": 3, "drafter": "ngram"} and plain["run"] == {"batch": 1, "drafter": "none"}
+    for key, items in plain["items"].items():
+        assert [r["id"] for r in items] == [item.id for item in get_task(key.split("/")[1]).load(5)]
+        assert batched["items"][key] == items
+
+
 def test_wilson_interval():
     assert wilson(0, 0) == (0.0, 100.0)
     low, high = wilson(50, 100)
@@ -227,6 +241,7 @@ def test_eval_command_prints_json(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (("--verifier", "fp32,w9a9"), "unknown verifier"), (("--tasks", "mmlu,trivia"), "unknown eval task"),
+    (("--drafter", "telepathy"), "unknown drafter"),
 ])
 def test_eval_command_refuses_unknown_names_before_loading(args, message, capsys):
     assert main(["eval", "--model", "/nonexistent/model", "--limit", "1", *args]) == 1

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from quasar.commands.common import positive_float, positive_int
-from quasar.evals.runner import EvalConfig, EvalReport, evaluate
+from quasar.evals.runner import BATCH, DRAFTER, EvalConfig, EvalReport, evaluate
 from quasar.evals.task import TaskOptions
 from quasar.files import atomic_write_text
 
@@ -35,6 +35,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="'default', an installed model name, a .gguf file or a model directory (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=positive_int, help="token budget of GSM8K and HumanEval answers (default: 256)")
     parser.add_argument("--timeout", type=positive_float, default=10.0, help="seconds one HumanEval test run may take (default: %(default)s)")
+    parser.add_argument("--batch", type=positive_int, default=BATCH,
+                        help="GSM8K/HumanEval items decoded at once, sharing each forward; answers do not depend on it "
+                        "(default: %(default)s)")
+    parser.add_argument("--drafter", default=DRAFTER,
+                        help="drafter of the GSM8K/HumanEval decoding, or 'none'; greedy speculative decoding emits the "
+                        "verifier's own tokens, so it changes the speed, not the answers (default: %(default)s)")
     parser.add_argument("--cache-dir", help="where converted and quantized models are cached")
     parser.add_argument("--max-context", type=positive_int, help="context window in tokens (default: the model's)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
@@ -64,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir, max_context=args.max_context,
     )
     keep = (lambda partial: save(partial, args.out)) if args.out else None
-    report = evaluate(config, on_score=keep, resume=saved, on_progress=keep)
+    report = evaluate(config, on_score=keep, resume=saved, on_progress=keep, batch=args.batch, drafter=args.drafter)
     if args.json:
         print(json.dumps(report.to_dict(with_items=False), indent=2))
     else:

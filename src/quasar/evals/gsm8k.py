@@ -65,8 +65,9 @@ class GSM8K:
     def load(self, limit: int | None) -> list[data.GSM8KItem]:
         return data.gsm8k(limit)
 
-    def score(self, engine: Engine, item: data.GSM8KItem, options: TaskOptions) -> ItemResult:
-        params = SamplingParams(max_new_tokens=options.max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
-        text = engine.generate(encode(engine, item), params).text
-        return ItemResult(item.id, is_correct(text, item.answer), extract_answer(text) or "", text)
+    def ask(self, engine: Engine, item: data.GSM8KItem, options: TaskOptions) -> tuple[list[int], SamplingParams]:
+        return encode(engine, item), SamplingParams(max_new_tokens=options.max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
+
+    def judge(self, item: data.GSM8KItem, completion: str, options: TaskOptions) -> ItemResult:
+        return ItemResult(item.id, is_correct(completion, item.answer), extract_answer(completion) or "", completion)
 

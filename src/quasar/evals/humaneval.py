@@ -78,9 +78,11 @@ class HumanEval:
     def load(self, limit: int | None) -> list[data.HumanEvalProblem]:
         return data.humaneval(limit)
 
-    def score(self, engine: Engine, item: data.HumanEvalProblem, options: TaskOptions) -> ItemResult:
-        params = SamplingParams(max_new_tokens=options.max_new_tokens or DEFAULT_MAX_NEW_TOKENS, stop=STOP)
-        completion = truncate(engine.generate(encode(engine, item), params).text)
-        passed, verdict = execute(item, completion, options.timeout_s)
-        return ItemResult(item.id, passed, completion, verdict)
+    def ask(self, engine: Engine, item: data.HumanEvalProblem, options: TaskOptions) -> tuple[list[int], SamplingParams]:
+        return encode(engine, item), SamplingParams(max_new_tokens=options.max_new_tokens or DEFAULT_MAX_NEW_TOKENS, stop=STOP)
+
+    def judge(self, item: data.HumanEvalProblem, completion: str, options: TaskOptions) -> ItemResult:
+        body = truncate(completion)
+        passed, verdict = execute(item, body, options.timeout_s)
+        return ItemResult(item.id, passed, body, verdict)
 

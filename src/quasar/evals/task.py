@@ -1,4 +1,8 @@
-"""The Task protocol: a task loads its items and scores one item with an Engine (the table is evals.runner.TASKS)."""
+"""The Task protocols: a task loads its items and scores each with an Engine (the table is evals.runner.TASKS).
+
+Two kinds: a task answered by one forward (MMLU) scores an item itself (`score`); a generative task (GSM8K,
+HumanEval) only says what to ask (`ask`: prompt ids and sampling) and how to judge the completion (`judge`),
+so the runner can decode many items at once, sharing each forward (quasar.batching), with the same answers."""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from quasar.engine import Engine
+from quasar.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -29,4 +34,16 @@ class Task(Protocol):
 
     def load(self, limit: int | None) -> list[Any]: ...
 
+
+class ForwardTask(Task, Protocol):
     def score(self, engine: Engine, item: Any, options: TaskOptions) -> ItemResult: ...
+
+
+class GenerativeTask(Task, Protocol):
+    def ask(self, engine: Engine, item: Any, options: TaskOptions) -> tuple[list[int], SamplingParams]: ...
+
+    def judge(self, item: Any, completion: str, options: TaskOptions) -> ItemResult: ...
+
+
+def is_generative(task: Task) -> bool:
+    return hasattr(task, "judge")
