@@ -120,6 +120,28 @@ def test_mmlu_letter_tokens_spell_their_letters(tiny_model):
     assert len({t for tokens in ids.values() for t in tokens}) == sum(len(t) for t in ids.values())
 
 
+@pytest.mark.parametrize("verifier", ["bf16", "w8a8"])
+def test_mmlu_prompts_that_share_a_start_reuse_its_cache_with_the_same_logits(verifier):
+    """Consecutive MMLU prompts run only what follows their common prefix (a subject's items, the template);
+    each item's logits equal a fresh prefill's bitwise, including a prompt that repeats the previous one."""
+    from quasar.verifiers import load_verifier
+
+    engine = Engine(load_verifier("default", verifier))
+    task = mmlu.MMLU()
+    stream = task.stream(engine)
+    assert stream is not None  # quasar's kernels
+    items = data.mmlu(6)
+    prompts = [mmlu.encode(engine, item) for item in items[:3]] + [mmlu.encode(engine, items[2])]
+    prompts += [mmlu.encode(engine, item) for item in items[3:]]
+    for i, ids in enumerate(prompts):
+        shared = next((j for j, (a, b) in enumerate(zip(stream.cached, ids)) if a != b), min(len(ids), len(stream.cached)))
+        assert i == 0 or shared > 10  # the template and the instruction at least: rows not run again
+        reused = mmlu.answer_logits(engine, ids, stream)
+        assert torch.equal(reused, mmlu.answer_logits(engine, ids))
+        assert stream.cached == ids and stream.cache.length == len(ids)
+    assert task.score(engine, items[0], TaskOptions()).prediction in data.LETTERS
+
+
 @pytest.mark.slow
 def test_mmlu_default_model_answers_an_easy_question(default_model):
     item = data.MMLUItem("easy", "geography", "What is the capital of France?", ("Berlin", "Paris", "Rome", "Madrid"), "B")

@@ -1,5 +1,10 @@
 """MMLU accuracy by one forward pass: after the question and its four choices, the answer is the letter
-A/B/C/D whose token the model scores highest at the next position. Nothing is generated."""
+A/B/C/D whose token the model scores highest at the next position. Nothing is generated.
+
+Consecutive prompts share their start (the chat template, the instruction, the subject: a third of a prompt
+on Qwen2.5), so on quasar's kernels the cache keeps the previous prompt and only the tokens after the common
+prefix are run: every row is computed from its own input and the keys before it, so the logits are bitwise a
+fresh prefill's (tests/test_evals.py). The torch path prefills each prompt whole."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from quasar.engine import Engine, PromptTooLongError
 from quasar.evals import data
 from quasar.evals.task import ItemResult, TaskOptions
 from quasar.generate import prefill
+from quasar.kv_cache import StreamCache
 
 
 def prompt_text(item: data.MMLUItem) -> str:
@@ -46,20 +52,37 @@ def encode(engine: Engine, item: data.MMLUItem) -> list[int]:
     return engine.encode(prompt_text(item) + "\nAnswer:", chat=False)
 
 
-def answer_logits(engine: Engine, prompt_ids: list[int]) -> torch.Tensor:
-    """One forward over the prompt -> logits [V] of the next token."""
+def answer_logits(engine: Engine, prompt_ids: list[int], stream: StreamCache | None = None) -> torch.Tensor:
+    """One forward over the prompt -> logits [V] of the next token; with `stream` (the previous prompt's cache,
+    on quasar's kernels) only over what follows the prefix it shares with the previous prompt."""
     if len(prompt_ids) >= engine.max_context:
         raise PromptTooLongError(f"an MMLU prompt has {len(prompt_ids)} tokens; the context window holds {engine.max_context}")
-    return prefill(engine.target.model, engine.fresh_cache(len(prompt_ids) + 1), prompt_ids)
+    model = engine.target.model
+    if stream is None:
+        return prefill(model, engine.fresh_cache(len(prompt_ids) + 1), prompt_ids)
+    cache = stream.ready(len(prompt_ids) + 1)
+    feed = stream.follow(prompt_ids)
+    logits = prefill(model, cache, feed)
+    stream.fed(feed)
+    return logits
 
 
 class MMLU:
     name = "mmlu"
 
+    def __init__(self) -> None:
+        self.streams: dict[int, StreamCache] = {}  # id(engine) -> the cache of its previous prompt
+
     def load(self, limit: int | None) -> list[data.MMLUItem]:
         return data.mmlu(limit)
 
+    def stream(self, engine: Engine) -> StreamCache | None:
+        if not engine.target.model.batches_rows:  # the torch path's floats depend on how a prompt is split
+            return None
+        return self.streams.setdefault(id(engine), StreamCache(engine.target.model, initial_len=1024))
+
     def score(self, engine: Engine, item: data.MMLUItem, options: TaskOptions) -> ItemResult:
-        letter = choose(answer_logits(engine, encode(engine, item)), letter_token_ids(engine.tokenizer))
+        logits = answer_logits(engine, encode(engine, item), self.stream(engine))
+        letter = choose(logits, letter_token_ids(engine.tokenizer))
         return ItemResult(item.id, letter == item.answer, letter)
 
