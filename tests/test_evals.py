@@ -12,7 +12,7 @@ import torch
 from quasar.cli import main
 from quasar.engine import Engine
 from quasar.evals import data, gsm8k, humaneval, mmlu
-from quasar.evals.runner import EvalConfig, evaluate, get_task, markdown_table, wilson
+from quasar.evals.runner import EvalConfig, evaluate, get_task, markdown_table, paired_delta_interval, wilson
 from quasar.evals.task import TaskOptions
 
 # ---- loaders -------------------------------------------------------------------------------------
@@ -173,6 +173,9 @@ def test_evaluate_puts_verifiers_side_by_side(tiny_model_dir):
     out = json.loads(json.dumps(report.to_dict()))
     assert len(out["items"]["bf16/mmlu"]) == 2 and out["items"]["bf16/mmlu"][0]["prediction"] in data.LETTERS
     assert "| mmlu | bf16 | 2 |" in markdown_table(report)
+    for row in rows:  # every verifier scored the same items: a paired interval around each delta
+        low, high = row["delta_ci95_pp"]
+        assert low <= row["delta_pp"] <= high
 
 
 @pytest.mark.parametrize("model, verifier", [("tiny", "fp32"), ("default", "w8a8")])
@@ -194,6 +197,18 @@ def test_wilson_interval():
     low, high = wilson(50, 100)
     assert low == pytest.approx(40.38, abs=0.01) and high == pytest.approx(59.62, abs=0.01)
     assert wilson(0, 10)[0] == 0.0 and wilson(10, 10)[1] == 100.0
+
+
+def test_paired_delta_interval():
+    same = [True, False] * 50
+    assert paired_delta_interval(same, same) == (0.0, 0.0)  # the same answers: no difference at all
+    better = [a or i % 10 == 1 for i, a in enumerate(same)]  # 10 of 100 items fixed, none broken
+    low, high = paired_delta_interval(same, better)
+    assert 3.0 <= low < 10.0 < high <= 18.0  # about 10 +- 1.96 * 3
+    assert paired_delta_interval(better, same) == (-high, -low)  # same draws, mirrored
+    assert paired_delta_interval(same, better) == (low, high)  # deterministic
+    with pytest.raises(ValueError):
+        paired_delta_interval(same, same[:-1])
 
 
 def test_a_killed_run_goes_on_where_it_stopped(tiny_model_dir, tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from quasar.commands.common import positive_float, positive_int
-from quasar.evals.runner import BATCH, DRAFTER, EvalConfig, EvalReport, evaluate
+from quasar.evals.runner import BATCH, DRAFTER, EvalConfig, EvalReport, delta_text, evaluate
 from quasar.evals.task import TaskOptions
 from quasar.files import atomic_write_text
 
@@ -92,14 +92,15 @@ def print_table(report: EvalReport) -> None:
     base = report.baseline
     table = Table(title=f"accuracy on {report.config.model} (Δ and agreement vs {base})")
     for name, justify in (("task", "left"), ("verifier", "left"), ("n", "right"), ("accuracy %", "right"),
-                          ("95% CI", "right"), ("Δ pp", "right"), ("agrees %", "right"), ("time s", "right")):
+                          ("95% CI", "right"), ("Δ pp", "right"), ("Δ 95% CI", "right"), ("agrees %", "right"),
+                          ("time s", "right")):
         table.add_column(name, justify=justify)
     for row in report.rows():
         is_base = row["verifier"] == base
         low, high = row["ci95_pct"]
         table.add_row(
             row["task"], row["verifier"], str(row["n"]), f"{row['accuracy_pct']:.1f}", f"{low:.1f}-{high:.1f}",
-            "" if is_base else f"{row['delta_pp']:+.1f}", "" if is_base else f"{row['agreement_pct']:.1f}",
+            *(("", "") if is_base else delta_text(row)), "" if is_base else f"{row['agreement_pct']:.1f}",
             f"{row['seconds']:.0f}",
         )
     Console().print(table)
