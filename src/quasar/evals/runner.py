@@ -18,6 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,13 +65,22 @@ def wilson(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
 def paired_delta_interval(base: list[bool], other: list[bool], rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
     """A 95% interval of accuracy(other) - accuracy(base) in points, the two scored on the same items: the
     percentile bootstrap over items, resampling each item's pair together (deterministic: a fixed seed).
-    Tighter than two Wilson intervals, because the verifiers agree on most items."""
+    Tighter than two Wilson intervals, because the verifiers agree on most items; zero wide when no item's
+    score differs (then the data show no difference, but cannot bound one either)."""
     if len(base) != len(other) or not base:
         raise ValueError("paired scores of the same, non-empty list of items expected")
-    diff = torch.tensor(other, dtype=torch.float64) - torch.tensor(base, dtype=torch.float64)  # per item: -1, 0, 1
-    picks = torch.randint(len(diff), (rounds, len(diff)), generator=torch.Generator().manual_seed(seed))
-    means = torch.sort(diff[picks].mean(dim=1)).values
-    return 100 * float(means[int(0.025 * (rounds - 1))]), 100 * float(means[int(0.975 * (rounds - 1))])
+    n = len(base)
+    gained = sum(o and not b for b, o in zip(base, other))  # items only `other` gets right
+    lost = sum(b and not o for b, o in zip(base, other))
+    # A resample of n items draws each kind of item a binomial number of times: O(rounds), whatever n is.
+    g = torch.Generator().manual_seed(seed)
+    draws = torch.full((rounds,), float(n), dtype=torch.float64)
+    up = torch.binomial(draws, torch.full_like(draws, gained / n), generator=g)
+    rest = draws - up
+    down = torch.binomial(rest, torch.full_like(draws, lost / (n - gained) if n > gained else 0.0), generator=g)
+    means = torch.sort((up - down) / n).values
+    low = round(0.025 * (rounds - 1))
+    return 100 * float(means[low]), 100 * float(means[rounds - 1 - low])
 
 
 @dataclass(frozen=True)
@@ -183,10 +193,17 @@ def check_verifiers(names: tuple[str, ...]) -> None:
 
 
 def check_drafter(name: str) -> None:
-    from quasar.drafters import DRAFTERS
+    """Fail before any work when a drafter name is unknown."""
+    from quasar.drafters import DRAFTERS, FORMS, NO_DRAFTER
 
-    if name != "none" and name.partition(":")[0] not in DRAFTERS:
-        raise ValueError(f"unknown drafter {name!r}; available: none, {', '.join(DRAFTERS)}")
+    if name != NO_DRAFTER and name.partition(":")[0] not in DRAFTERS:
+        raise ValueError(f"unknown drafter {name!r}; choose from {FORMS}")
+
+
+def too_long(item: Any) -> ItemResult:
+    """The result of an item whose prompt does not fit the context window: wrong."""
+    log.warning("%s: %s, scored as wrong", item.id, TOO_LONG)
+    return ItemResult(item.id, False, "", TOO_LONG)
 
 
 def score_item(task: ForwardTask, engine: Engine, item: Any, options: TaskOptions) -> ItemResult:
@@ -194,15 +211,16 @@ def score_item(task: ForwardTask, engine: Engine, item: Any, options: TaskOption
     try:
         return task.score(engine, item, options)
     except PromptTooLongError:
-        log.warning("%s: %s, scored as wrong", item.id, TOO_LONG)
-        return ItemResult(item.id, False, "", TOO_LONG)
+        return too_long(item)
 
 
 def generated(task: GenerativeTask, engine: Engine, items: list[Any], options: TaskOptions,
               batch: int) -> Iterator[ItemResult]:
     """A generative task's results, in item order, decoding up to `batch` items at once; a prompt that does not
     fit the context window counts as wrong. Stopping early cancels the items in flight."""
-    running = Batch(engine, max_batch=batch)
+    pool = engine.caches
+    kept = pool.budget, pool.spare
+    running = Batch(engine, max_batch=batch)  # sets the pool's budget and spare for the batch
     ahead = iter(enumerate(items))
     flying: dict[Request, tuple[int, Any]] = {}
     finished: dict[int, ItemResult] = {}
@@ -217,8 +235,7 @@ def generated(task: GenerativeTask, engine: Engine, items: list[Any], options: T
             try:
                 request = engine.request(ids, params)
             except PromptTooLongError:
-                log.warning("%s: %s, scored as wrong", item.id, TOO_LONG)
-                finished[i] = ItemResult(item.id, False, "", TOO_LONG)
+                finished[i] = too_long(item)
                 continue
             running.add(request)
             flying[request] = (i, item)
@@ -241,6 +258,8 @@ def generated(task: GenerativeTask, engine: Engine, items: list[Any], options: T
     finally:
         for request in flying:
             running.cancel(request)
+        pool.budget, pool.spare = kept
+        del pool.free[: max(0, len(pool.free) - pool.spare)]  # the batch's idle caches are not kept on
 
 
 def score_task(engine: Engine, task_name: str, items: list[Any], verifier: str, options: TaskOptions,
@@ -258,7 +277,7 @@ def score_task(engine: Engine, task_name: str, items: list[Any], verifier: str, 
         results = (score_item(task, engine, item, options) for item in todo)  # type: ignore[arg-type]
     start, last = time.perf_counter(), time.perf_counter()
     seconds = score.seconds
-    with counter(f"{task_name} [{verifier}]", total=len(items), initial=score.n) as bar:
+    with closing(results), counter(f"{task_name} [{verifier}]", total=len(items), initial=score.n) as bar:
         for result in results:
             score.items.append(result)
             bar.update(1)
@@ -311,7 +330,8 @@ def evaluate(config: EvalConfig, on_score: Callable[[EvalReport], None] | None =
         if todo:
             log.info("loading verifier %s of %s", verifier, config.model)
             target = verifiers.load_verifier(config.model, verifier, config.cache_dir)
-            decoder = build_decoder(target, DecodeConfig(drafter), config.cache_dir)
+            generates = any(is_generative(get_task(n)) for n in todo)  # else no drafter is loaded
+            decoder = build_decoder(target, DecodeConfig(drafter if generates else "none"), config.cache_dir)
             engine = Engine(target, decoder, max_context=config.max_context)
         for name in config.tasks:
             def checkpoint(partial: TaskScore, key: tuple[str, str] = (verifier, name)) -> None:
