@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import needs_kernels
+
 from quasar.cli import main
 from quasar.engine import Engine
 from quasar.evals import data, gsm8k, humaneval, mmlu
