@@ -92,7 +92,7 @@ class Batch:
             raise ValueError(f"the KV budget must be a positive number of tokens, got {kv_budget}")
         self.engine, self.max_batch, self.max_rows = engine, max_batch, max_rows
         self.cost = CostModel()
-        engine.caches.budget, engine.caches.spare = kv_budget, max_batch
+        self.pool_settings = engine.caches.configure(kv_budget, max_batch)  # the engine's own, for close()
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
         self.failures: dict[int, BaseException] = {}  # id(request) -> what made it fail
@@ -212,6 +212,10 @@ class Batch:
                 self.active.remove(request)
                 if request.cache is not None:
                     self.engine.caches.give(request.cache)
+
+    def close(self) -> None:
+        """Give the engine's cache pool back its settings from before this batch (its spare caches beyond go)."""
+        self.engine.caches.configure(*self.pool_settings)
 
     def run_all(self, requests: list[Request]) -> None:
         """Serve these requests to the end (the Python API's batched generate); re-raises the first failure."""

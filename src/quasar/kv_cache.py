@@ -140,6 +140,16 @@ class CachePool:
     def give(self, cache: KVCache) -> None:
         self.taken -= cache.max_len
         self.free.append(cache)
+        self.drop_extra()
+
+    def configure(self, budget: int | None, spare: int) -> tuple[int | None, int]:
+        """Set the budget and the spare caches kept (dropping the oldest beyond it); returns the old settings."""
+        old = self.budget, self.spare
+        self.budget, self.spare = budget, spare
+        self.drop_extra()
+        return old
+
+    def drop_extra(self) -> None:
         del self.free[: max(0, len(self.free) - self.spare)]
 
     @property

@@ -19,16 +19,6 @@ def progress(items: Iterable[Item], description: str, total: int | None = None, 
 
 
 @contextmanager
-def counter(description: str, total: int, initial: int = 0) -> Iterator[tqdm]:
-    """A bar for work that finishes items in its own order (call .update(n)); as `progress` otherwise."""
-    bar = tqdm(desc=description, total=total, initial=initial, disable=None, leave=False, dynamic_ncols=True)
-    try:
-        yield bar
-    finally:
-        bar.close()
-
-
-@contextmanager
 def timed(description: str, expected_s: float) -> Iterator[None]:
     """A bar for one blocking call that reports no progress of its own (a compile): it fills with the time
     spent against `expected_s` (a measured estimate), so the user sees it move and roughly how long is left."""

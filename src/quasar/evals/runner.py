@@ -30,7 +30,7 @@ from quasar.api import DecodeConfig, build_decoder
 from quasar.batching import Batch
 from quasar.engine import Engine, PromptTooLongError, Request
 from quasar.evals.task import ForwardTask, GenerativeTask, ItemResult, Task, TaskOptions, is_generative
-from quasar.progress import counter
+from quasar.progress import progress
 from quasar.registry import lookup
 
 # name -> "module:class" of a Task
@@ -218,9 +218,7 @@ def generated(task: GenerativeTask, engine: Engine, items: list[Any], options: T
               batch: int) -> Iterator[ItemResult]:
     """A generative task's results, in item order, decoding up to `batch` items at once; a prompt that does not
     fit the context window counts as wrong. Stopping early cancels the items in flight."""
-    pool = engine.caches
-    kept = pool.budget, pool.spare
-    running = Batch(engine, max_batch=batch)  # sets the pool's budget and spare for the batch
+    running = Batch(engine, max_batch=batch)
     ahead = iter(enumerate(items))
     flying: dict[Request, tuple[int, Any]] = {}
     finished: dict[int, ItemResult] = {}
@@ -258,8 +256,7 @@ def generated(task: GenerativeTask, engine: Engine, items: list[Any], options: T
     finally:
         for request in flying:
             running.cancel(request)
-        pool.budget, pool.spare = kept
-        del pool.free[: max(0, len(pool.free) - pool.spare)]  # the batch's idle caches are not kept on
+        running.close()
 
 
 def score_task(engine: Engine, task_name: str, items: list[Any], verifier: str, options: TaskOptions,
@@ -277,10 +274,9 @@ def score_task(engine: Engine, task_name: str, items: list[Any], verifier: str, 
         results = (score_item(task, engine, item, options) for item in todo)  # type: ignore[arg-type]
     start, last = time.perf_counter(), time.perf_counter()
     seconds = score.seconds
-    with closing(results), counter(f"{task_name} [{verifier}]", total=len(items), initial=score.n) as bar:
-        for result in results:
+    with closing(results):
+        for result in progress(results, f"{task_name} [{verifier}]", total=len(items), initial=score.n):
             score.items.append(result)
-            bar.update(1)
             score.seconds = seconds + time.perf_counter() - start
             if checkpoint is not None and time.perf_counter() - last >= CHECKPOINT_S:
                 checkpoint(score)
