@@ -9,7 +9,9 @@ Each round, engine after engine (interleaved, so slow phases of the machine hit 
 decode step (1 token) and a verify step (6 tokens, every position's logits), each undone after timing. We
 report medians: prefill tokens/s, decode and verify milliseconds. Engines:
 
-- quasar:fp32, quasar:bf16, quasar:w8a8 (load_verifier; the kernel paths are printed beside every row);
+- quasar:fp32, quasar:bf16, quasar:w8a8 (load_verifier; the kernel paths are printed beside every row), and
+  quasar:V@PATH to run it on one of the CPU's float paths (`native.kernel().float_paths()`): two paths of one
+  verifier side by side, e.g. quasar:bf16@avx512bf16,quasar:bf16@avx512;
 - transformers:fp32, transformers:bf16 (its own Llama/Qwen2 code on the same weights, dequantized from the GGUF
   as quasar does, DynamicCache);
 - llama.cpp:f16, llama.cpp:bf16, llama.cpp:q8_0 (llama-cpp-python on GGUF copies of the same weights, all
@@ -22,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -37,20 +41,36 @@ class Quasar:
     def __init__(self, model: str, verifier: str, w8a8: str | None, max_len: int) -> None:
         from quasar.verifiers import load_verifier
 
+        verifier, _, self.float_path = verifier.partition("@")
         self.model = load_verifier(w8a8 if verifier == "w8a8" and w8a8 else model, verifier).model
         self.cache = self.model.new_cache(max_len)
         self.path = self.model.backend
+        if self.float_path:
+            native.kernel().use_float_path(self.float_path)  # raises on a path this CPU lacks
+            native.kernel().use_float_path("auto")
+            self.path = re.sub(r"[^:+]+$", self.float_path, self.path) + " (forced)"  # the float path is the last
+
+    @contextmanager
+    def on_path(self):
+        if self.float_path:
+            native.kernel().use_float_path(self.float_path)
+        try:
+            yield
+        finally:
+            native.kernel().use_float_path("auto")
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> None:
         self.cache.reset()
-        self.model(torch.tensor([ids]), self.cache, last_only=True)
+        with self.on_path():
+            self.model(torch.tensor([ids]), self.cache, last_only=True)
 
     @torch.inference_mode()
     def step(self, ids: list[int]) -> float:
-        start = time.perf_counter()
-        self.model(torch.tensor([ids]), self.cache)
-        elapsed = time.perf_counter() - start
+        with self.on_path():
+            start = time.perf_counter()
+            self.model(torch.tensor([ids]), self.cache)
+            elapsed = time.perf_counter() - start
         self.cache.trim(len(ids))
         return elapsed
 

@@ -75,6 +75,23 @@ def test_bf16_inputs_are_the_same_on_every_path_and_row_by_row(kernel, M, K, N):
     assert torch.equal(alone, y)
 
 
+def test_bf16_inputs_flush_denormals_as_vdpbf16ps_on_every_path(kernel):
+    """vdpbf16ps is an FMA that reads denormals as zero and flushes denormal results: every path does the same
+    (the FMA paths set DAZ/FTZ while they run), and leave the thread's float mode as it was."""
+    K = 96
+    x = torch.full((3, K), 2.0**-64)  # row 0: every product 2^-128, a denormal: each partial sum flushes to 0
+    x[1] = 2.0**-60  # row 1: products 2^-120, normal: the sum is exact
+    x[2] = torch.randn(K) * 2.0**-62
+    x[2, :8] = 2.0**-130  # denormal inputs: read as zero
+    w = torch.full((32, K), 2.0**-64).to(torch.bfloat16)
+    w[16:] = (torch.randn(16, K) * 2.0**-62).to(torch.bfloat16)
+    y = assert_same_everywhere(on_every_path(kernel, lambda: kernel.bf16_linear(x, pack_panels(w), E)))
+    assert torch.equal(y[0, :16], torch.zeros(16))
+    assert torch.equal(y[1, :16], torch.full((16,), K * 2.0**-124))
+    tiny = torch.tensor([2.0**-140])
+    assert (tiny * 2).item() == 2.0**-139  # denormals work again outside the kernel
+
+
 @pytest.mark.parametrize("M,K,N", [(1, 64, 48), (5, 7, 32), (13, 576, 80), (9, 1536, 144)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_fp32_is_the_same_on_every_path_and_row_by_row(kernel, M, K, N, dtype):

@@ -9,10 +9,10 @@
 //   weights packed in panels of 16 channels ([N/16][K/2][16][2]: each channel's input pairs side by side),
 //   float32 sums: the bf16 verifier (as llama.cpp runs a BF16 model). An output is one float32 lane that
 //   takes the input pairs in order, the odd element first: exactly AVX512-BF16's vdpbf16ps with the pair of
-//   x broadcast, which runs it where the CPU has it (16 channels per instruction, no lane sums at the end).
-//   AVX2 runs the same two FMAs per pair on 8 channels; a product of two bfloat16 is exact in float32, so
-//   each FMA rounds once, as vdpbf16ps does. (vdpbf16ps also flushes denormal inputs and results to zero,
-//   the AVX2 path does not: results differ only where a product or partial sum falls below 1.2e-38.)
+//   x broadcast (16 channels per instruction, no lane sums at the end). The avx512 and avx2 paths run the
+//   same sums as two FMAs per pair, on 16 and 8 channels: a product of two bfloat16 is exact in float32, so
+//   each FMA rounds once, as vdpbf16ps does, and with denormals flushed to zero as vdpbf16ps flushes them.
+//   Where the CPU has vdpbf16ps a probe picks the faster of it and the 16-lane FMAs (pair_fma_faster).
 // - fp32_linear: float32 x times weights packed in panels of 16 channels ([N/16][K][16]), float32 (the fp32
 //   verifier) or bfloat16 widened to float32 in registers (exact: the floats of the same weights stored as
 //   float32, in half the bytes; the bf16 lm_head of W8A8 checkpoints). An output is one float32 FMA chain in
@@ -30,7 +30,10 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
+#include <memory>
+#include <type_traits>
 
 namespace {
 
@@ -186,8 +189,10 @@ void fp32_tile_avx2(const float* x, const W* wp, float* y, int64_t m0, int64_t p
   store_acc<R, C>(acc, y, m0, p0, N);
 }
 
-// x [count] float32 -> bfloat16 bits, to nearest even (NaN stays a quiet NaN): torch's rounding, 8 at a time.
-void round_bf16(const float* x, int64_t count, uint16_t* out) {
+// x [count] float32 rounded to bfloat16, to nearest even (NaN stays a quiet NaN): torch's rounding, 8 at a time.
+// Out: the bfloat16 bits (uint16_t), or the same numbers as float32 (float).
+template <typename Out>
+void round_bf16(const float* x, int64_t count, Out* out) {
   const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF), nan = _mm256_set1_epi32(0x7FC0);
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) {
@@ -196,15 +201,41 @@ void round_bf16(const float* x, int64_t count, uint16_t* out) {
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(v, 16), one);
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(v, _mm256_add_epi32(half, lsb)), 16);
     r = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);  // 8 uint16 in the low half
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(packed));
+    if constexpr (std::is_same_v<Out, float>) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_slli_epi32(r, 16));
+    } else {
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);  // 8 uint16 in the low half
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_castsi256_si128(packed));
+    }
   }
   for (; i < count; ++i) {
     uint32_t v;
     std::memcpy(&v, x + i, sizeof v);
-    out[i] = x[i] != x[i] ? 0x7FC0 : static_cast<uint16_t>((v + 0x7FFF + ((v >> 16) & 1)) >> 16);
+    const uint16_t bits = x[i] != x[i] ? 0x7FC0 : static_cast<uint16_t>((v + 0x7FFF + ((v >> 16) & 1)) >> 16);
+    if constexpr (std::is_same_v<Out, float>) {
+      const uint32_t widened = static_cast<uint32_t>(bits) << 16;
+      std::memcpy(out + i, &widened, sizeof widened);
+    } else {
+      out[i] = bits;
+    }
   }
 }
+
+// x [count] rounded as round_bf16, into a new buffer, on every thread: a prefill's inputs are megabytes.
+template <typename Out>
+std::unique_ptr<Out[]> rounded_bf16(const float* x, int64_t count) {
+  std::unique_ptr<Out[]> out(new Out[count]);
+  at::parallel_for(0, count, 1 << 16, [&](int64_t i0, int64_t i1) { round_bf16(x + i0, i1 - i0, out.get() + i0); });
+  return out;
+}
+
+// vdpbf16ps treats denormal inputs as zero and flushes denormal results to zero: the FMAs that stand in for
+// it do the same while this lives (DAZ and FTZ in this thread's MXCSR, restored after).
+struct FlushDenormals {
+  const unsigned saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
 
 }  // namespace
 
@@ -277,6 +308,45 @@ struct Fp32Lanes {
   static __m512 madd(__m512 acc, __m512 x, W w) { return _mm512_fmadd_ps(x, w, acc); }
 };
 
+// Bfloat16 pairs by two float32 FMAs each, 16 channels a register: vdpbf16ps's arithmetic on CPUs where it
+// is missing, or where two FMAs outrun it (pair_fma_faster). x holds the inputs already rounded to bfloat16, as float32; a weight pair's odd element is
+// its lane's high half (mask), the even one the low half shifted up. R <= 6, C <= 3: 18 accumulators, 6
+// weights, the two inputs of a row.
+template <int R, int C>
+void pair_fma_tile(const float* x, const uint16_t* wp, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K,
+                   int64_t k0, int64_t k1) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 acc[R][C];
+#pragma GCC unroll 18
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = k0 ? _mm512_loadu_ps(y + (m0 + r) * N + 16 * (p0 + c)) : _mm512_setzero_ps();
+  for (int64_t k = k0; k < k1; k += 2) {
+    __m512 w_odd[C], w_even[C];
+#pragma GCC unroll 3
+    for (int c = 0; c < C; ++c) {
+      const uint16_t* panel = wp + (p0 + c) * K * 16 + k * 16;
+      prefetch_row(panel);
+      const __m512i v = _mm512_loadu_si512(panel);
+      w_odd[c] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+      w_even[c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512 x_odd = _mm512_set1_ps(x[(m0 + r) * K + k + 1]), x_even = _mm512_set1_ps(x[(m0 + r) * K + k]);
+#pragma GCC unroll 3
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(x_even, w_even[c], _mm512_fmadd_ps(x_odd, w_odd[c], acc[r][c]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(y + (m0 + r) * N + 16 * (p0 + c), acc[r][c]);
+}
+
+void pair_fma_dot(const float* x, const uint16_t* wp, float* y, int64_t M, int64_t N, int64_t K, int64_t p0, int64_t p1) {
+  panel_tiles<6, 3>(M, p0, p1, K, 32, 2, [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
+    pair_fma_tile<decltype(rows)::value, decltype(panels)::value>(x, wp, y, m, p, N, K, k0, k1);
+  });
+}
+
 namespace fp32 {
 using P = Fp32Lanes<float>;
 #include "panel_tile.h"
@@ -288,6 +358,26 @@ using P = Fp32Lanes<uint16_t>;
 }  // namespace widened
 
 }  // namespace
+
+// Seconds for n rounds of 24 independent vfmadd231ps (pair_fma_faster's probe).
+double fma_seconds(int64_t n) {
+  __m512 acc[24];
+  for (int i = 0; i < 24; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));  // distinct: no chain is merged
+  __m512 x = _mm512_set1_ps(1.0f);
+  const __m512 w = x;
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < n; ++i) {
+#pragma GCC unroll 24
+    for (auto& a : acc) a = _mm512_fmadd_ps(x, w, a);
+    __asm__ volatile("" : "+v"(x));
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int i = 1; i < 24; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);  // every chain is used
+  volatile float sink = _mm512_reduce_add_ps(acc[0]);
+  (void)sink;
+  return seconds;
+}
+
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -311,19 +401,61 @@ using P = Bf16Pairs;
 #include "panel_tile.h"
 
 }  // namespace
+
+// Seconds for n rounds of 24 independent vdpbf16ps (pair_fma_faster's probe).
+double dpbf16_seconds(int64_t n) {
+  __m512 acc[24];
+  for (int i = 0; i < 24; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));  // distinct: no chain is merged
+  __m512bh x = (__m512bh)_mm512_set1_epi32(0x3F803F80);
+  const __m512bh w = x;
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < n; ++i) {
+#pragma GCC unroll 24
+    for (auto& a : acc) a = _mm512_dpbf16_ps(a, x, w);
+    __asm__ volatile("" : "+v"(x));  // opaque to the compiler: every round runs
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int i = 1; i < 24; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);  // every chain is used
+  volatile float sink = _mm512_reduce_add_ps(acc[0]);
+  (void)sink;
+  return seconds;
+}
+
 }  // namespace avx512bf16
 #pragma GCC pop_options
 
 namespace {
 
+// Whether two vfmadd231ps per bfloat16 pair (the avx512 path) outrun one vdpbf16ps on this CPU. They give the
+// same floats; what differs between CPUs is the rate: on Emerald Rapids vdpbf16ps issued at a quarter of
+// vfmadd231ps's rate (1.25 against 5 billion a second on a core), so the FMAs do twice its multiply-adds and
+// ran the 1.5B's linears at 1,024 rows 1.4-1.5x faster (AMD Zen 4 is said to issue both at one rate). A probe
+// of both (well under 1 ms, once per process, best of three) decides; the FMAs also widen the weights, so
+// they must do 1.25x its multiply-adds in peak to be picked.
+bool pair_fma_faster() {
+  double dpbf16 = 1e9, fma = 1e9;
+  for (int round = 0; round < 3; ++round) {
+    dpbf16 = std::min(dpbf16, avx512bf16::dpbf16_seconds(10000));
+    fma = std::min(fma, avx512::fma_seconds(10000));
+  }
+  return 2 * fma * 1.25 < dpbf16;  // a vdpbf16ps does the multiply-adds of two FMAs
+}
+
+// The paths this CPU runs, fastest first.
 std::vector<FloatPath> available_paths() {
-  __builtin_cpu_init();
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  std::vector<FloatPath> paths;
-  if (avx512 && __builtin_cpu_supports("avx512bf16")) paths.push_back(FloatPath::Avx512Bf16);
-  if (avx512) paths.push_back(FloatPath::Avx512);
-  paths.push_back(FloatPath::Avx2);
+  static const std::vector<FloatPath> paths = [] {
+    __builtin_cpu_init();
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    std::vector<FloatPath> found;
+    if (avx512 && __builtin_cpu_supports("avx512bf16"))
+      found = pair_fma_faster() ? std::vector{FloatPath::Avx512, FloatPath::Avx512Bf16}
+                                : std::vector{FloatPath::Avx512Bf16, FloatPath::Avx512};
+    else if (avx512)
+      found = {FloatPath::Avx512};
+    found.push_back(FloatPath::Avx2);
+    return found;
+  }();
   return paths;
 }
 
@@ -439,20 +571,24 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bia
   x = x.contiguous();
   wp = wp.contiguous();
   bias = bias.contiguous();
-  std::vector<uint16_t> xb(pairs ? M * K : 0);
-  if (pairs) round_bf16(x.data_ptr<float>(), M * K, xb.data());
+  const FloatPath path = current_path();
+  // x rounded to bfloat16: as float32 for the AVX-512 FMAs, as bfloat16 bits for vdpbf16ps and AVX2
+  const bool as_float = pairs && path == FloatPath::Avx512;
+  const auto xr = as_float ? rounded_bf16<float>(x.data_ptr<float>(), M * K) : nullptr;
+  const auto xb = pairs && !as_float ? rounded_bf16<uint16_t>(x.data_ptr<float>(), M * K) : nullptr;
   auto y = torch::empty({M, N}, x.options());
   float* yp = y.data_ptr<float>();
-  const FloatPath path = current_path();
   const float* xp = x.data_ptr<float>();
   const bool bf16 = wp.dtype() == torch::kBFloat16;
   const uint16_t* w16 = bf16 ? reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()) : nullptr;
   const float* w32 = bf16 ? nullptr : wp.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     if (pairs) {
-      if (path == FloatPath::Avx512Bf16) return avx512bf16::panel_dot(xb.data(), w16, yp, M, N, K, p0, p1);
+      if (path == FloatPath::Avx512Bf16) return avx512bf16::panel_dot(xb.get(), w16, yp, M, N, K, p0, p1);
+      const FlushDenormals as_vdpbf16ps;
+      if (path == FloatPath::Avx512) return avx512::pair_fma_dot(xr.get(), w16, yp, M, N, K, p0, p1);
       panel_tiles<4, 1>(M, p0, p1, K, 32, 2, [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
-        bf16_tile_avx2<decltype(rows)::value, decltype(panels)::value>(xb.data(), w16, yp, m, p, N, K, k0, k1);
+        bf16_tile_avx2<decltype(rows)::value, decltype(panels)::value>(xb.get(), w16, yp, m, p, N, K, k0, k1);
       });
       return;
     }
