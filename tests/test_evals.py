@@ -264,7 +264,7 @@ def test_paired_delta_interval():
 def test_a_killed_run_goes_on_where_it_stopped(tiny_model_dir, tmp_path, monkeypatch):
     """A report saved midway (every item here) is resumed: its items are kept, the rest scored, and the result
     equals an uninterrupted run's; a verifier whose tasks are all done is not even loaded."""
-    import quasar.evals.runner as runner
+    from quasar.evals import runner
 
     config = EvalConfig(model=tiny_model_dir, verifiers=("fp32", "bf16"), tasks=("mmlu", "gsm8k"), limit=3,
                         options=TaskOptions(max_new_tokens=4))
@@ -292,6 +292,26 @@ def test_a_killed_run_goes_on_where_it_stopped(tiny_model_dir, tmp_path, monkeyp
     other = EvalConfig(model=tiny_model_dir, verifiers=("fp32", "bf16"), tasks=("mmlu", "gsm8k"), limit=2)
     with pytest.raises(ValueError, match="other settings.*limit"):
         evaluate(other, resume=resumed)
+
+
+def test_a_resumed_run_may_add_verifiers_but_not_leave_one_out(tiny_model_dir, monkeypatch):
+    """A verifier added to a finished report is the only one scored (the saved items kept as they are);
+    leaving a saved verifier out is refused, since its items would be dropped from the report."""
+    from quasar.evals import runner
+
+    first = EvalConfig(model=tiny_model_dir, verifiers=("fp32",), tasks=("mmlu",), limit=2)
+    saved = json.loads(json.dumps(evaluate(first).to_dict()))
+    loaded: list[str] = []
+    real_load = runner.verifiers.load_verifier
+    monkeypatch.setattr(runner.verifiers, "load_verifier", lambda *a, **k: loaded.append(a[1]) or real_load(*a, **k))
+    grown = EvalConfig(model=tiny_model_dir, verifiers=("fp32", "bf16"), tasks=("mmlu",), limit=2)
+    report = evaluate(grown, resume=saved).to_dict()
+    assert loaded == ["bf16"]
+    assert report["items"]["fp32/mmlu"] == saved["items"]["fp32/mmlu"] and len(report["items"]["bf16/mmlu"]) == 2
+    assert [row["verifier"] for row in report["rows"]] == ["fp32", "bf16"]
+    fewer = EvalConfig(model=tiny_model_dir, verifiers=("bf16",), tasks=("mmlu",), limit=2)
+    with pytest.raises(ValueError, match="other settings \\(verifiers\\).*not left out"):
+        evaluate(fewer, resume=report)
 
 
 def test_eval_command_resumes_from_its_out_file(tiny_model_dir, tmp_path, capsys):

@@ -286,13 +286,16 @@ def score_task(engine: Engine, task_name: str, items: list[Any], verifier: str, 
 
 def resume_scores(saved: dict[str, Any], config: EvalConfig, items: dict[str, list[Any]]) -> dict[tuple[str, str], TaskScore]:
     """The scores of a report saved by an earlier run of the same config (EvalReport.to_dict), to go on from.
-    Raises ValueError when the settings differ or the saved items are not the first items of the set."""
+    The config may add verifiers and tasks to the saved ones (a scheme added to a finished table scores only
+    the new rows); every other setting must be the same. Raises ValueError when the settings differ, a saved
+    verifier or task is left out (its items would be lost), or the saved items are not the set's first ones."""
     mine = json.loads(json.dumps(EvalReport(config).to_dict(with_items=False)["config"]))  # as a saved file has it
     theirs = json.loads(json.dumps(saved.get("config") or {}))
-    if theirs != mine:
-        differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-        raise ValueError(f"the saved report was made with other settings ({', '.join(differ)}); "
-                         "run with those settings, or start over with --overwrite")
+    added = {key for key in ("verifiers", "tasks") if set(theirs.get(key) or ()) <= set(mine.get(key) or ())}
+    differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k) and k not in added)
+    if differ:
+        raise ValueError(f"the saved report was made with other settings ({', '.join(differ)}); run with those "
+                         "settings (verifiers and tasks may be added, not left out), or start over with --overwrite")
     seconds = {(r["verifier"], r["task"]): r["seconds"] for r in saved.get("rows", [])}
     scores = {}
     for key, results in saved.get("items", {}).items():
