@@ -52,8 +52,10 @@ class Quasar:
 
     @contextmanager
     def on_path(self):
-        if self.float_path:
-            native.kernel().use_float_path(self.float_path)
+        if not self.float_path:
+            yield
+            return
+        native.kernel().use_float_path(self.float_path)
         try:
             yield
         finally:

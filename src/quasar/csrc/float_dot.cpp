@@ -309,9 +309,9 @@ struct Fp32Lanes {
 };
 
 // Bfloat16 pairs by two float32 FMAs each, 16 channels a register: vdpbf16ps's arithmetic on CPUs where it
-// is missing, or where two FMAs outrun it (pair_fma_faster). x holds the inputs already rounded to bfloat16, as float32; a weight pair's odd element is
-// its lane's high half (mask), the even one the low half shifted up. R <= 6, C <= 3: 18 accumulators, 6
-// weights, the two inputs of a row.
+// is missing, or where two FMAs outrun it (pair_fma_faster). x holds the inputs already rounded to bfloat16,
+// as float32; a weight pair's odd element is its lane's high half (mask), the even one the low half shifted
+// up. R <= 6, C <= 3: 18 accumulators, 6 weights, the two inputs of a row.
 template <int R, int C>
 void pair_fma_tile(const float* x, const uint16_t* wp, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K,
                    int64_t k0, int64_t k1) {
@@ -359,25 +359,6 @@ using P = Fp32Lanes<uint16_t>;
 
 }  // namespace
 
-// Seconds for n rounds of 24 independent vfmadd231ps (pair_fma_faster's probe).
-double fma_seconds(int64_t n) {
-  __m512 acc[24];
-  for (int i = 0; i < 24; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));  // distinct: no chain is merged
-  __m512 x = _mm512_set1_ps(1.0f);
-  const __m512 w = x;
-  const auto start = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < n; ++i) {
-#pragma GCC unroll 24
-    for (auto& a : acc) a = _mm512_fmadd_ps(x, w, a);
-    __asm__ volatile("" : "+v"(x));
-  }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  for (int i = 1; i < 24; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);  // every chain is used
-  volatile float sink = _mm512_reduce_add_ps(acc[0]);
-  (void)sink;
-  return seconds;
-}
-
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -402,16 +383,16 @@ using P = Bf16Pairs;
 
 }  // namespace
 
-// Seconds for n rounds of 24 independent vdpbf16ps (pair_fma_faster's probe).
-double dpbf16_seconds(int64_t n) {
+// Seconds for n rounds of 24 independent chains of madd(acc, x) (pair_fma_faster's probe; compiled here, where
+// both vdpbf16ps and the AVX-512 FMAs are allowed).
+template <typename X, typename F>
+double chain_seconds(int64_t n, X x, F madd) {
   __m512 acc[24];
   for (int i = 0; i < 24; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));  // distinct: no chain is merged
-  __m512bh x = (__m512bh)_mm512_set1_epi32(0x3F803F80);
-  const __m512bh w = x;
   const auto start = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < n; ++i) {
 #pragma GCC unroll 24
-    for (auto& a : acc) a = _mm512_dpbf16_ps(a, x, w);
+    for (auto& a : acc) a = madd(a, x);
     __asm__ volatile("" : "+v"(x));  // opaque to the compiler: every round runs
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -419,6 +400,14 @@ double dpbf16_seconds(int64_t n) {
   volatile float sink = _mm512_reduce_add_ps(acc[0]);
   (void)sink;
   return seconds;
+}
+
+double dpbf16_seconds(int64_t n) {
+  return chain_seconds(n, (__m512bh)_mm512_set1_epi32(0x3F803F80), [](__m512 a, __m512bh x) { return _mm512_dpbf16_ps(a, x, x); });
+}
+
+double fma_seconds(int64_t n) {
+  return chain_seconds(n, _mm512_set1_ps(1.0f), [](__m512 a, __m512 x) { return _mm512_fmadd_ps(x, x, a); });
 }
 
 }  // namespace avx512bf16
@@ -436,7 +425,7 @@ bool pair_fma_faster() {
   double dpbf16 = 1e9, fma = 1e9;
   for (int round = 0; round < 3; ++round) {
     dpbf16 = std::min(dpbf16, avx512bf16::dpbf16_seconds(10000));
-    fma = std::min(fma, avx512::fma_seconds(10000));
+    fma = std::min(fma, avx512bf16::fma_seconds(10000));
   }
   return 2 * fma * 1.25 < dpbf16;  // a vdpbf16ps does the multiply-adds of two FMAs
 }
