@@ -314,6 +314,25 @@ def test_a_resumed_run_may_add_verifiers_but_not_leave_one_out(tiny_model_dir, m
         evaluate(fewer, resume=report)
 
 
+def test_a_resumed_run_saves_every_saved_item_before_it_scores_anything(tiny_model_dir):
+    """A resumed run that scores a new verifier first and is stopped there must not drop the items a later
+    verifier had already scored from what it saves (a run with another order once lost them)."""
+    first = EvalConfig(model=tiny_model_dir, verifiers=("fp32", "bf16"), tasks=("mmlu",), limit=2)
+    saved = json.loads(json.dumps(evaluate(first).to_dict()))
+    del saved["items"]["bf16/mmlu"][1:]  # bf16 stopped after one item
+    saves: list[dict] = []
+    grown = EvalConfig(model=tiny_model_dir, verifiers=("w8a16", "fp32", "bf16"), tasks=("mmlu",), limit=2)
+
+    def stop_after_the_first_save(report) -> None:
+        saves.append(report.to_dict())
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(grown, on_score=stop_after_the_first_save, resume=saved)
+    assert saves[0]["items"]["bf16/mmlu"] == saved["items"]["bf16/mmlu"]
+    assert saves[0]["items"]["fp32/mmlu"] == saved["items"]["fp32/mmlu"] and len(saves[0]["items"]["w8a16/mmlu"]) == 2
+
+
 def test_eval_command_resumes_from_its_out_file(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "report.json"
     args = ["eval", "--model", str(tiny_model_dir), "--tasks", "mmlu", "--limit", "2", "--json", "--out", str(out)]

@@ -323,6 +323,7 @@ def evaluate(config: EvalConfig, on_score: Callable[[EvalReport], None] | None =
     items = {name: get_task(name).load(config.limit) for name in config.tasks}
     report = EvalReport(config, run={"batch": batch, "drafter": drafter})
     done = resume_scores(resume, config, items) if resume else {}
+    report.scores.update(done)  # every saved item is in each save from the start, whatever order runs next
     for verifier in config.verifiers:
         todo = [n for n in config.tasks if (verifier, n) not in done or done[(verifier, n)].n < len(items[n])]
         engine = None
