@@ -39,7 +39,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein 
 def w8a8(tiny_model_dir, tmp_path_factory) -> LoadedModel:
     """The per-channel/per-token scheme vLLM's int8 kernels run (the default `w8a8` is group-wise)."""
     cache = share_kernels(tmp_path_factory.mktemp("cache"))
-    return load_verifier(tiny_model_dir, "w8a8:pc", cache_dir=cache, owned=False)  # as `quasar export` loads it
+    return load_verifier(tiny_model_dir, "w8a8:pc:lmbf16", cache_dir=cache, owned=False)  # as `quasar export` loads it
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_export_command_writes_the_directory_atomically(tiny_model_dir, w8a8, tm
     result = subprocess.run([sys.executable, "-m", "quasar", "export", "--model", str(tiny_model_dir), "--cache-dir",
                              str(cache), "--format", "compressed-tensors", "--out", str(out)],
                             check=True, capture_output=True, text=True, timeout=600)
-    assert "exporting w8a8:pc, the nearest scheme vLLM runs" in result.stderr  # the default w8a8 is w8a8:g32
+    assert "exporting w8a8:pc:lmbf16, the nearest scheme vLLM runs" in result.stderr  # the default is g32, lm8
     assert not (out / "stale.txt").exists()
     assert "quantization_config" in json.loads((out / "config.json").read_text())
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".exported")]  # no temp sibling left
@@ -156,10 +156,24 @@ def test_export_refuses_group_scales_vllm_cannot_run(tiny_model_dir, tmp_path):
     assert not (tmp_path / "ct").exists()
 
 
+def test_the_int8_lm_head_is_never_exported_as_float(tiny_model_dir, tmp_path):
+    """quasar's w8a8 quantizes the lm_head too; vLLM's hand-off keeps it in float: the nearest scheme says so,
+    and the writer refuses a model whose lm_head is int8 rather than drop it."""
+    from quasar.export import export, vllm_scheme
+
+    nearest, why = vllm_scheme("w8a8:pc")
+    assert nearest == "w8a8:pc:lmbf16" and "keeps its lm_head in W8A8" in why and "per group" not in why
+    assert vllm_scheme("w8a8:pc:lmbf16") == ("w8a8:pc:lmbf16", None)
+    int8_head = load_verifier(tiny_model_dir, "w8a8:pc", cache_dir=tmp_path / "cache", owned=False)
+    with pytest.raises(ValueError, match="lm_head is in W8A8.*--verifier w8a8:pc:lmbf16"):
+        export(int8_head, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_verifier_loaded_to_run_is_refused_with_the_way_out(tiny_model_dir, tmp_path):
     from quasar.export import export
 
-    running = load_verifier(tiny_model_dir, "w8a8:pc", cache_dir=tmp_path / "cache")  # tied lm_head: packed once
+    running = load_verifier(tiny_model_dir, "w8a8:pc:lmbf16", cache_dir=tmp_path / "cache")  # tied: packed once
     with pytest.raises(ValueError, match="packed copy: load the verifier with load_verifier"):
         export(running, tmp_path / "out")
     assert not (tmp_path / "out").exists()

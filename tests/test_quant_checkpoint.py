@@ -144,7 +144,7 @@ def test_group_scheme_round_trip_and_block(tiny_model, tmp_path):
     ("w8a9", "unknown quantization scheme 'w8a9'"),
     ("w8a8:g48", "multiple of 32"),
     ("w8a8:g96", "group size 96 does not divide the 64 inputs of model.layers.0.self_attn.q_proj"),
-    ("w8a8:g32:1.5", "is neither pc, gN, lm8 nor an alpha"),
+    ("w8a8:g32:1.5", "is neither pc, gN, lm8, lmbf16 nor an alpha"),
     ("w8a16:g32", "unknown quantization scheme"),
 ])
 def test_cli_quantize_bad_scheme_is_one_line_and_writes_nothing(tiny_model_dir, tmp_path, capsys, scheme, message):
@@ -174,26 +174,33 @@ def test_verifier_names_pick_the_scheme(tiny_model_dir, tmp_path):
     assert default.model.model.layers[0].mlp.up_proj.group_size == 32
     assert load_verifier(tiny_model_dir, "w8a8:pc", cache).model.model.layers[0].mlp.up_proj.group_size == 0
     assert load_verifier(tiny_model_dir, "w8a8:g64", cache).model.model.layers[0].mlp.up_proj.group_size == 64
-    assert isinstance(default.model.lm_head, BF16Linear)  # part of the recipe, on every host
-    with pytest.raises(ValueError, match="'x' is neither pc, gN, lm8 nor an alpha"):
+    assert isinstance(load_verifier(tiny_model_dir, "w8a8:lmbf16", cache).model.lm_head, BF16Linear)  # on every host
+    with pytest.raises(ValueError, match="'x' is neither pc, gN, lm8, lmbf16 nor an alpha"):
         load_verifier(tiny_model_dir, "w8a8:x", cache)
 
 
-def test_lm8_puts_the_lm_head_in_w8a8_too(tiny_model_dir, tmp_path, capsys):
+def test_w8a8_puts_the_lm_head_in_w8a8_too_and_lmbf16_keeps_it_in_bf16(tiny_model_dir, tmp_path, capsys):
     from quasar.quant.int8 import Int8Linear
     from quasar.quant.recipe import parse_scheme
     from quasar.quant.verifiers import checkpoint_name
     from quasar.verifiers import load_verifier
 
-    assert parse_scheme("w8a8:lm8").name == "w8a8:g32:lm8" and parse_scheme("w8a8:pc:0.5:lm8").lm_head
-    head = load_verifier(tiny_model_dir, "w8a8:lm8", tmp_path / "cache").model.lm_head
+    assert parse_scheme("w8a8").name == parse_scheme("w8a8:lm8").name == "w8a8:g32"
+    assert parse_scheme("w8a8:pc:0.5:lmbf16").name == "w8a8:pc:0.5:lmbf16" and parse_scheme("w8a8:pc:0.5").lm_head
+    assert parse_scheme("w8a16").lm_head is False  # weight-only keeps the bf16 lm_head
+    head = load_verifier(tiny_model_dir, "w8a8", tmp_path / "cache").model.lm_head
     assert isinstance(head, Int8Linear) and head.group_size == 32
-    out = tmp_path / "q"
-    assert main(["quantize", "--model", str(tiny_model_dir), "--out", str(out), "--calib-samples", "1", "--seq-len",
-                 "32"]) == 0
-    assert checkpoint_name(json.loads((out / "config.json").read_text())["quantization"]) == "w8a8:g32"
-    with pytest.raises(ValueError, match="is a w8a8:g32 checkpoint, but --verifier asks for w8a8:lm8"):
-        load_verifier(out, "w8a8:lm8")
+    int8_head, bf16_head = tmp_path / "q8", tmp_path / "q16"
+    for out, flags in ((int8_head, []), (bf16_head, ["--lm-head", "bf16"])):
+        assert main(["quantize", "--model", str(tiny_model_dir), "--out", str(out), "--calib-samples", "1",
+                     "--seq-len", "32", *flags]) == 0
+    assert checkpoint_name(json.loads((int8_head / "config.json").read_text())["quantization"]) == "w8a8:g32"
+    assert checkpoint_name(json.loads((bf16_head / "config.json").read_text())["quantization"]) == "w8a8:g32:lmbf16"
+    assert isinstance(load_verifier(bf16_head, "w8a8").model.lm_head, BF16Linear)  # plain w8a8 takes either head
+    with pytest.raises(ValueError, match="is a w8a8:g32:lmbf16 checkpoint, but --verifier asks for w8a8:lm8"):
+        load_verifier(bf16_head, "w8a8:lm8")
+    with pytest.raises(ValueError, match="is a w8a8:g32 checkpoint, but --verifier asks for w8a8:lmbf16"):
+        load_verifier(int8_head, "w8a8:lmbf16")
 
 
 def test_a_name_loads_one_model_and_a_quantized_directory_is_no_float_model(tiny_model_dir, tmp_path, capsys):
@@ -238,6 +245,6 @@ def test_the_bf16_lm_head_does_not_depend_on_the_host(tiny_model_dir, tmp_path):
 
     loaded = load(tiny_model_dir, "fp32")
     head = loaded.model.lm_head.weight.detach().clone()
-    quantize_model(loaded, parse_scheme("w8a8", CalibrationSpec(samples=1, seq_len=32)))
+    quantize_model(loaded, parse_scheme("w8a8:lmbf16", CalibrationSpec(samples=1, seq_len=32)))
     assert isinstance(loaded.model.lm_head, BF16Linear) and type(loaded.model.lm_head) is BF16Linear  # no backend yet
     assert torch.equal(loaded.model.lm_head.weight, head.to(torch.bfloat16))

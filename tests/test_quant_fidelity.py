@@ -60,8 +60,8 @@ Q8_0_KL, Q8_0_TOP1 = 0.0036, 0.97
 
 @pytest.fixture(scope="module")
 def default_w8a8(default_model):
-    """The default `w8a8` verifier exactly as `generate` and `serve` load it (its cached quantization, bf16
-    lm_head), judged on 3 x 512 held-out GSM8K tokens that calibration never saw."""
+    """The default `w8a8` verifier exactly as `generate` and `serve` load it (its cached quantization, the
+    lm_head in W8A8 too), judged on 3 x 512 held-out GSM8K tokens that calibration never saw."""
     from quasar.verifiers import load_verifier
 
     verifier = load_verifier("default", "w8a8").model
@@ -99,7 +99,7 @@ def test_cli_fidelity_table_of_all_variants(tiny_model_dir, capsys):
             "--calib-samples", "1", "--seq-len", "32"]
     assert main([*args, "--json"]) == 0
     reports = json.loads(capsys.readouterr().out)["reports"]
-    assert [r["name"] for r in reports] == ["w8a8:pc", "w8a8:g64", "w8a8:g32", "w8a16"]
+    assert [r["name"] for r in reports] == ["w8a8:pc", "w8a8:g64", "w8a8:g32", "w8a8:g32:lmbf16", "w8a16"]
     assert all(r["tokens"] == 32 and 0 <= r["top1"] <= 1 for r in reports)
     assert main([*args, "--verifier", "w8a16"]) == 0
     assert "relative error of the residual stream" in capsys.readouterr().out

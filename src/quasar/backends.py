@@ -65,7 +65,7 @@ def prepare_(model: Transformer, fuse: bool = True, cache_dir: str | Path | None
 
 def kernel_paths(kernel: Any, modules: dict[nn.Module, type]) -> str:
     """'kernels:' and the instruction-set paths the linears run on: the int8 path of W8A8 ones (kind 0), the
-    float path of the others ('kernels:dpbusd+avx512bf16' for a W8A8 model with its bf16 lm_head)."""
+    float path of the others ('kernels:dpbusd+avx512bf16' for w8a8:lmbf16, a W8A8 model with a bf16 lm_head)."""
     kinds = {module.kernel_args()[0] for module in modules if hasattr(module, "kernel_args")}
     paths = ([kernel.int8_path()] if 0 in kinds else []) + ([kernel.float_path()] if kinds - {0} else [])
     return "kernels:" + "+".join(paths)

@@ -7,8 +7,9 @@ norms, embeddings and lm_head are plain float tensors. `config.json` gains `quan
 lm_head is listed in `ignore`. The directory is written atomically (temp sibling + rename).
 
 Group-wise W8A8 (`w8a8:gN`, quasar's default) has no vLLM int8 kernel: vLLM's W8A8 int8 layers take
-per-channel weights and per-token activations. `vllm_scheme` names the nearest scheme vLLM runs
-(`w8a8:pc`, same smoothing), and `export` refuses grouped layers rather than write what vLLM would misread.
+per-channel weights and per-token activations, and its hand-off keeps the lm_head in float (quasar's default
+quantizes it too). `vllm_scheme` names the nearest scheme vLLM runs (`w8a8:pc:lmbf16`, same smoothing), and
+`export` refuses grouped layers or an int8 lm_head rather than write what vLLM would misread.
 """
 
 from __future__ import annotations
@@ -46,18 +47,20 @@ TOKENIZER_FILES_SKIP = ("config.json", "model.safetensors", "model.safetensors.i
 
 def vllm_scheme(verifier: str) -> tuple[str, str | None]:
     """The verifier to export for vLLM, and the one line that says why when it differs from `verifier`:
-    'w8a8' / 'w8a8:g32:0.5' -> 'w8a8:pc' / 'w8a8:pc:0.5'."""
+    'w8a8' / 'w8a8:g32:0.5' -> 'w8a8:pc:lmbf16' / 'w8a8:pc:0.5:lmbf16'."""
     from quasar.quant.recipe import parse_scheme
 
     recipe = parse_scheme(verifier)
     if recipe.scheme != "w8a8":
         raise ValueError(f"vLLM's int8 hand-off exports w8a8 schemes, not {verifier!r}")
-    if not recipe.group_size:
+    nearest = replace(recipe, group_size=0, lm_head=False)
+    if nearest == recipe:
         return verifier, None
-    nearest = replace(recipe, group_size=0).name
-    return nearest, (f"{recipe.name} scales int8 weights and activations per group of {recipe.group_size} inputs, "
-                     f"which vLLM's int8 kernels do not run (per-channel weights, per-token activations only); "
-                     f"exporting {nearest}, the nearest scheme vLLM runs")
+    grouped = (f"scales int8 weights and activations per group of {recipe.group_size} inputs, which vLLM's int8 "
+               "kernels do not run (per-channel weights, per-token activations only)")
+    why = ([grouped] if recipe.group_size else []) + (
+        ["keeps its lm_head in W8A8, which vLLM's hand-off takes in float"] if recipe.lm_head else [])
+    return nearest.name, f"{recipe.name} {' and '.join(why)}; exporting {nearest.name}, the nearest scheme vLLM runs"
 
 
 def scheme_type(module: nn.Module) -> type | None:
@@ -79,6 +82,9 @@ def quantization_config(model: nn.Module) -> dict[str, Any]:
         raise ValueError(f"the model's int8 scales are per group of {grouped[0]} inputs, which the compressed-tensors "
                          "int8 scheme vLLM runs cannot express; export a per-channel model (--verifier w8a8:pc, or "
                          "`quasar quantize --scheme w8a8:pc`)")
+    if "lm_head" in layers:
+        raise ValueError("the model's lm_head is in W8A8, which vLLM's compressed-tensors hand-off keeps in float; "
+                         "export a bf16-lm_head model (--verifier w8a8:pc:lmbf16)")
     kinds = {scheme_type(m) for m in layers.values()}
     if len(kinds) > 1:
         raise ValueError("mixed quantization schemes cannot be exported as one config group")

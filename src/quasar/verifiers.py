@@ -22,7 +22,7 @@ VERIFIERS: dict[str, str] = {
     "w8a16": "quasar.quant.verifiers:load_w8a16",
     "pruned": "quasar.pruning:load_pruned",
 }
-FORMS = "fp32, bf16, w8a8[:pc|:gN][:ALPHA][:lm8], w8a16, pruned:N"
+FORMS = "fp32, bf16, w8a8[:pc|:gN][:ALPHA][:lm8|:lmbf16], w8a16, pruned:N"
 
 
 def load_fp32(model: str | Path, arg: str | None, cache_dir: str | Path | None = None) -> LoadedModel:

@@ -10,7 +10,7 @@ import math
 from quasar.commands.quantize import add_calibration_args, calibration_spec
 from quasar.loading import load
 
-DEFAULT_VARIANTS = ("w8a8:pc", "w8a8:g64", "w8a8:g32", "w8a16")
+DEFAULT_VARIANTS = ("w8a8:pc", "w8a8:g64", "w8a8:g32", "w8a8:g32:lmbf16", "w8a16")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,8 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--model", default="default", help="float model: 'default', a .gguf file or a HF directory")
     parser.add_argument("--verifier", action="append", metavar="V",
-                        help="a quantized verifier: w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8] or w8a16, repeatable "
-                        f"(default: {', '.join(DEFAULT_VARIANTS)})")
+                        help="a quantized verifier: w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16] or w8a16, "
+                        f"repeatable (default: {', '.join(DEFAULT_VARIANTS)})")
     parser.add_argument("--quantized", action="append", default=[], metavar="DIR",
                         help="also compare a directory written by `quasar quantize` (repeatable)")
     parser.add_argument("--peer", action="append", default=[], metavar="PEER",
@@ -51,7 +51,7 @@ def build_variants(loaded, names: list[str], spec) -> dict:
     variants = {}
     for name, recipe in recipes.items():
         copy_ = copy.deepcopy(loaded)
-        quantize_model(copy_, recipe, calib)  # the model `generate` and `serve` run, bf16 lm_head included
+        quantize_model(copy_, recipe, calib)  # the model `generate` and `serve` run, lm_head included
         prepare_(copy_.model)
         variants[name] = copy_.model
     return variants

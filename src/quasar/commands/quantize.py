@@ -38,7 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "and token, the paper's), or w8a16 (weights only) (default: %(default)s)")
     parser.add_argument("--alpha", help="smoothing strength: auto (searched per smoothing group), none, "
                         "or a number in [0, 1] (default: auto, or the alpha in --scheme)")
-    parser.add_argument("--quantize-lm-head", action="store_true", help="also quantize lm_head (off by default)")
+    parser.add_argument("--lm-head", choices=("int8", "bf16"),
+                        help="int8: the lm_head in W8A8 like the layers (the w8a8 default, as --scheme w8a8:lm8); "
+                        "bf16: bf16 weights and float inputs, as the paper keeps it (--scheme w8a8:lmbf16; the "
+                        "w8a16 default)")
     parser.add_argument("--no-output-smoothing", action="store_true",
                         help="smooth only norm -> linears, not v -> o and up -> down")
     parser.add_argument("--keep-float", action="append", default=[], metavar="PATTERN",
@@ -55,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     from quasar.quant.recipe import parse_scheme, quantize_model
 
     scheme = f"{args.scheme}:{args.alpha}" if args.alpha and args.scheme.startswith("w8a8") else args.scheme
-    recipe = parse_scheme(scheme, calibration_spec(args), lm_head=args.quantize_lm_head,
+    head = {} if args.lm_head is None else {"lm_head": args.lm_head == "int8"}
+    recipe = parse_scheme(scheme, calibration_spec(args), **head,
                           output_groups=not args.no_output_smoothing, ignore=tuple(args.keep_float))
     if Path(args.out).exists() and not args.overwrite:
         raise ValueError(f"{args.out} already exists; pass --overwrite to replace it")

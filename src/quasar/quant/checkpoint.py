@@ -1,9 +1,9 @@
 """Quantized checkpoints: a Hugging Face-style directory whose config.json carries a `quantization` block.
 
 model.safetensors holds int8 weights (`*.weight`, [N, K]), their float32 scales (`*.weight_scale`, [N]) and
-the float tensors (embeddings, smoothed norms, biases; the lm_head in bf16). The block records the scheme, the alpha
-of every smoothing group, the calibration set, the sha256 of the source weights and of model.safetensors
-(checked at load: a corrupted file is refused), and the quasar version. No float weights are needed to load.
+the float tensors (embeddings, smoothed norms, biases; the lm_head in bf16 for `w8a8:...:lmbf16` and w8a16). The
+block records the scheme, the alpha of every smoothing group, the calibration set, the sha256 of the source
+weights and of model.safetensors (checked at load: a corrupted file is refused), and the quasar version. No float weights are needed to load.
 """
 
 from __future__ import annotations

@@ -20,7 +20,11 @@ log = logging.getLogger("quasar")
 
 # The group size of plain `w8a8`: the finest scales that keep the speed (the table in docs/quantization.md).
 DEFAULT_W8A8_GROUP = 32
-SCHEME_FORMS = "w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8] or w8a16 (e.g. w8a8, w8a8:g32, w8a8:pc:0.5, w8a8:lm8)"
+# How a w8a8 name says where its lm_head lives: in W8A8 like the layers (the default: llama.cpp's Q8_0 quantizes
+# its output layer too, and it stays inside the fidelity bound) or in bf16 (the paper's float lm_head).
+LM_HEAD_PARTS = {"lm8": True, "lmbf16": False}
+SCHEME_FORMS = ("w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16] or w8a16 "
+                "(e.g. w8a8, w8a8:g32, w8a8:pc:0.5, w8a8:lmbf16)")
 
 
 @dataclass(frozen=True)
@@ -30,11 +34,15 @@ class QuantRecipe:
     scheme: str = "w8a8"
     alpha: float | str | None = "auto"  # smoothing strength; ignored (no smoothing) for weight-only schemes
     calib: CalibrationSpec = field(default_factory=CalibrationSpec)
-    lm_head: bool = False
+    lm_head: bool | None = None  # quantize the lm_head too; None: yes for w8a8, no (bf16 weights) for w8a16
     output_groups: bool = True  # smooth v -> o and up -> down too
     backend: str = "auto"
     ignore: tuple[str, ...] = ()  # fnmatch patterns of linears kept in float, e.g. "model.layers.29.*"
     group_size: int = DEFAULT_W8A8_GROUP  # w8a8 scales per group of G inputs; 0: per channel and token
+
+    def __post_init__(self) -> None:
+        if self.lm_head is None:
+            object.__setattr__(self, "lm_head", self.scheme == "w8a8")
 
     @property
     def smoothing(self) -> SmoothConfig | None:
@@ -44,11 +52,11 @@ class QuantRecipe:
 
     @property
     def name(self) -> str:
-        """The verifier name that gives this recipe: 'w8a8:g64', 'w8a8:pc:0.5', 'w8a8:g32:lm8', 'w8a16'."""
+        """The verifier name that gives this recipe: 'w8a8:g64', 'w8a8:pc:0.5', 'w8a8:g32:lmbf16', 'w8a16'."""
         if self.scheme != "w8a8":
             return self.scheme
         alpha = "" if self.alpha == "auto" else f":{'none' if self.alpha is None else self.alpha}"
-        return f"w8a8:{f'g{self.group_size}' if self.group_size else 'pc'}{alpha}{':lm8' if self.lm_head else ''}"
+        return f"w8a8:{f'g{self.group_size}' if self.group_size else 'pc'}{alpha}{'' if self.lm_head else ':lmbf16'}"
 
     def scheme_config(self) -> Any:
         options = {"group_size": self.group_size} if self.scheme == "w8a8" else {}
@@ -68,16 +76,17 @@ class QuantRecipe:
 
 
 def parse_scheme(name: str, calib: CalibrationSpec | None = None, **options: Any) -> QuantRecipe:
-    """A scheme name -> its recipe: 'w8a8' (group size DEFAULT_W8A8_GROUP, alpha auto), 'w8a8:g32', 'w8a8:pc'
-    (per channel and token, the paper's), 'w8a8:g64:0.5', 'w8a8:none' (no smoothing), 'w8a8:lm8' (the lm_head
-    in W8A8 too, with the layers' group size, instead of bf16), 'w8a16'."""
+    """A scheme name -> its recipe: 'w8a8' (group size DEFAULT_W8A8_GROUP, alpha auto, the lm_head in W8A8 with
+    the layers' group size), 'w8a8:g32', 'w8a8:pc' (per channel and token, the paper's), 'w8a8:g64:0.5',
+    'w8a8:none' (no smoothing), 'w8a8:lmbf16' (the lm_head in bf16, as the paper keeps it; 'lm8' names the
+    default), 'w8a16' (weights only, bf16 lm_head)."""
     scheme, *parts = name.split(":")
     if scheme not in ("w8a8", "w8a16") or (scheme == "w8a16" and parts):
         raise ValueError(f"unknown quantization scheme {name!r}; use {SCHEME_FORMS}")
     group, alpha = DEFAULT_W8A8_GROUP, "auto"
     for part in parts:
-        if part == "lm8":
-            options["lm_head"] = True
+        if part in LM_HEAD_PARTS:
+            options["lm_head"] = LM_HEAD_PARTS[part]
         elif part == "pc":
             group = 0
         elif part[:1] == "g" and part[1:].isdigit():
@@ -89,7 +98,8 @@ def parse_scheme(name: str, calib: CalibrationSpec | None = None, **options: Any
                 alpha = parse_alpha(part)
             except ValueError:
                 raise ValueError(
-                    f"scheme {name!r}: {part!r} is neither pc, gN, lm8 nor an alpha; use {SCHEME_FORMS}") from None
+                    f"scheme {name!r}: {part!r} is neither pc, gN, lm8, lmbf16 nor an alpha; use {SCHEME_FORMS}"
+                ) from None
     if scheme == "w8a16":
         return QuantRecipe("w8a16", None, calib or CalibrationSpec(), group_size=0, **options)
     return QuantRecipe("w8a8", alpha, calib or CalibrationSpec(), group_size=group, **options)

@@ -1,11 +1,12 @@
 """The 'w8a8' and 'w8a16' verifiers (names in quasar.verifiers.VERIFIERS).
 
-`w8a8[:pc|:gN][:ALPHA][:lm8]` (recipe.parse_scheme) and `w8a16` on a float model quantize it once with the default
+`w8a8[:pc|:gN][:ALPHA][:lm8|:lmbf16]` (recipe.parse_scheme) and `w8a16` on a float model quantize it once with the default
 calibration set and cache the checkpoint on disk. The cache key is the source weights' sha256 (memoised by
 path, size and mtime), the recipe's settings and a hash of the quantization code, so a fix in the quantizer
 makes new checkpoints instead of reusing stale ones; the float model is loaded only when the key misses. A
-quantized directory (from `quasar quantize`) loads directly when its scheme matches the name. The bf16
-lm_head is part of the recipe and of the checkpoint, so every command that names a verifier runs one model.
+quantized directory (from `quasar quantize`) loads directly when its scheme matches the name. The lm_head's
+format (W8A8, or bf16 with `:lmbf16`) is part of the recipe and of the checkpoint, so every command that names a
+verifier runs one model.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from quasar.files import cache_root
 from quasar.loading import LoadedModel, load, quantized_block, resolve, source_sha256
 from quasar.quant.checkpoint import load_quantized, save_quantized
-from quasar.quant.recipe import QuantRecipe, parse_scheme, quantize_model
+from quasar.quant.recipe import LM_HEAD_PARTS, QuantRecipe, parse_scheme, quantize_model
 
 log = logging.getLogger("quasar")
 QUANT_DIR = Path(__file__).parent
@@ -49,11 +50,11 @@ def quantized_cached(model: str | Path, recipe: QuantRecipe, cache_dir: str | Pa
 
 
 def checkpoint_name(block: dict) -> str:
-    """The verifier name of a checkpoint's quantization block: 'w8a8:g32', 'w8a8:pc', 'w8a8:g32:lm8', 'w8a16'."""
+    """The verifier name of a checkpoint's quantization block: 'w8a8:g32', 'w8a8:pc', 'w8a8:g32:lmbf16', 'w8a16'."""
     if block["scheme"] != "w8a8":
         return block["scheme"]
     group = block.get("group_size", 0)
-    return f"w8a8:{f'g{group}' if group else 'pc'}{':lm8' if block.get('lm_head_dtype') == 'int8' else ''}"
+    return f"w8a8:{f'g{group}' if group else 'pc'}{'' if block.get('lm_head_dtype') == 'int8' else ':lmbf16'}"
 
 
 def load_scheme(name: str, model: str | Path, cache_dir: str | Path | None) -> LoadedModel:
@@ -62,10 +63,12 @@ def load_scheme(name: str, model: str | Path, cache_dir: str | Path | None) -> L
     block = quantized_block(path)
     if block is None:
         return quantized_cached(model, recipe, cache_dir)
-    explicit = any(part == "pc" or part[:1] == "g" for part in name.split(":")[1:])  # a group named, not only alpha
-    bf16_head = block.get("lm_head_dtype") != "int8"  # asked for lm8, the checkpoint has its float lm_head
+    parts = name.split(":")[1:]
+    explicit = any(part == "pc" or part[:1] == "g" for part in parts)  # a group named, not only alpha
+    head_named = any(part in LM_HEAD_PARTS for part in parts)  # plain 'w8a8' takes either lm_head
+    int8_head = block.get("lm_head_dtype") == "int8"
     if (block["scheme"] != recipe.scheme or (explicit and block.get("group_size", 0) != recipe.group_size)
-            or (recipe.lm_head and bf16_head)):
+            or (head_named and recipe.lm_head != int8_head)):
         raise ValueError(f"{path} is a {checkpoint_name(block)} checkpoint, but --verifier asks for {name}")
     return load_quantized(path, cache_dir)
 
