@@ -168,10 +168,12 @@ def test_fp32_and_bf16_verifiers_run_on_the_float_kernels(tiny_model_dir):
             linears = [m for m in model.modules() if getattr(m, "packed", None) is not None]
             assert len(linears) == 2 * 7 + 1 and all(m.weight.data_ptr() == m.packed.data_ptr() for m in linears), name
         w8a8 = load_verifier(tiny_model_dir, "w8a8").model
-    assert w8a8.backend == f"kernels:{kernel.int8_path()}+{kernel.float_path()}"  # int8 layers, bf16 lm_head
+        lmbf16 = load_verifier(tiny_model_dir, "w8a8:lmbf16").model
+    assert w8a8.backend == f"kernels:{kernel.int8_path()}"  # every linear int8, the lm_head too
+    assert lmbf16.backend == f"kernels:{kernel.int8_path()}+{kernel.float_path()}"  # int8 layers, bf16 lm_head
 
 
-@pytest.mark.parametrize("name", ["bf16", "w8a8"])
+@pytest.mark.parametrize("name", ["bf16", "w8a8:lmbf16"])
 def test_a_tied_lm_head_is_packed_once_and_the_embedding_looks_rows_up_in_it(name):
     from quasar.loading import load
     from quasar.models.kernel_layers import PanelEmbedding
@@ -187,5 +189,16 @@ def test_a_tied_lm_head_is_packed_once_and_the_embedding_looks_rows_up_in_it(nam
     up = model.model.layers[0].mlp.up_proj  # every packed linear of a loaded verifier: one copy of its weight
     packed = up.packed if name == "bf16" else up.kernel_weight[0]
     assert up.weight.data_ptr() == packed.data_ptr()
-    if name == "w8a8" and native.kernel().int8_path() == "dpbusd":
+    if name != "bf16" and native.kernel().int8_path() == "dpbusd":
         assert up.weight.dtype == torch.uint8 and up.weight_scale.data_ptr() == up.kernel_weight[1].data_ptr()
+
+
+def test_an_int8_lm_head_leaves_a_tied_embedding_its_float_rows():
+    from quasar.loading import load
+    from quasar.verifiers import load_verifier
+
+    model = load_verifier("default", "w8a8").model  # the default scheme quantizes the tied lm_head too
+    table = load("default", "fp32").model.model.embed_tokens.weight
+    assert model.lm_head.kernel_args()[0] == 0  # the int8 kind
+    ids = torch.tensor([[0, 15, 16, 17, 4242, 49151]])
+    assert torch.equal(model.model.embed_tokens(ids), table[ids])
