@@ -113,6 +113,7 @@ def run_vllm(python: str, checkpoint: Path, dtype: str, spec: dict | None, promp
 
 def run_quasar(model: str, prompts: list[list[int]], max_new_tokens: int) -> dict[str, list[dict]]:
     engines = {name: build_engine(model, verifier, DecodeConfig(drafter)) for name, (verifier, drafter) in QUASAR_RUNS.items()}
+    print("quasar paths: " + ", ".join(f"{name} {engine.target.model.backend}" for name, engine in engines.items()), flush=True)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     for engine in engines.values():
         engine.generate(prompts[0], params)  # warm-up
