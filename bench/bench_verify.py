@@ -1,10 +1,12 @@
 """One verify forward, verifier by verifier, against the memory wall (issue 7, targets 1 and 5).
 
     python bench/bench_verify.py [--model default] [--w8a8 DIR] [--no-float] [--context 256] [--rounds 30]
-                                 [--also w8a8:pc,w8a8:g64] [--int8-path auto|dpbusd|maddubs]
+                                 [--also w8a8:pc,w8a8:g64] [--int8-path auto|dpbusd|maddubs] [--prefetch l1,l2]
 
 `w8a8` is the default scheme (w8a8:g32); `--also` adds other quantized verifiers as rows. `--int8-path
 maddubs` runs every W8A8 linear on the AVX2 path, to measure on a VNNI CPU what an AVX2-only CPU runs.
+`--prefetch l1,l2` runs the quantized verifiers under each prefetch policy of the dpbusd loops (the first
+names the plain rows, the others add rows), interleaved, to see which one this CPU kind should get.
 
 For each verifier: the median time of one forward scoring T = 1 (a decode step) and T = 6 (a verify
 step, k = 5) tokens after `context` cached tokens, in a cache of the size the engine would allocate;
@@ -47,7 +49,11 @@ def load_all(model: str, w8a8: str | None, floats: bool, also: list[str]) -> dic
 
 
 @torch.inference_mode()
-def measure(models: dict[str, torch.nn.Module], context: int, rounds: int) -> dict[str, dict[int, float]]:
+def measure(models: dict[str, torch.nn.Module], context: int, rounds: int,
+            prefetch: dict[str, str] | None = None) -> dict[str, dict[int, float]]:
+    """prefetch: the policy each named verifier runs under (the kernels' own choice for the others)."""
+    kernel, prefetch = native.kernel(), prefetch or {}
+    default = kernel.prefetch() if kernel else None
     max_len = -(-(context + max(SIZES) + 1) // CACHE_BUCKET) * CACHE_BUCKET
     state = {}
     for name, model in models.items():
@@ -59,6 +65,8 @@ def measure(models: dict[str, torch.nn.Module], context: int, rounds: int) -> di
         for n in SIZES:
             for name, model in models.items():
                 ids = torch.randint(0, model.config.vocab_size, (1, n))  # [1, T]
+                if kernel:
+                    kernel.use_prefetch(prefetch.get(name, default))
                 start = time.perf_counter()
                 model(ids, state[name])
                 times[name][n].append(time.perf_counter() - start)
@@ -110,16 +118,25 @@ def main() -> None:
     parser.add_argument("--also", default="", help="comma-separated quantized verifiers to add, e.g. w8a8:pc,w8a8:g64")
     parser.add_argument("--int8-path", default="auto", help="the int8 path of every W8A8 linear: auto (the fastest "
                         "this CPU has), dpbusd, maddubs or dpbusd-emulated")
+    parser.add_argument("--prefetch", default="auto", help="comma-separated prefetch policies of the dpbusd "
+                        "loops (auto, l1, l2): the first for every row, each other one adds a row per quantized verifier")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     kernel = native.kernel()
     int8_path = kernel.use_int8_path(args.int8_path) if kernel else "torch"
     models = load_all(args.model, args.w8a8, not args.no_float, [v for v in args.also.split(",") if v])
+    policies = [p for p in args.prefetch.split(",") if p]
+    prefetch = kernel.use_prefetch(policies[0]) if kernel else "-"
+    extra = {}
+    for policy in policies[1:] if kernel else []:
+        for name in ["w8a8", *[v for v in args.also.split(",") if v]]:
+            extra[f"{name} (prefetch {policy})"] = (models[name], policy)
+    models.update({row: model for row, (model, _) in extra.items()})
     bandwidth = read_bandwidth()
-    medians = measure(models, args.context, args.rounds)
+    medians = measure(models, args.context, args.rounds, {row: policy for row, (_, policy) in extra.items()})
     nbytes = {name: bytes_per_forward(m) for name, m in models.items()}
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads; int8 {int8_path}; "
-          f"context {args.context}")
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads; int8 {int8_path} "
+          f"(prefetch {prefetch}); context {args.context}")
     print(f"{'verifier':24} {'MB read':>8} {'T=1 ms':>8} {'T=6 ms':>8} {'T=1 GB/s':>9} {'T=6 GB/s':>9} {'T=6 % bw':>9}")
     for name, per in medians.items():
         gbs = {n: nbytes[name] / per[n] / 1e9 for n in SIZES}
@@ -143,7 +160,7 @@ def main() -> None:
         print(f"so w8a8 T=6 / bf16 T=1 can reach {best:.3f} at best here: ratio / ideal >= {best / ideal:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bandwidth": bandwidth, "int8_path": int8_path, "bytes": nbytes, "medians": medians,
+            json.dump({"bandwidth": bandwidth, "int8_path": int8_path, "prefetch": prefetch, "bytes": nbytes, "medians": medians,
                        "ratio": ratio, "ideal": ideal, "floors": floors}, f, indent=2)
 
 

@@ -6,7 +6,7 @@
 
 // Rows m0 .. m0 + MB of u = q + 128 (uint8) times channels [n0, n1), as sum u w - 128 sum w.
 // Zero-padded tail bytes are zero weights: they add nothing to either sum.
-template <int MB>
+template <int MB, Prefetch P>
 void dpbusd_block(const uint8_t* u, const int8_t* w, int32_t* acc_out, int64_t m0, int64_t N, int64_t K, int64_t n0,
                   int64_t n1) {
   using reg = typename V::reg;
@@ -17,7 +17,7 @@ void dpbusd_block(const uint8_t* u, const int8_t* w, int32_t* acc_out, int64_t m
     reg acc[MB], wsum = V::zero();
     for (int i = 0; i < MB; ++i) acc[i] = V::zero();
     for (int64_t k = 0; k < full; k += V::kBytes) {
-      _mm_prefetch(reinterpret_cast<const char*>(wn + k + kPrefetch), _MM_HINT_T0);
+      prefetch_weights<P>(wn + k);
       const reg wv = V::load(wn + k);
       wsum = V::dpbusd(wsum, ones, wv);
       for (int i = 0; i < MB; ++i) acc[i] = V::dpbusd(acc[i], V::load(u + (m0 + i) * K + k), wv);

@@ -15,6 +15,7 @@
 // never depends on the other rows.
 #include "int8_dot.h"
 #include "blocking.h"
+#include "vnni.h"
 
 #include <immintrin.h>
 #include <algorithm>
@@ -109,7 +110,7 @@ struct Vnni512 {
   static reg load_tail(const void* p, int64_t count) {  // count < 64 bytes, zero-padded
     return _mm512_maskz_loadu_epi8((__mmask64{1} << count) - 1, p);
   }
-  static reg dpbusd(reg acc, reg a, reg b) { return _mm512_dpbusd_epi32(acc, a, b); }
+  static reg dpbusd(reg acc, reg a, reg b) { return dpbusd512(acc, a, b); }
   static int32_t sum(reg v) { return _mm512_reduce_add_epi32(v); }
 };
 
@@ -153,12 +154,15 @@ void prepare_rows(Int8Path path, const int8_t* q, int64_t count, std::vector<uin
 
 void int8_dot(Int8Path path, const int8_t* q, const uint8_t* u, const int8_t* w, int32_t* acc, int64_t M, int64_t N,
               int64_t K, int64_t n0, int64_t n1) {
-  row_blocks<8>(M, [&](auto rows, int64_t m) {
-    constexpr int MB = decltype(rows)::value;
-    switch (path) {
-      case Int8Path::Maddubs: return maddubs_block<MB>(q, w, acc, m, N, K, n0, n1);
-      case Int8Path::DpbusdEmulated: return emulated::dpbusd_block<MB>(u, w, acc, m, N, K, n0, n1);
-      case Int8Path::Dpbusd: return vnni::dpbusd_block<MB>(u, w, acc, m, N, K, n0, n1);
-    }
+  with_prefetch(prefetch_policy(), [&](auto policy) {
+    constexpr Prefetch P = decltype(policy)::value;
+    row_blocks<8>(M, [&](auto rows, int64_t m) {
+      constexpr int MB = decltype(rows)::value;
+      switch (path) {
+        case Int8Path::Maddubs: return maddubs_block<MB>(q, w, acc, m, N, K, n0, n1);
+        case Int8Path::DpbusdEmulated: return emulated::dpbusd_block<MB, P>(u, w, acc, m, N, K, n0, n1);
+        case Int8Path::Dpbusd: return vnni::dpbusd_block<MB, P>(u, w, acc, m, N, K, n0, n1);
+      }
+    });
   });
 }

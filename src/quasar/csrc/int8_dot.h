@@ -1,12 +1,16 @@
 // The int8 dot-product kernels (int8_dot.cpp), as linear_avx2.cpp and bindings.cpp see them.
 #pragma once
 #include <torch/extension.h>
+#include "blocking.h"
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
 enum class Int8Path { Maddubs, DpbusdEmulated, Dpbusd };
+
+// The prefetch policy of the dpbusd loops now (linear_avx2.cpp; blocking.h says what each does).
+Prefetch prefetch_policy();
 
 // The paths this CPU runs, fastest first ("dpbusd" only with AVX-512 VNNI).
 std::vector<std::string> int8_paths();

@@ -9,6 +9,7 @@
 // multiple of 64, else 256 bits (VNNI's ymm form, AVX2's maddubs, or the emulated vpdpbusd).
 #include "int8_dot.h"
 #include "blocking.h"
+#include "vnni.h"
 
 #include <immintrin.h>
 #include <algorithm>
@@ -102,7 +103,7 @@ struct Vnni512Base {
   static reg c128() { return _mm512_set1_epi8(static_cast<char>(0x80)); }
   static reg load(const void* p) { return _mm512_loadu_si512(p); }
   static reg sub(reg a, reg b) { return _mm512_sub_epi32(a, b); }
-  static reg dpbusd(reg acc, reg a, reg b) { return _mm512_dpbusd_epi32(acc, a, b); }
+  static reg dpbusd(reg acc, reg a, reg b) { return dpbusd512(acc, a, b); }
 };
 
 struct Float512 {

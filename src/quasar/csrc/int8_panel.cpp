@@ -17,6 +17,7 @@
 // chunks (a float stored and loaded is the same float).
 #include "int8_dot.h"
 #include "blocking.h"
+#include "vnni.h"
 
 #include <immintrin.h>
 #include <cstring>
@@ -27,7 +28,7 @@ namespace {
 
 // Rows m0.. (R) times panels p0.. (C) over inputs [k0, k1) (whole groups). start [M, K/G] int32 = -128 * the
 // group sums of q; x_scale [M, K/G].
-template <int R, int C>
+template <int R, int C, Prefetch P>
 void panel_tile(const int8_t* q, const int32_t* start, const float* x_scale, const uint8_t* wp, const float* wsp,
                 float* y, int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t G, int64_t k0, int64_t k1) {
   const int64_t groups = K / G;
@@ -48,7 +49,7 @@ void panel_tile(const int8_t* q, const int32_t* start, const float* x_scale, con
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
         const uint8_t* panel = wp + ((p0 + c) * K + k) * 16;
-        _mm_prefetch(reinterpret_cast<const char*>(panel) + kPrefetch, _MM_HINT_T0);
+        prefetch_weights<P>(panel);
         wv[c] = _mm512_loadu_si512(panel);
       }
 #pragma GCC unroll 8
@@ -57,7 +58,7 @@ void panel_tile(const int8_t* q, const int32_t* start, const float* x_scale, con
         std::memcpy(&four, q + (m0 + r) * K + k, sizeof four);
         const __m512i xv = _mm512_set1_epi32(four);
 #pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], wv[c], xv);
+        for (int c = 0; c < C; ++c) acc[r][c] = dpbusd512(acc[r][c], wv[c], xv);
       }
     }
     __m512 ws[C];
@@ -81,13 +82,16 @@ void panel_tile(const int8_t* q, const int32_t* start, const float* x_scale, con
 void int8_panel_dot(const int8_t* q, const int32_t* start, const float* x_scale, const uint8_t* wp, const float* wsp,
                     float* out, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1) {
   const int64_t p0 = (n0 + 15) / 16, p1 = (n1 + 15) / 16;  // the panels that start in [n0, n1)
-  const auto tile = [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
-    panel_tile<decltype(rows)::value, decltype(panels)::value>(q, start, x_scale, wp, wsp, out, m, p, N, K, G, k0, k1);
-  };
-  if (M <= 2)  // decode: more panels side by side for more independent chains
-    panel_tiles<2, 4>(M, p0, p1, K, 16, G, tile);
-  else
-    panel_tiles<6, 2>(M, p0, p1, K, 16, G, tile);
+  with_prefetch(prefetch_policy(), [&](auto policy) {
+    const auto tile = [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
+      panel_tile<decltype(rows)::value, decltype(panels)::value, decltype(policy)::value>(q, start, x_scale, wp, wsp, out,
+                                                                                       m, p, N, K, G, k0, k1);
+    };
+    if (M <= 2)  // decode: more panels side by side for more independent chains
+      panel_tiles<2, 4>(M, p0, p1, K, 16, G, tile);
+    else
+      panel_tiles<6, 2>(M, p0, p1, K, 16, G, tile);
+  });
 }
 #pragma GCC pop_options
 

@@ -215,6 +215,31 @@ std::string use_int8_path(const std::string& name) {
   return int8_path();
 }
 
+namespace {
+
+Prefetch vendor_prefetch() {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd") ? Prefetch::L2 : Prefetch::L1;
+}
+
+std::atomic<int>& prefetch_slot() {
+  static std::atomic<int> slot{static_cast<int>(vendor_prefetch())};
+  return slot;
+}
+
+}  // namespace
+
+Prefetch prefetch_policy() { return static_cast<Prefetch>(prefetch_slot().load(std::memory_order_relaxed)); }
+
+std::string prefetch() { return prefetch_policy() == Prefetch::L2 ? "l2" : "l1"; }
+
+std::string use_prefetch(const std::string& name) {
+  TORCH_CHECK(name == "auto" || name == "l1" || name == "l2", "prefetch policy '", name, "' unknown; choose auto, l1 or l2");
+  const Prefetch chosen = name == "auto" ? vendor_prefetch() : name == "l2" ? Prefetch::L2 : Prefetch::L1;
+  prefetch_slot().store(static_cast<int>(chosen));
+  return prefetch();
+}
+
 // Group-wise int8 product without the quantization, for tests: q [M, K] int8 (|q| <= 127 on "maddubs"),
 // x_scale [M, K / G], w [N, K] int8, w_scale [N, K / G] float32 -> float32 [M, N] on `path`.
 torch::Tensor int8_group_mm(torch::Tensor q, torch::Tensor x_scale, torch::Tensor w, torch::Tensor w_scale,
