@@ -73,7 +73,8 @@ def draw(out: Path, rows: list[dict[str, Any]], records: list[Record], wall: dic
 def machine() -> dict[str, Any]:
     kernel = native.kernel()
     return {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "int8_path": kernel.int8_paths()[0] if kernel else "torch"}
+            "threads": torch.get_num_threads(), "int8_path": kernel.int8_paths()[0] if kernel else "torch",
+            "prefetch": kernel.prefetch() if kernel else None}
 
 
 def check_out(out: Path, overwrite: bool) -> None:

@@ -58,9 +58,10 @@ torch::Tensor decoder_layer(torch::Tensor x, const std::vector<torch::Tensor>& t
     k = rms_norm(k.view({-1, D}), t[3], eps).view({T, -1});
   }
   auto attended = segment_attention(q, k, qkv[2], cos, sin, segments, layer);
-  x = x + linear(kinds[3], attended, t, 3);
+  // In place on the fresh results (a + b == b + a bit for bit): no new tensors between the kernels.
+  x = linear(kinds[3], attended, t, 3).add_(x);
   auto gate_up = linears(rms_norm(x, t[1], eps), t, kinds, {4, 5});
-  return x + linear(kinds[6], torch::silu(gate_up[0]) * gate_up[1], t, 6);
+  return linear(kinds[6], torch::silu_(gate_up[0]).mul_(gate_up[1]), t, 6).add_(x);
 }
 
 FusedLayers::FusedLayers(std::vector<std::vector<torch::Tensor>> tensors, std::vector<std::vector<int64_t>> kinds,
