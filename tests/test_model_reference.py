@@ -8,6 +8,7 @@ from conftest import tiny_hf_model, write_hf_dir
 
 from quasar.loading import load
 from quasar.models.config import ModelConfig, UnsupportedModelError
+from quasar.models.llama import Transformer
 
 REAL_TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
@@ -92,3 +93,22 @@ def test_default_model_greedy_matches_transformers_generate(default_model, hf_de
         out = hf_default.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)
     assert len(ours) == 64
     assert ours == out[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_rope_rows_from_the_table_are_the_floats_computed_per_step(head_dim):
+    """A step reads its cos and sin from a table of every position (grown in powers of two); a row must be the
+    same floats that computing it for the step alone gives, or the kernels' and the torch path's logits drift."""
+    config = ModelConfig(model_type="llama", vocab_size=64, hidden_size=4 * head_dim, intermediate_size=64,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, rope_theta=10000.0)
+    model = Transformer(config)
+    for start, n in [(0, 1), (5, 6), (255, 2), (700, 1), (3, 8), (1023, 1)]:  # 255 + 2 and 700 grow the table
+        positions = torch.arange(start, start + n)
+        direct = model.rope_values(positions)
+        for got in (model.rope_span(start, n), model.rope(positions)):
+            assert all(torch.equal(a, b) for a, b in zip(got, direct))
+    scattered = torch.tensor([9, 2, 600, 600, 41])
+    assert all(torch.equal(a, b) for a, b in zip(model.rope(scattered), model.rope_values(scattered)))
+    assert model.rope_span(10, 2)[0].is_contiguous()
+    model.inv_freq = model.inv_freq * 2  # a new inv_freq (as loading sets one) rebuilds the table
+    assert torch.equal(model.rope_span(3, 1)[0], model.rope_values(torch.tensor([3]))[0])

@@ -239,15 +239,37 @@ class Transformer(nn.Module):
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         return KVCache(self.config, max_len, batch, self.dtype, self.device)
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_values(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] for positions [T], computed in float32 like the reference."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
+    def rope_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope_values of positions 0 .. at least n - 1, [L, D] each, computed once and grown in powers of two:
+        a step reads its rows instead of six tensor operations per forward (each one slow right after a forward
+        has streamed the weights through the caches). Every value is computed by the same elementwise operations
+        as rope_values, so the rows are the same floats (tested)."""
+        table = getattr(self, "_rope_table", None)  # (cos, sin, the inv_freq they came from)
+        if table is None or table[2] is not self.inv_freq or table[0].shape[0] < n or table[0].dtype != self.dtype:
+            size = max(256, 1 << (n - 1).bit_length())
+            table = self._rope_table = (*self.rope_values(torch.arange(size, device=self.inv_freq.device)), self.inv_freq)
+        return table[0], table[1]
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] for positions [T] (rows of rope_table)."""
+        cos, sin = self.rope_table(int(positions.max()) + 1 if positions.numel() else 1)
+        return cos[positions], sin[positions]
+
+    def rope_span(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, D] for positions start .. start + n - 1: contiguous views of rope_table."""
+        cos, sin = self.rope_table(start + n)
+        return cos[start:start + n], sin[start:start + n]
+
     def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32; appends to the cache."""
-        rope = self.rope(cache.positions(input_ids.shape[1]))  # cos, sin [T, D]
+        cache.positions(input_ids.shape[1])  # refuses tokens past the context window
+        rope = self.rope_span(cache.length, input_ids.shape[1])  # cos, sin [T, D]
         x = self.model.embed_tokens(input_ids).to(self.dtype)  # [B, T, hidden]
         x = self.model.layers(x, rope, cache)
         x = self.model.norm(x[:, -1:] if last_only else x)
