@@ -71,6 +71,8 @@ def measure(models: dict[str, torch.nn.Module], context: int, rounds: int,
                 model(ids, state[name])
                 times[name][n].append(time.perf_counter() - start)
                 state[name].trim(n)
+    if kernel:
+        kernel.use_prefetch(default)  # what follows (the compute roof) runs under the chosen policy
     return {name: {n: statistics.median(t[2:]) for n, t in per.items()} for name, per in times.items()}
 
 
@@ -124,12 +126,13 @@ def main() -> None:
     args = parser.parse_args()
     kernel = native.kernel()
     int8_path = kernel.use_int8_path(args.int8_path) if kernel else "torch"
-    models = load_all(args.model, args.w8a8, not args.no_float, [v for v in args.also.split(",") if v])
+    also = [v for v in args.also.split(",") if v]
+    models = load_all(args.model, args.w8a8, not args.no_float, also)
     policies = [p for p in args.prefetch.split(",") if p]
     prefetch = kernel.use_prefetch(policies[0]) if kernel else "-"
     extra = {}
     for policy in policies[1:] if kernel else []:
-        for name in ["w8a8", *[v for v in args.also.split(",") if v]]:
+        for name in ["w8a8", *also]:
             extra[f"{name} (prefetch {policy})"] = (models[name], policy)
     models.update({row: model for row, (model, _) in extra.items()})
     bandwidth = read_bandwidth()

@@ -34,12 +34,16 @@ class KVCache:
         self.max_len = max_len
         self.length = 0
 
-    def positions(self, n: int) -> torch.Tensor:
-        """Positions of the next n tokens: [n]."""
+    def check_room(self, n: int) -> None:
+        """Refuse n more tokens where they do not fit the context window."""
         if self.length + n > self.max_len:
             raise ContextOverflowError(
                 f"{self.length + n} tokens do not fit the context window of {self.max_len}"
             )
+
+    def positions(self, n: int) -> torch.Tensor:
+        """Positions of the next n tokens: [n]."""
+        self.check_room(n)
         return torch.arange(self.length, self.length + n, device=self.k.device)
 
     def update(

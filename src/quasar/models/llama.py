@@ -268,7 +268,7 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32; appends to the cache."""
-        cache.positions(input_ids.shape[1])  # refuses tokens past the context window
+        cache.check_room(input_ids.shape[1])
         rope = self.rope_span(cache.length, input_ids.shape[1])  # cos, sin [T, D]
         x = self.model.embed_tokens(input_ids).to(self.dtype)  # [B, T, hidden]
         x = self.model.layers(x, rope, cache)
