@@ -118,3 +118,33 @@ def test_attention_is_the_same_on_every_float_path(D, H, H_kv, T, start):
     finally:
         kernel.use_float_path("auto")
     assert all(torch.equal(out, outs[0]) for out in outs)
+
+
+@pytest.fixture(scope="module")
+def tied_dir(tmp_path_factory, tokenizer_dir):
+    return write_hf_dir(tiny_hf_model("llama", seed=5, tie_word_embeddings=True), tmp_path_factory.mktemp("tied"),
+                        tokenizer_dir)
+
+
+@pytest.mark.parametrize("kind,layout", [("fp32", (3, torch.float32)), ("bf16", (3, torch.bfloat16)),
+                                         ("bf16-inputs", (4, torch.bfloat16)), ("w8a8", (3, torch.float32))])
+def test_one_call_forward_equals_the_modules_one_by_one(kind, layout, tied_dir):
+    """A kernel model runs a whole forward in one call (embedding lookup, rope rows, layers, final norm, lm_head):
+    bitwise the logits of the modules called one by one, prefill, verify and decode alike, for the layouts a tied
+    embedding table takes when it shares the lm_head's packed panels (the plain tables of untied models: above)."""
+    from quasar.loading import load
+
+    model = load(tied_dir, "fp32").model
+    if kind.startswith("bf16"):
+        use_bf16_linears_(model, bf16_inputs=kind == "bf16-inputs")
+    elif kind == "w8a8":
+        quantize_(model, W8A8Config())
+    backends.prepare_(model, owned=True)
+    table = model.model.embed_tokens.weight
+    assert (table.dim(), table.dtype) == layout, "the layout this case is for"
+    assert model.fused_tail
+    whole = steps(model, True)
+    one_by_one = steps(model, False)
+    assert not model.fused_tail
+    for a, b in zip(whole, one_by_one):
+        assert torch.equal(a, b)

@@ -6,6 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import needs_kernels
+
+from quasar import native
+from quasar.backends import argmax_rows
 from quasar.sampling import Sampler, SamplingParams, draw, logits_to_probs
 from quasar.verify import SparseDraft, rejection_sample
 from test_verify import chi_square_p
@@ -92,3 +96,20 @@ def test_sparse_draft_distribution_is_lossless():
             second[emitted[1]] += 1
     assert chi_square_p(first, target[0]) > 1e-3
     assert chi_square_p(second, target[1]) > 1e-3
+
+
+@needs_kernels
+def test_the_greedy_token_on_the_kernel_is_torch_argmax():
+    """backends.argmax_rows: torch.argmax's index on every row, including ties (the first), a NaN (the first NaN),
+    rows of -inf, and vocabularies that are not a multiple of the kernel's 8 lanes."""
+    native.kernel()  # loaded, so argmax_rows takes the kernel
+    g = torch.Generator().manual_seed(0)
+    for V in (1, 7, 8, 9, 49152, 151936):
+        logits = torch.randint(-3, 4, (6, V), generator=g).float()  # many ties
+        logits[1] = torch.randn(V, generator=g)
+        logits[2] = float("-inf")
+        logits[3, V // 2] = float("nan")
+        logits[4, -1] = 100.0
+        logits[5] = torch.arange(V, dtype=torch.float32).flip(0)  # the largest value first
+        assert native.loaded().argmax_rows(logits).tolist() == logits.argmax(-1).tolist()
+        assert argmax_rows(logits).tolist() == logits.argmax(-1).tolist()

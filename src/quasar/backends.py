@@ -58,9 +58,18 @@ def prepare_(model: Transformer, fuse: bool = True, cache_dir: str | Path | None
     stack = model.model.layers
     stack.__class__ = FusedLayers if fuse else Layers
     if fuse:
-        stack.build(kernel, model.config.rms_norm_eps)
+        stack.build(kernel, model.config.rms_norm_eps, model.model.norm, model.lm_head)
     model.backend = kernel_paths(kernel, forms)
     return model.backend
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] -> torch.argmax(logits, -1) [R] int64, the same indices: on quasar's kernel for float32 CPU rows
+    once the kernels are loaded (torch's took 90-140 us per 49k-token row on 2 cores, the kernel about 10), else torch."""
+    kernel = native.loaded()
+    if kernel is None or logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return logits.argmax(-1)
+    return kernel.argmax_rows(logits)
 
 
 def kernel_paths(kernel: Any, modules: dict[nn.Module, type]) -> str:

@@ -141,6 +141,12 @@ def kernel(cache_dir: str | Path | None = None) -> Any | None:
     return _module
 
 
+def loaded() -> Any | None:
+    """The extension module if a model has already built or loaded it in this process, else None (never builds:
+    for helpers such as backends.argmax_rows that take the kernels only where a model already runs on them)."""
+    return _module
+
+
 def status(cache_dir: str | Path | None = None) -> KernelStatus:
     """Whether the kernels are loaded, cannot be built here, or failed to build (with the error)."""
     kernel(cache_dir)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quasar.backends import argmax_rows
 from quasar.drafters.base import Draft, Drafter
 from quasar.generate import Steps, StopRule
 from quasar.guard import Guard
@@ -68,7 +69,7 @@ def judge(draft: Draft, logits: torch.Tensor, params: SamplingParams, sampler: S
     """The verdict on a draft from the verifier's rows over [last, *draft] ([k + 1, V]): the argmax rule when
     greedy, else rejection sampling on rows computed as it reaches them (returned, for a cascade to pass on)."""
     if params.greedy:
-        return greedy_verdict(torch.tensor(draft.tokens, dtype=torch.int64), logits.cpu()), None
+        return greedy_verdict(draft.tokens, argmax_rows(logits).tolist()), None
     target = sampler.rows(logits)
     return rejection_sample(draft.tokens, draft.probs, target, generator), target
 

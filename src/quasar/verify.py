@@ -95,12 +95,12 @@ def rejection_sample(
 
 
 def greedy_verdict(
-    draft_tokens: torch.Tensor,  # [k] int64
-    target_logits: torch.Tensor,  # [k + 1, V]
+    draft_tokens: list[int],  # k
+    target_tokens: list[int],  # k + 1: the argmax of each target row
 ) -> Verdict:
     """rejection_sample at temperature 0 without building one-hot distributions or drawing random
     numbers: draft tokens are accepted while they equal the argmax, the next token is the argmax."""
-    best = target_logits.argmax(-1)  # [k + 1]
-    k = draft_tokens.shape[0]
-    accepted = int((draft_tokens == best[:k]).to(torch.int64).cumprod(0).sum())
-    return Verdict(accepted, int(best[accepted]))
+    accepted = 0
+    while accepted < len(draft_tokens) and draft_tokens[accepted] == target_tokens[accepted]:
+        accepted += 1
+    return Verdict(accepted, target_tokens[accepted])

@@ -1,4 +1,4 @@
-// The Python module of quasar's CPU kernels (linear_avx2.cpp, float_dot.cpp, int8_dot.cpp, int8_group.cpp, attention_avx2.cpp, decoder_layer.cpp).
+// The Python module of quasar's CPU kernels (linear_avx2.cpp, float_dot.cpp, int8_dot.cpp, int8_group.cpp, attention_avx2.cpp, decoder_layer.cpp, logits.cpp).
 #include "int8_dot.h"
 #include "kernels.h"
 
@@ -29,9 +29,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fastest); all paths give the same floats; returns the path's name");
   m.def("float_path", &float_path, "the path float-activation linears run on now");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, sums in a fixed order", NoGil());
+  m.def("argmax_rows", &argmax_rows, "the first index of the largest value of each row, as torch.argmax", NoGil());
   m.def("decode_attention", &decode_attention, "rope, cache write and causal attention for a few new tokens", NoGil());
   pybind11::class_<FusedLayers>(m, "FusedLayers", "all decoder layers of a model, tensors handed over once")
-      .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, double>())
+      .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, double,
+                          std::vector<torch::Tensor>, int64_t>())
       .def("forward_segments", &FusedLayers::forward_segments,
-           "the rows of several sequences through every layer, each attending over its own cache", NoGil());
+           "the rows of several sequences through every layer, each attending over its own cache", NoGil())
+      .def("forward_tokens", &FusedLayers::forward_tokens,
+           "a whole forward from token ids: embedding, rope rows, every layer, then the final norm and the lm_head "
+           "on the picked rows: float32 logits", NoGil());
 }

@@ -16,13 +16,21 @@
 // (float32, or bfloat16 widened: fp32_linear).
 #include "kernels.h"
 
+#include <algorithm>
+#include <cstring>
+
 namespace {
 
-torch::Tensor linear(int64_t kind, const torch::Tensor& x, const std::vector<torch::Tensor>& t, int i) {
-  const torch::Tensor &w = t[4 + 3 * i], &scale = t[5 + 3 * i], &bias = t[6 + 3 * i];
+torch::Tensor linear(int64_t kind, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
+                     const torch::Tensor& bias) {
   if (kind == 0) return w8a8_linear(x, w, scale, bias);
   if (kind == 1) return float_act_linear(x, w, scale, bias);
   return kind == 2 ? bf16_linear(x, w, bias) : fp32_linear(x, w, bias);
+}
+
+// Linear i of a layer's tensors t.
+torch::Tensor linear(int64_t kind, const torch::Tensor& x, const std::vector<torch::Tensor>& t, int i) {
+  return linear(kind, x, t[4 + 3 * i], t[5 + 3 * i], t[6 + 3 * i]);
 }
 
 // Linears `first`.. of the same input; W8A8 ones share one activation quantization.
@@ -65,9 +73,11 @@ torch::Tensor decoder_layer(torch::Tensor x, const std::vector<torch::Tensor>& t
 }
 
 FusedLayers::FusedLayers(std::vector<std::vector<torch::Tensor>> tensors, std::vector<std::vector<int64_t>> kinds,
-                         double eps)
-    : tensors_(std::move(tensors)), kinds_(std::move(kinds)), eps_(eps) {
+                         double eps, std::vector<torch::Tensor> head, int64_t head_kind)
+    : tensors_(std::move(tensors)), kinds_(std::move(kinds)), eps_(eps), head_(std::move(head)), head_kind_(head_kind) {
   TORCH_CHECK(tensors_.size() == kinds_.size(), "one kinds list per layer");
+  TORCH_CHECK(head_.empty() || (head_.size() == 4 && head_kind_ >= 0 && head_kind_ <= 3),
+              "the head is the final norm's weight, then the lm_head's weight, scale and bias, with its kind");
 }
 
 // x [N, hidden], cos and sin [N, D]: the rows of several sequences one after another, `rows[i]` of them for
@@ -94,4 +104,76 @@ torch::Tensor FusedLayers::forward_segments(torch::Tensor x, torch::Tensor cos, 
   for (size_t i = 0; i < tensors_.size(); ++i)
     x = decoder_layer(x, tensors_[i], kinds_[i], eps_, cos, sin, segments, static_cast<int64_t>(i));
   return x;
+}
+
+namespace {
+
+// Rows ids of an embedding table, widened to float32 -> [N, D]: plain [V, D], or packed in panels of 16 rows as the
+// kernels read a tied lm_head ([V/16, D, 16], or [V/16, D/2, 16, 2] for bfloat16 inputs); float32 or bfloat16.
+torch::Tensor embed_rows(const torch::Tensor& table, const std::vector<int64_t>& ids) {
+  TORCH_CHECK(table.is_contiguous() && table.device().is_cpu() && table.dim() >= 2 && table.dim() <= 4 &&
+              (table.dtype() == torch::kFloat32 || table.dtype() == torch::kBFloat16), "an embedding table as the kernels keep it expected");
+  const bool bf16 = table.dtype() == torch::kBFloat16, panels = table.dim() > 2;
+  const int64_t V = panels ? table.size(0) * 16 : table.size(0), D = table.dim() == 4 ? table.size(1) * 2 : table.size(1);
+  auto out = torch::empty({static_cast<int64_t>(ids.size()), D}, table.options().dtype(torch::kFloat32));
+  float* o = out.data_ptr<float>();
+  const float* f = bf16 ? nullptr : table.data_ptr<float>();
+  const uint16_t* b = bf16 ? reinterpret_cast<const uint16_t*>(table.data_ptr()) : nullptr;
+  for (size_t r = 0; r < ids.size(); ++r, o += D) {
+    const int64_t id = ids[r];
+    TORCH_CHECK(id >= 0 && id < V, "token id ", id, " is not in the vocabulary of ", V);
+    for (int64_t d = 0; d < D; ++d) {
+      // element (id, d) of the table in its layout: plain, or panel id / 16, lane id % 16
+      const int64_t at = !panels ? id * D + d : table.dim() == 3 ? (id / 16 * D + d) * 16 + id % 16
+                                                                 : ((id / 16 * (D / 2) + d / 2) * 16 + id % 16) * 2 + d % 2;
+      if (bf16) {
+        const uint32_t bits = static_cast<uint32_t>(b[at]) << 16;  // bfloat16 -> float32 is exact
+        std::memcpy(o + d, &bits, 4);
+      } else {
+        o[d] = f[at];
+      }
+    }
+  }
+  return out;
+}
+
+// Rows starts[i] .. starts[i] + rows[i] - 1 of a rope table [L, D], segment after segment -> [N, D].
+torch::Tensor rope_rows(const torch::Tensor& table, const std::vector<int64_t>& starts, const std::vector<int64_t>& rows) {
+  TORCH_CHECK(table.dtype() == torch::kFloat32 && table.dim() == 2 && table.is_contiguous(), "a float32 rope table [L, D] expected");
+  int64_t N = 0;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    TORCH_CHECK(starts[i] >= 0 && starts[i] + rows[i] <= table.size(0), "the rope table ends before position ", starts[i] + rows[i] - 1);
+    N += rows[i];
+  }
+  const int64_t D = table.size(1);
+  auto out = torch::empty({N, D}, table.options());
+  float* o = out.data_ptr<float>();
+  for (size_t i = 0; i < rows.size(); ++i) {
+    std::memcpy(o, table.data_ptr<float>() + starts[i] * D, rows[i] * D * sizeof(float));
+    o += rows[i] * D;
+  }
+  return out;
+}
+
+}  // namespace
+
+// A whole forward from token ids: the embedding rows, the rope rows of each segment's positions, every layer
+// (forward_segments), then the final norm and the lm_head on the rows `picked` (a prefill's last row, every row
+// of a verify step) -> float32 logits [picked, V], the values the model's own modules give one by one. After a
+// forward has streamed the weights through the caches each Python-level operation costs tens of microseconds,
+// and the embedding, the rope rows and the tail were about ten of them.
+torch::Tensor FusedLayers::forward_tokens(std::vector<int64_t> ids, torch::Tensor embedding, torch::Tensor cos_table,
+                                          torch::Tensor sin_table, std::vector<torch::Tensor> caches_k,
+                                          std::vector<torch::Tensor> caches_v, std::vector<int64_t> starts,
+                                          std::vector<int64_t> rows, std::vector<int64_t> picked) const {
+  TORCH_CHECK(!head_.empty(), "these layers were built without the final norm and lm_head");
+  TORCH_CHECK(starts.size() == rows.size(), "one start per segment");
+  auto cos = rope_rows(cos_table, starts, rows), sin = rope_rows(sin_table, starts, rows);
+  auto hidden = forward_segments(embed_rows(embedding, ids), cos, sin, std::move(caches_k), std::move(caches_v),
+                                 std::move(starts), std::move(rows));
+  const int64_t N = hidden.size(0);
+  for (int64_t row : picked) TORCH_CHECK(row >= 0 && row < N, "picked row ", row, " is not one of the ", N, " rows");
+  const bool all = static_cast<int64_t>(picked.size()) == N && std::is_sorted(picked.begin(), picked.end());
+  if (!all) hidden = hidden.index_select(0, torch::tensor(picked, torch::kInt64));
+  return linear(head_kind_, rms_norm(hidden, head_[0], eps_), head_[1], head_[2], head_[3]);
 }

@@ -30,6 +30,8 @@ std::string use_float_path(const std::string& name);  // "auto" or one of float_
 std::string float_path();  // the path float-activation linears run on now
 bool float_path_avx512();  // whether that path has 512-bit registers (attention follows it)
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+// logits [R, V] float32 -> torch.argmax(logits, -1) (logits.cpp).
+torch::Tensor argmax_rows(torch::Tensor logits);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
                                torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v, int64_t start);
 // One sequence's rows inside a call over several: its cache [L, H_kv, S, D], positions filled, row count.
@@ -49,13 +51,21 @@ torch::Tensor decoder_layer(torch::Tensor x, const std::vector<torch::Tensor>& t
 // All decoder layers of one model (see decoder_layer): built once, then one call per forward.
 class FusedLayers {
  public:
-  FusedLayers(std::vector<std::vector<torch::Tensor>> tensors, std::vector<std::vector<int64_t>> kinds, double eps);
+  // head: empty, or the final norm's weight and the lm_head's weight, scale and bias (head_kind: a linear kind).
+  FusedLayers(std::vector<std::vector<torch::Tensor>> tensors, std::vector<std::vector<int64_t>> kinds, double eps,
+              std::vector<torch::Tensor> head, int64_t head_kind);
   torch::Tensor forward_segments(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                                  std::vector<torch::Tensor> caches_k, std::vector<torch::Tensor> caches_v,
                                  std::vector<int64_t> starts, std::vector<int64_t> rows) const;
+  torch::Tensor forward_tokens(std::vector<int64_t> ids, torch::Tensor embedding, torch::Tensor cos_table,
+                               torch::Tensor sin_table, std::vector<torch::Tensor> caches_k,
+                               std::vector<torch::Tensor> caches_v, std::vector<int64_t> starts,
+                               std::vector<int64_t> rows, std::vector<int64_t> picked) const;
 
  private:
   std::vector<std::vector<torch::Tensor>> tensors_;
   std::vector<std::vector<int64_t>> kinds_;
   double eps_;
+  std::vector<torch::Tensor> head_;
+  int64_t head_kind_;
 };

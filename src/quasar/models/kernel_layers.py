@@ -119,13 +119,20 @@ class KernelAttention(KernelModule, Attention):
 
 class FusedLayers(Layers):
     """All decoder layers as one kernel object (csrc/decoder_layer.cpp), built once from the layers' tensors;
-    every step (batch 1) makes one call for the whole stack, and so does a step over several sequences."""
+    every step (batch 1) makes one call for the whole stack, and so does a step over several sequences. Built
+    with the model's final norm and lm_head (`tail`), the same call also returns the logits (`logits`): after a
+    forward has streamed the weights through the caches each Python-level operation costs tens of microseconds,
+    and the tail was six of them."""
 
     fused: Any
+    tail: tuple[nn.Module, nn.Module] | None  # (final norm, lm_head) the kernel object runs, if any
 
-    def build(self, kernel: Any, eps: float) -> None:
+    def build(self, kernel: Any, eps: float, norm: nn.Module | None = None, head: nn.Module | None = None) -> None:
         args = [layer_tensors(layer) for layer in self]
-        self.fused = kernel.FusedLayers([a[0] for a in args], [a[1] for a in args], eps)
+        self.tail = None if norm is None or head is None else (norm, head)
+        kind, *tensors = head.kernel_args() if self.tail else (-1,)
+        tail = [norm.weight, *tensors] if self.tail else []
+        self.fused = kernel.FusedLayers([a[0] for a in args], [a[1] for a in args], eps, tail, kind)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache) -> torch.Tensor:
         if x.shape[0] != 1:
@@ -136,11 +143,28 @@ class FusedLayers(Layers):
                          rows: list[int]) -> torch.Tensor:
         """x [N, hidden]: rows[i] new tokens of sequence i, one sequence after another, each attending over
         its own cache (all distinct); appends them to the caches -> [N, hidden]."""
-        x = self.fused.forward_segments(x, *rope, [c.k[:, 0] for c in caches], [c.v[:, 0] for c in caches],
-                                        [c.length for c in caches], rows)
+        x = self.fused.forward_segments(x, *rope, *self.cache_args(caches), rows)
+        self.advance(caches, rows)
+        return x
+
+    def logits(self, ids: list[int], embedding: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               caches: list[KVCache], rows: list[int], picked: list[int]) -> torch.Tensor:
+        """A whole forward in one call: ids [N] (rows[i] new tokens of sequence i, one sequence after another) looked
+        up in `embedding` (the embedding module's table), rope rows read from the tables `rope` ([L, D] each) at
+        each sequence's positions, every layer, then the tail on the rows `picked` -> float32 logits [picked, V]."""
+        k, v, starts = self.cache_args(caches)
+        logits = self.fused.forward_tokens(ids, embedding, *rope, k, v, starts, rows, picked)
+        self.advance(caches, rows)
+        return logits
+
+    @staticmethod
+    def cache_args(caches: list[KVCache]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        return [c.k[:, 0] for c in caches], [c.v[:, 0] for c in caches], [c.length for c in caches]
+
+    @staticmethod
+    def advance(caches: list[KVCache], rows: list[int]) -> None:
         for cache, n in zip(caches, rows):
             cache.advance(n)
-        return x
 
 
 def layer_tensors(layer: nn.Module) -> tuple[list[torch.Tensor], list[int]]:

@@ -7,6 +7,8 @@ D head dim, V vocab.
 
 from __future__ import annotations
 
+import itertools
+
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -268,12 +270,22 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32; appends to the cache."""
+        if input_ids.shape[0] == 1 and self.fused_tail:
+            return self.forward_steps([Step(input_ids[0].tolist(), cache, last_only)])[0][None]
         cache.check_room(input_ids.shape[1])
         rope = self.rope_span(cache.length, input_ids.shape[1])  # cos, sin [T, D]
         x = self.model.embed_tokens(input_ids).to(self.dtype)  # [B, T, hidden]
         x = self.model.layers(x, rope, cache)
         x = self.model.norm(x[:, -1:] if last_only else x)
         return self.lm_head(x).float()
+
+    @property
+    def fused_tail(self) -> bool:
+        """Whether the kernel layer stack runs whole forwards, this model's final norm and lm_head included
+        (quasar.backends builds it so; a stack run layer by layer, or a module swapped in later, goes through the
+        modules one by one again)."""
+        layers = self.model.layers
+        return hasattr(layers, "logits") and getattr(layers, "tail", None) == (self.model.norm, self.lm_head)
 
     @property
     def batches_rows(self) -> bool:
@@ -284,15 +296,23 @@ class Transformer(nn.Module):
     def forward_steps(self, steps: Sequence[Step]) -> list[torch.Tensor]:
         """Several sequences' steps (distinct caches) -> each one's float32 logits [T, V] ([1, V] with last_only),
         bitwise what each gets alone; appends to every cache."""
-        if not self.batches_rows or len(steps) == 1:
+        if not self.fused_tail and (not self.batches_rows or len(steps) == 1):
             return [self(torch.tensor([s.tokens], device=self.device), s.cache, s.last_only)[0] for s in steps]
         rows = [len(s.tokens) for s in steps]
-        ids = torch.tensor([t for s in steps for t in s.tokens], device=self.device)  # [N]
-        rope = self.rope(torch.cat([s.cache.positions(n) for s, n in zip(steps, rows)]))  # cos, sin [N, D]
-        x = self.model.embed_tokens(ids).to(self.dtype)  # [N, hidden]
-        x = self.model.layers.forward_segments(x, rope, [s.cache for s in steps], rows)
-        ends = torch.tensor(rows).cumsum(0).tolist()
+        caches = [s.cache for s in steps]
+        for cache, n in zip(caches, rows):
+            cache.check_room(n)
+        ends = list(itertools.accumulate(rows))
         scored = [range(end - 1 if s.last_only else end - n, end) for s, n, end in zip(steps, rows, ends)]
-        picked = torch.tensor([i for r in scored for i in r], device=self.device)
-        logits = self.lm_head(self.model.norm(x[picked])).float()  # [picked, V]
+        picked = [i for r in scored for i in r]
+        if self.fused_tail:  # the whole forward in one kernel call
+            rope = self.rope_table(max(c.length + n for c, n in zip(caches, rows)))  # cos, sin [L, D]
+            ids = [t for s in steps for t in s.tokens]  # [N]
+            logits = self.model.layers.logits(ids, self.model.embed_tokens.weight, rope, caches, rows, picked)
+        else:
+            ids = torch.tensor([t for s in steps for t in s.tokens], device=self.device)  # [N]
+            rope = self.rope(torch.cat([c.positions(n) for c, n in zip(caches, rows)]))  # cos, sin [N, D]
+            x = self.model.embed_tokens(ids).to(self.dtype)  # [N, hidden]
+            x = self.model.layers.forward_segments(x, rope, caches, rows)
+            logits = self.lm_head(self.model.norm(x[torch.tensor(picked, device=self.device)])).float()  # [picked, V]
         return list(logits.split([len(r) for r in scored]))
