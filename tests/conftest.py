@@ -118,3 +118,17 @@ def share_kernels(cache: Path) -> Path:
     if not (cache / "kernels").exists():
         (cache / "kernels").symlink_to(kernels, target_is_directory=True)
     return cache
+
+
+@pytest.fixture(params=["torch", "kernel"])
+def sampling_path(request, monkeypatch):
+    """Run a sampling test on torch and on quasar's sampling kernel (backends.cpu_kernel decides which runs)."""
+    from quasar import backends
+
+    if request.param == "kernel":
+        if native.kernel() is None:
+            pytest.skip(f"quasar's CPU kernels: {native.status()}")
+        monkeypatch.setattr(backends, "cpu_kernel", lambda t: native.kernel() if t.device.type == "cpu" and t.dtype == torch.float32 else None)
+    else:
+        monkeypatch.setattr(backends, "cpu_kernel", lambda t: None)
+    return request.param

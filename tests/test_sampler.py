@@ -10,7 +10,7 @@ from conftest import needs_kernels
 
 from quasar import native
 from quasar.backends import argmax_rows
-from quasar.sampling import Sampler, SamplingParams, draw, logits_to_probs
+from quasar.sampling import Sampler, SamplingParams, draw, filtered_weights, logits_to_probs, weights_and_sums
 from quasar.verify import SparseDraft, rejection_sample
 from test_verify import chi_square_p
 
@@ -23,6 +23,8 @@ COMBINATIONS = {
     "T=0.7 top_k=40 top_p=0.8 min_p=0.1": SamplingParams(temperature=0.7, top_k=40, top_p=0.8, min_p=0.1),
     "T=1 top_p=0.5 min_p=0.2": SamplingParams(temperature=1.0, top_p=0.5, min_p=0.2),
 }
+
+pytestmark = pytest.mark.usefixtures("sampling_path")  # every test on torch and on the kernel
 
 
 def sorted_reference(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -52,6 +54,21 @@ def test_filters_equal_a_full_sort(name):
     reference = sorted_reference(logits, params)
     assert torch.equal(fast > 0, reference > 0)
     torch.testing.assert_close(fast, reference, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", COMBINATIONS)
+def test_weights_and_their_sums_are_the_filtered_weights(name):
+    """The verify step's rows (weights_and_sums: one kernel pass for the weights and sums, one for the cut) keep
+    exactly the tokens filtered_weights keeps, with the same weights but for exp's last bits; -inf logits weigh 0."""
+    params = COMBINATIONS[name]
+    logits = torch.randn(6, 5000, generator=torch.Generator().manual_seed(2)) * 2.5  # [k + 1, V]
+    logits[0, :10] = float("-inf")
+    out = torch.empty_like(logits)
+    sums = weights_and_sums(logits, params, out)
+    reference = filtered_weights(logits, params)
+    assert torch.equal(out > 0, reference > 0)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(sums, dtype=torch.float64), reference.double().sum(-1), rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("name", COMBINATIONS)

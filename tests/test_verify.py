@@ -8,6 +8,8 @@ import torch
 from quasar.sampling import Sampler, SamplingParams, TargetRows
 from quasar.verify import DenseDraft, greedy_verdict, rejection_sample, SparseDraft
 
+pytestmark = pytest.mark.usefixtures("sampling_path")  # every test on torch and on the kernel
+
 
 def rows(target_probs: torch.Tensor) -> TargetRows:
     """Target rows [k + 1, V] with exactly these probabilities (logits log p at temperature 1)."""

@@ -66,10 +66,16 @@ def prepare_(model: Transformer, fuse: bool = True, cache_dir: str | Path | None
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits [R, V] -> torch.argmax(logits, -1) [R] int64, the same indices: on quasar's kernel for float32 CPU rows
     once the kernels are loaded (torch's took 90-140 us per 49k-token row on 2 cores, the kernel about 10), else torch."""
-    kernel = native.loaded()
-    if kernel is None or logits.device.type != "cpu" or logits.dtype != torch.float32:
-        return logits.argmax(-1)
-    return kernel.argmax_rows(logits)
+    kernel = cpu_kernel(logits)
+    return logits.argmax(-1) if kernel is None else kernel.argmax_rows(logits)
+
+
+def cpu_kernel(t: torch.Tensor) -> Any | None:
+    """quasar's kernel module for work on a float32 CPU tensor t, where a model has already loaded it (the sampling
+    helpers never build it), else None (torch does the work)."""
+    if t.device.type != "cpu" or t.dtype != torch.float32:
+        return None
+    return native.loaded()
 
 
 def kernel_paths(kernel: Any, modules: dict[nn.Module, type]) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from quasar import backends
 from quasar.backends import argmax_rows
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes (a negative seed wraps around)
@@ -75,8 +76,33 @@ def filtered_weights(logits: torch.Tensor, params: SamplingParams, out: torch.Te
     """logits [R, V] float32 -> unnormalised weights [R, V] (into `out` when given) of the sampling distribution
     at temperature > 0: exp((logit - max) / T) where every filter keeps the token, 0 elsewhere."""
     top = logits.amax(-1, keepdim=True)  # [R, 1]
+    weights = torch.sub(logits, top, out=out).mul_(1.0 / params.temperature).exp_()  # [R, V]
+    keep_from = lowest_kept(logits, params, lambda: weights.sum(-1, keepdim=True))
+    if keep_from is not None:
+        weights.masked_fill_(logits < keep_from, 0.0)
+    return weights
+
+
+def weights_and_sums(logits: torch.Tensor, params: SamplingParams, out: torch.Tensor) -> list[float]:
+    """filtered_weights(logits, params, out) [R, V], returning each row's sum: on quasar's kernel for float32 CPU
+    rows (one pass for exp((logit - max) / T) and the sums, one for the filters' cut, instead of about ten
+    tensor operations, each slow right after a forward has streamed the weights through the caches)."""
+    kernel = backends.cpu_kernel(logits)
+    if kernel is None:
+        return filtered_weights(logits, params, out).sum(-1).tolist()
+    sums = kernel.sampling_weights(logits, out, 1.0 / params.temperature)
+    keep_from = lowest_kept(logits, params, lambda: torch.tensor(sums)[:, None])
+    return sums if keep_from is None else kernel.keep_weights(logits, out, keep_from)
+
+
+def lowest_kept(logits: torch.Tensor, params: SamplingParams, mass_of_all: Callable[[], torch.Tensor]
+                ) -> torch.Tensor | None:
+    """The lowest logit the filters keep [R, 1] (top-k, then top-p over what top-k kept, then min-p), None when no
+    filter is on; mass_of_all() gives the rows' summed weights [R, 1] (top-p without top-k needs them)."""
+    if params.top_k <= 0 and params.top_p >= 1 and params.min_p <= 0:
+        return None
+    top = logits.amax(-1, keepdim=True)  # [R, 1]
     inv_t = 1.0 / params.temperature
-    weights = torch.sub(logits, top, out=out).mul_(inv_t).exp_()  # [R, V]
     keep_from = None  # [R, 1] the lowest kept logit
     if params.top_k > 0:
         kept = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values  # [R, top_k] descending
@@ -85,14 +111,12 @@ def filtered_weights(logits: torch.Tensor, params: SamplingParams, out: torch.Te
         if params.top_k > 0:
             mass = (kept - top).mul_(inv_t).exp_().sum(-1, keepdim=True)  # [R, 1] what top-k kept
         else:
-            mass = weights.sum(-1, keepdim=True)
+            mass = mass_of_all()
         keep_from = nucleus_start(logits, top, inv_t, mass, params)
     if params.min_p > 0:
         relative = top + math.log(params.min_p) / inv_t  # [R, 1]: weight >= min_p * the top token's
         keep_from = relative if keep_from is None else torch.maximum(keep_from, relative)
-    if keep_from is not None:
-        weights.masked_fill_(logits < keep_from, 0.0)
-    return weights
+    return keep_from
 
 
 def nucleus_start(logits: torch.Tensor, top: torch.Tensor, inv_t: float, mass: torch.Tensor,
@@ -123,7 +147,13 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 def draw(weights: torch.Tensor, generator: torch.Generator, scratch: torch.Tensor | None = None) -> int | None:
     """One token from unnormalised weights [V] by inverting their running sum at one uniform number (summed in
-    float64, as torch.multinomial does); None when every weight is 0."""
+    float64, as torch.multinomial does); None when every weight is 0. On quasar's kernel for float32 CPU weights
+    (one call instead of four tensor operations), where the uniform number is drawn first, also for weights
+    that turn out to be all 0."""
+    kernel = backends.cpu_kernel(weights)
+    if kernel is not None and weights.is_contiguous():
+        token = kernel.draw_index(weights, float(torch.rand(1, generator=generator, dtype=torch.float64)))
+        return None if token < 0 else token
     running = torch.cumsum(weights, 0, dtype=torch.float64, out=scratch)  # [V]
     total = running[-1]
     if not total > 0:
@@ -157,8 +187,7 @@ class TargetRows:
         """(weights [V], their sum) of row i."""
         total = self.totals[i]
         if total is None:
-            filtered_weights(self.logits[i : i + 1], self.params, out=self.weights[i : i + 1])
-            total = self.totals[i] = float(self.weights[i].sum())
+            total = self.totals[i] = weights_and_sums(self.logits[i : i + 1], self.params, self.weights[i : i + 1])[0]
         return self.weights[i], total
 
     def prob(self, i: int, token: int) -> float:

@@ -30,6 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("float_path", &float_path, "the path float-activation linears run on now");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, sums in a fixed order", NoGil());
   m.def("argmax_rows", &argmax_rows, "the first index of the largest value of each row, as torch.argmax", NoGil());
+  m.def("sampling_weights", &sampling_weights, "exp((logits - max) * inv_t) into out, row by row; the rows' sums", NoGil());
+  m.def("keep_weights", &keep_weights, "zero the weights whose logit is below the row's threshold; the rows' sums", NoGil());
+  m.def("draw_index", &draw_index, "the index where the running float64 sum of weights passes u * total (-1: all 0)", NoGil());
   m.def("decode_attention", &decode_attention, "rope, cache write and causal attention for a few new tokens", NoGil());
   pybind11::class_<FusedLayers>(m, "FusedLayers", "all decoder layers of a model, tensors handed over once")
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, double,

@@ -32,6 +32,11 @@ bool float_path_avx512();  // whether that path has 512-bit registers (attention
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 // logits [R, V] float32 -> torch.argmax(logits, -1) (logits.cpp).
 torch::Tensor argmax_rows(torch::Tensor logits);
+// Sampling at temperature > 0 (logits.cpp, quasar.sampling): the weights exp((logits - max) * inv_t) and their row
+// sums, the filters' cut, and one draw by the running float64 sum.
+std::vector<double> sampling_weights(torch::Tensor logits, torch::Tensor out, double inv_t);
+std::vector<double> keep_weights(torch::Tensor logits, torch::Tensor weights, torch::Tensor keep_from);
+int64_t draw_index(torch::Tensor weights, double u);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
                                torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v, int64_t start);
 // One sequence's rows inside a call over several: its cache [L, H_kv, S, D], positions filled, row count.

@@ -1,4 +1,5 @@
-// Reductions over the verifier's logits rows: the greedy token of each row (argmax_rows).
+// The verifier's logits rows to tokens: the greedy token of each row (argmax_rows), and at temperature > 0 the
+// sampling weights, the filters' cut and one draw (sampling_weights, keep_weights, draw_index; quasar.sampling).
 //
 // torch.argmax on one 49k-vocabulary row took 90 us warm and 140 us right after a forward on a 2-core VM
 // (a parallel reduction's dispatch and fork for a few microseconds of work); a verify step takes it over
@@ -7,7 +8,9 @@
 // above every number).
 #include "kernels.h"
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace {
 
@@ -56,4 +59,127 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   int64_t* o = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) o[r] = argmax_row(p + r * V, V);
   return out;
+}
+
+// ---- sampling (quasar.sampling): the filtered weights of a row and one draw from them ----------------------
+
+namespace {
+
+// exp on 8 floats (the Cephes expf polynomial, as attention_avx2.cpp; about 1 ulp from torch's exp).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.f));
+  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+double lane_sum(__m256d a, __m256d b) {
+  alignas(32) double s[4];
+  _mm256_store_pd(s, _mm256_add_pd(a, b));
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+void check_rows(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 2 && t.is_contiguous() && t.device().is_cpu(),
+              "contiguous float32 CPU ", what, " [R, V] expected");
+}
+
+}  // namespace
+
+// out[r, v] = exp((logits[r, v] - max_v logits[r]) * inv_t), float32, each product rounded as torch's
+// (logits - top).mul_(inv_t); returns each row's sum (float64): quasar.sampling's weights before its filters.
+std::vector<double> sampling_weights(torch::Tensor logits, torch::Tensor out, double inv_t) {
+  check_rows(logits, "logits");
+  check_rows(out, "weights");
+  TORCH_CHECK(out.sizes() == logits.sizes(), "weights of the logits' shape expected");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  const float scale = static_cast<float>(inv_t);
+  std::vector<double> sums(R);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = logits.data_ptr<float>() + r * V;
+    float* w = out.data_ptr<float>() + r * V;
+    __m256 top_lanes = _mm256_set1_ps(-INFINITY);
+    int64_t v = 0;
+    for (; v + 8 <= V; v += 8) top_lanes = _mm256_max_ps(top_lanes, _mm256_loadu_ps(row + v));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, top_lanes);
+    float top = -INFINITY;
+    for (float lane : lanes) top = std::max(top, lane);
+    for (; v < V; ++v) top = std::max(top, row[v]);
+    const __m256 top8 = _mm256_set1_ps(top), scale8 = _mm256_set1_ps(scale);
+    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+    for (v = 0; v + 8 <= V; v += 8) {
+      const __m256 x = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row + v), top8), scale8);
+      // exp8 stops at exp(-87.3); below that (a -inf logit among them) the weight is 0, as a filtered-out token's
+      const __m256 e = _mm256_and_ps(exp8(x), _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365f), _CMP_GE_OQ));
+      _mm256_storeu_ps(w + v, e);
+      lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+      hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    }
+    double sum = lane_sum(lo, hi);
+    for (; v < V; ++v) {
+      const float x = (row[v] - top) * scale;
+      w[v] = x >= -87.3365f ? std::exp(x) : 0.f;
+      sum += w[v];
+    }
+    sums[r] = sum;
+  }
+  return sums;
+}
+
+// weights[r, v] = 0 where logits[r, v] < keep_from[r] (the filters' lowest kept logit); returns the rows' new sums.
+std::vector<double> keep_weights(torch::Tensor logits, torch::Tensor weights, torch::Tensor keep_from) {
+  check_rows(logits, "logits");
+  check_rows(weights, "weights");
+  TORCH_CHECK(weights.sizes() == logits.sizes() && keep_from.dtype() == torch::kFloat32 &&
+              keep_from.numel() == logits.size(0), "weights of the logits' shape and one float32 threshold per row expected");
+  keep_from = keep_from.contiguous();
+  const int64_t R = logits.size(0), V = logits.size(1);
+  std::vector<double> sums(R);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = logits.data_ptr<float>() + r * V;
+    float* w = weights.data_ptr<float>() + r * V;
+    const float from = keep_from.data_ptr<float>()[r];
+    double sum = 0;
+    for (int64_t v = 0; v < V; ++v) {
+      if (row[v] < from) w[v] = 0.f;
+      sum += w[v];
+    }
+    sums[r] = sum;
+  }
+  return sums;
+}
+
+// One index from weights [V] (>= 0) at the uniform number u in [0, 1): the first v whose running float64 sum
+// passes u * total, as torch.searchsorted(torch.cumsum(weights, 0, dtype=float64), u * total, right=True); the last
+// nonzero weight's index where rounding carries u * total to the total; -1 when every weight is 0.
+int64_t draw_index(torch::Tensor weights, double u) {
+  TORCH_CHECK(weights.dtype() == torch::kFloat32 && weights.dim() == 1 && weights.is_contiguous() && weights.device().is_cpu(),
+              "contiguous float32 CPU weights [V] expected");
+  const float* w = weights.data_ptr<float>();
+  const int64_t V = weights.size(0);
+  double total = 0;
+  int64_t last = -1;
+  for (int64_t v = 0; v < V; ++v) {
+    total += w[v];
+    if (w[v] != 0.f) last = v;
+  }
+  if (!(total > 0)) return -1;
+  const double at = u * total;
+  double running = 0;
+  for (int64_t v = 0; v < V; ++v) {
+    running += w[v];
+    if (running > at) return v;
+  }
+  return last;
 }
