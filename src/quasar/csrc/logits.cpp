@@ -7,6 +7,7 @@
 // answer: the first index of the largest value, and the first NaN where a row holds one (torch orders NaN
 // above every number).
 #include "kernels.h"
+#include "float_lanes.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -64,24 +65,6 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 // ---- sampling (quasar.sampling): the filtered weights of a row and one draw from them ----------------------
 
 namespace {
-
-// exp on 8 floats (the Cephes expf polynomial, as attention_avx2.cpp; about 1 ulp from torch's exp).
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365f));
-  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  const __m256 z = _mm256_mul_ps(x, x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.f));
-  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
-}
 
 double lane_sum(__m256d a, __m256d b) {
   alignas(32) double s[4];
