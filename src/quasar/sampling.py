@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import torch
 
 from quasar import backends
-from quasar.backends import argmax_rows
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes (a negative seed wraps around)
 
@@ -240,5 +239,5 @@ class Sampler:
     def next_token(self, logits: torch.Tensor) -> int:
         """logits [V] -> one token id (the argmax when greedy)."""
         if self.params.greedy:
-            return int(argmax_rows(logits[None])[0])
+            return int(backends.argmax_rows(logits[None])[0])
         return self.rows(logits[None]).sample(0, self.generator)

@@ -8,7 +8,6 @@ D head dim, V vocab.
 from __future__ import annotations
 
 import itertools
-
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -296,7 +295,8 @@ class Transformer(nn.Module):
     def forward_steps(self, steps: Sequence[Step]) -> list[torch.Tensor]:
         """Several sequences' steps (distinct caches) -> each one's float32 logits [T, V] ([1, V] with last_only),
         bitwise what each gets alone; appends to every cache."""
-        if not self.fused_tail and (not self.batches_rows or len(steps) == 1):
+        fused = self.fused_tail
+        if not fused and (not self.batches_rows or len(steps) == 1):
             return [self(torch.tensor([s.tokens], device=self.device), s.cache, s.last_only)[0] for s in steps]
         rows = [len(s.tokens) for s in steps]
         caches = [s.cache for s in steps]
@@ -305,7 +305,7 @@ class Transformer(nn.Module):
         ends = list(itertools.accumulate(rows))
         scored = [range(end - 1 if s.last_only else end - n, end) for s, n, end in zip(steps, rows, ends)]
         picked = [i for r in scored for i in r]
-        if self.fused_tail:  # the whole forward in one kernel call
+        if fused:  # the whole forward in one kernel call
             rope = self.rope_table(max(c.length + n for c, n in zip(caches, rows)))  # cos, sin [L, D]
             ids = [t for s in steps for t in s.tokens]  # [N]
             logits = self.model.layers.logits(ids, self.model.embed_tokens.weight, rope, caches, rows, picked)
