@@ -8,7 +8,7 @@ import torch
 from conftest import needs_kernels
 
 from quasar import backends, native
-from quasar.quant.int8 import Int8Linear, KernelInt8Linear, quantize_groups
+from quasar.quant.int8 import Int8Linear, KernelInt8Linear, pack_int8_panels, quantize_groups
 
 pytestmark = needs_kernels
 PATHS = native.kernel().int8_paths() if native.kernel() is not None else []
@@ -112,7 +112,7 @@ def test_a_group_size_that_does_not_divide_k_is_refused():
 
 
 @pytest.mark.parametrize("G", [32, 64, 96])
-@pytest.mark.parametrize("N", [48, 40])  # 48: packed 16-channel blocks on the dpbusd path; 40: not packable
+@pytest.mark.parametrize("N", [48, 40])  # 48: packed 16-channel panels (dpbusd and maddubs); 40: not packable
 @pytest.mark.parametrize("M", [1, 3, 6, 8, 11])
 def test_grouped_linear_is_exact_with_dyadic_scales(G, N, M, K=192):
     """The whole fused linear, packed layout included, bit for bit against float64: inputs whose every group
@@ -139,16 +139,65 @@ def test_grouped_linear_is_exact_across_chunks_of_k(M):
     test_grouped_linear_is_exact_with_dyadic_scales(32, 48, M, K=4128)
 
 
-def test_weights_are_packed_once_at_load_on_the_dpbusd_path():
+def test_weights_are_packed_once_at_load():
     kernel = native.kernel()
     layer = backends.on_kernel(Int8Linear.from_float(torch.nn.Linear(64, 32), backend="avx2", group_size=32))
     w, scale = layer.kernel_weight
-    if kernel.int8_path() == "dpbusd":  # panels of 16 channels x 4 inputs, as unsigned bytes w + 128
-        assert w.shape == (2, 16, 16, 4) and w.dtype == torch.uint8 and scale.shape == (2, 2, 16)
-        assert int(w[1, 3, 5, 2]) == int(layer.weight[16 + 5, 3 * 4 + 2]) + 128
+    path = kernel.int8_path()
+    if path in ("dpbusd", "maddubs"):  # panels of 16 channels x 4 inputs: unsigned bytes w + 128, or signed w
+        offset, dtype = (128, torch.uint8) if path == "dpbusd" else (0, torch.int8)
+        assert w.shape == (2, 16, 16, 4) and w.dtype == dtype and scale.shape == (2, 2, 16)
+        assert int(w[1, 3, 5, 2]) == int(layer.weight[16 + 5, 3 * 4 + 2]) + offset
+        assert scale[1, 1, 5] == layer.weight_scale[16 + 5, 1]
         assert layer.state_dict()["weight"].shape == (32, 64)  # checkpoints and exports keep the plain layout
     else:
         assert w is layer.weight
+
+
+def panel_sums(q, x_scale, w, w_scale) -> torch.Tensor:
+    """The panels' arithmetic (csrc/int8_panel.cpp), emulated: each channel takes, group by group in order,
+    acc = fma(float32(exact group dot), float32(w_scale * x_scale), acc) in float32. float64 holds the product
+    exactly, so rounding its sum with acc once to float32 is the fused multiply-add (double rounding aside,
+    which needs a tie 2^-29 apart: not in these random values)."""
+    M, groups = x_scale.shape
+    dots = torch.einsum("mgk,ngk->mng", q.double().view(M, groups, -1), w.double().view(w.shape[0], groups, -1))
+    scales = (w_scale[None, :, :] * x_scale[:, None, :]).double()  # float32 products, as the kernel rounds them
+    acc = torch.zeros(M, w.shape[0], dtype=torch.float32)
+    for g in range(groups):
+        acc = (dots[:, :, g].float().double() * scales[:, :, g] + acc.double()).float()
+    return acc
+
+
+@pytest.mark.parametrize("G,K", [(32, 576), (64, 192), (32, 4128)])
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 6, 7, 13])
+def test_packed_panels_are_the_same_floats_on_every_cpu_kind(G, K, M):
+    """Signed panels (maddubs, AVX2) and unsigned ones (dpbusd, AVX-512 VNNI) take each channel's groups in order
+    with one fused multiply-add each: the same floats, so an AVX2 CPU and a VNNI CPU give the same logits. Checked
+    against that arithmetic emulated in torch, on real-valued scales, K in chunks (4,128) and every row block."""
+    kernel = native.kernel()
+    path = kernel.int8_path()
+    if path not in ("dpbusd", "maddubs"):
+        pytest.skip(f"no packed panels on the {path} path")
+    gen = torch.Generator().manual_seed(G + K + M)
+    N = 48
+    w = torch.randint(-128, 128, (N, K), generator=gen, dtype=torch.int8)
+    w_scale = torch.rand(N, K // G, generator=gen) / 100 + 1e-4
+    x = torch.randn(M, K, generator=gen) * 3
+    q, x_scale = quantize_groups(x, G)
+    packed = pack_int8_panels(w, w_scale, unsigned=path == "dpbusd")
+    y = kernel.w8a8_linear(x, *packed, torch.empty(0))
+    assert torch.equal(y, panel_sums(q, x_scale, w, w_scale))
+    for m in range(M):  # each row alone gives the same bits
+        assert torch.equal(kernel.w8a8_linear(x[m : m + 1], *packed, torch.empty(0))[0], y[m])
+
+
+def test_packed_weights_the_cpu_cannot_run_are_refused():
+    kernel = native.kernel()
+    if kernel.int8_path() == "dpbusd":
+        pytest.skip("this CPU runs both layouts")
+    w, scale = pack_int8_panels(torch.zeros(16, 64, dtype=torch.int8), torch.ones(16, 2), unsigned=True)
+    with pytest.raises(RuntimeError, match="need the dpbusd path"):
+        kernel.w8a8_linear(torch.randn(2, 64), w, scale, torch.empty(0))
 
 
 @pytest.mark.parametrize("group_size", [0, 32])

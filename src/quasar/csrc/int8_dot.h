@@ -27,6 +27,10 @@ void int8_dot(Int8Path path, const int8_t* q, const uint8_t* u, const int8_t* w,
 // uint8 = w + 128, wsp [N/16][K/G][16], start [M, K/G] = group_starts(q); the panels that start in [n0, n1).
 void int8_panel_dot(const int8_t* q, const int32_t* start, const float* x_scale, const uint8_t* wp, const float* wsp,
                     float* out, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1);
+// The same panels on AVX2 with the weights as signed bytes: wp [N/16][K/4][16][4] int8 = w, |q| <= 127; the same
+// floats as int8_panel_dot (int8_panel.cpp).
+void int8_panel_dot_maddubs(const int8_t* q, const float* x_scale, const int8_t* wp, const float* wsp, float* out,
+                            int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1);
 // start [M, K/G] = -128 * the sum of q [M, K] over each group of G inputs.
 void group_starts(const int8_t* q, int64_t M, int64_t K, int64_t G, int32_t* start);
 void int8_group_dot(Int8Path path, const int8_t* q, const uint8_t* u, const float* x_scale, const int8_t* w,

@@ -60,6 +60,11 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* q, f
     }
 }
 
+// How a group-wise weight is laid out (int8_panel.cpp): plain [N, K] int8, or packed in panels of 16 channels
+// x 4 inputs, [N/16][K/4][16][4] with w_scale [N/16][K/G][16], as unsigned bytes w + 128 (the dpbusd path, AVX-512
+// VNNI) or as signed bytes w (maddubs, AVX2).
+enum class Panels { None, Unsigned, Signed };
+
 // One int8 weight of a call: its int32 sums and, for a whole linear, the rescaled float32 output.
 // Per channel (G = 0): acc [M, N], y = acc * x_scale[m] * w_scale[n] (+ bias[n]); y nullptr: int32 only.
 // Per group of G inputs: no acc; y = sum_g x_scale[m, g] * w_scale[n, g] * dot_g (+ bias[n]).
@@ -71,7 +76,7 @@ struct IntJob {
   const float* w_scale = nullptr;
   const float* bias = nullptr;
   int64_t G = 0;
-  bool packed = false;  // w [N/16][K/4][16][4] uint8 = w + 128, w_scale [N/16][K/G][16] (int8_panel.cpp), dpbusd only
+  Panels panels = Panels::None;
 };
 
 // y[m, n] += bias[n] for channels [n0, n1).
@@ -104,15 +109,17 @@ void rescale_range(const IntJob& job, const float* x_scale, int64_t M, int64_t n
 // thread fork and join instead of one per weight); each thread rescales the channels it summed.
 void run_jobs(Int8Path path, const int8_t* q, const float* x_scale, const std::vector<IntJob>& jobs, int64_t M,
               int64_t K) {
-  bool any_packed = false, any_plain = false;
+  bool any_unsigned = false, any_plain = false;
   for (const IntJob& job : jobs) {
-    TORCH_CHECK(!job.packed || path == Int8Path::Dpbusd, "packed int8 weights need the dpbusd path (AVX-512 VNNI)");
-    (job.packed ? any_packed : any_plain) = true;
+    TORCH_CHECK(job.panels != Panels::Unsigned || path == Int8Path::Dpbusd,
+                "int8 weights packed as w + 128 need the dpbusd path (AVX-512 VNNI)");
+    any_unsigned = any_unsigned || job.panels == Panels::Unsigned;
+    any_plain = any_plain || job.panels == Panels::None;
   }
   std::vector<uint8_t> u;
   if (any_plain) prepare_rows(path, q, M * K, u);
-  std::vector<int32_t> start(any_packed ? M * K / jobs[0].G : 0);  // packed jobs share one group size
-  if (any_packed)
+  std::vector<int32_t> start(any_unsigned ? M * K / jobs[0].G : 0);  // packed jobs share one group size
+  if (any_unsigned)
     over_rows(M, K, [&](int64_t m0, int64_t m1) {
       group_starts(q + m0 * K, m1 - m0, K, jobs[0].G, start.data() + m0 * (K / jobs[0].G));
     });
@@ -123,9 +130,12 @@ void run_jobs(Int8Path path, const int8_t* q, const float* x_scale, const std::v
       const int64_t n0 = std::max(a, first[i]) - first[i], n1 = std::min(b, first[i + 1]) - first[i];
       if (n0 >= n1) continue;
       const IntJob& job = jobs[i];
-      if (job.packed) {  // whole 16-channel panels: those that start in [n0, n1)
-        int8_panel_dot(q, start.data(), x_scale, reinterpret_cast<const uint8_t*>(job.w), job.w_scale, job.y, M, job.N,
-                       K, job.G, n0, n1);
+      if (job.panels != Panels::None) {  // whole 16-channel panels: those that start in [n0, n1)
+        if (job.panels == Panels::Unsigned)
+          int8_panel_dot(q, start.data(), x_scale, reinterpret_cast<const uint8_t*>(job.w), job.w_scale, job.y, M,
+                         job.N, K, job.G, n0, n1);
+        else
+          int8_panel_dot_maddubs(q, x_scale, job.w, job.w_scale, job.y, M, job.N, K, job.G, n0, n1);
         add_bias(job, M, (n0 + 15) / 16 * 16, std::min((n1 + 15) / 16 * 16, job.N));
         continue;
       }
@@ -276,10 +286,10 @@ std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::
   std::vector<torch::Tensor> acc, out;
   for (size_t i = 0; i < w.size(); ++i) {
     w[i] = w[i].contiguous();
-    const bool packed = w[i].dim() == 4;  // [N/16][K/4][16][4] uint8 = w + 128 with w_scale [N/16][K/G][16]
-    TORCH_CHECK(!packed || (w[i].dtype() == torch::kUInt8 && w[i].size(1) * 4 == K && w[i].size(2) == 16 &&
-                            w[i].size(3) == 4 && w_scale[i].dim() == 3 && w_scale[i].size(2) == 16),
-                "packed uint8 w + 128 [N/16, K/4, 16, 4] with w_scale [N/16, K/G, 16] expected");
+    const bool packed = w[i].dim() == 4;  // [N/16][K/4][16][4] uint8 w + 128 or int8 w, w_scale [N/16][K/G][16]
+    TORCH_CHECK(!packed || ((w[i].dtype() == torch::kUInt8 || w[i].dtype() == torch::kInt8) && w[i].size(1) * 4 == K &&
+                            w[i].size(2) == 16 && w[i].size(3) == 4 && w_scale[i].dim() == 3 && w_scale[i].size(2) == 16),
+                "packed uint8 w + 128 or int8 w [N/16, K/4, 16, 4] with w_scale [N/16, K/G, 16] expected");
     if (!packed) check_int8_weight(w[i], K);
     const int64_t N = packed ? w[i].size(0) * 16 : w[i].size(0);
     w_scale[i] = w_scale[i].contiguous();
@@ -294,7 +304,8 @@ std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::
     out.push_back(torch::empty({M, N}, x.options()));
     jobs.push_back(IntJob{static_cast<const int8_t*>(w[i].data_ptr()), N, G ? nullptr : acc.back().data_ptr<int32_t>(),
                           out.back().data_ptr<float>(), w_scale[i].data_ptr<float>(),
-                          bias[i].numel() ? bias[i].data_ptr<float>() : nullptr, G, packed});
+                          bias[i].numel() ? bias[i].data_ptr<float>() : nullptr, G,
+                          !packed ? Panels::None : w[i].dtype() == torch::kUInt8 ? Panels::Unsigned : Panels::Signed});
   }
   auto [q, x_scale] = quantize(x, jobs[0].G ? jobs[0].G : K);
   run_jobs(linear_path(), q.data_ptr<int8_t>(), x_scale.data_ptr<float>(), jobs, M, K);

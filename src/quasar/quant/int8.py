@@ -193,28 +193,31 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, backend={self.backend}{groups}"
 
 
-def pack_int8_panels(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] int8, scale [N, K/G] -> (w + 128 as uint8 [N/16, K/4, 16, 4], scale [N/16, K/G, 16]): 16 channels
-    x 4 inputs per 64-byte register (csrc/int8_panel.cpp). w + 128 is w's bits with the sign bit flipped."""
+def pack_int8_panels(weight: torch.Tensor, scale: torch.Tensor, unsigned: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] int8, scale [N, K/G] -> (w [N/16, K/4, 16, 4], scale [N/16, K/G, 16]): 16 channels x 4 inputs per
+    64 bytes (csrc/int8_panel.cpp), as unsigned bytes w + 128 (the dpbusd path: w's bits with the sign bit
+    flipped) or as the signed bytes w (maddubs, AVX2)."""
     N, K = weight.shape
-    unsigned = weight.view(torch.uint8) ^ 0x80
-    return (unsigned.view(N // 16, 16, K // 4, 4).permute(0, 2, 1, 3).contiguous(),
+    values = weight.view(torch.uint8) ^ 0x80 if unsigned else weight
+    return (values.view(N // 16, 16, K // 4, 4).permute(0, 2, 1, 3).contiguous(),
             scale.view(N // 16, 16, -1).permute(0, 2, 1).contiguous())
 
 
 class KernelInt8Linear(KernelModule, Int8Linear):
     """Int8Linear on quasar's CPU kernel: quantization, exact int32 dot products, rescale and bias in one call.
-    On the dpbusd path a group-wise layer's weights are packed 16 channels x 4 inputs per register at load, as
-    unsigned bytes w + 128 ([N/16, K/4, 16, 4] uint8, scales [N/16, K/G, 16]; csrc/int8_panel.cpp) beside the
-    plain ones, which checkpoints and exports keep using; a loaded verifier keeps the packed copy alone."""
+    A group-wise layer's weights are packed 16 channels x 4 inputs per 64 bytes at load ([N/16, K/4, 16, 4],
+    scales [N/16, K/G, 16]; csrc/int8_panel.cpp): unsigned bytes w + 128 on the dpbusd path, signed bytes on
+    maddubs; beside the plain ones, which checkpoints and exports keep using; a loaded verifier keeps the packed
+    copy alone."""
 
     kernel_weight: tuple[torch.Tensor, torch.Tensor]  # (weight, scale) as the kernel reads them
 
     @classmethod
     def adopt(cls, layer: Int8Linear, kernel: Any) -> KernelInt8Linear:
         super().adopt(layer, kernel)
-        if layer.group_size and layer.out_features % 16 == 0 and kernel.int8_path() == "dpbusd":
-            layer.kernel_weight = pack_int8_panels(layer.weight, layer.weight_scale)
+        path = kernel.int8_path()
+        if layer.group_size and layer.out_features % 16 == 0 and path in ("dpbusd", "maddubs"):
+            layer.kernel_weight = pack_int8_panels(layer.weight, layer.weight_scale, unsigned=path == "dpbusd")
         else:
             layer.kernel_weight = (layer.weight, layer.weight_scale)
         return layer
