@@ -35,10 +35,10 @@
 //   products and row instead of 6-7, where the AVX2 loop is bound by instructions at 6 rows.
 namespace {
 
-template <int R, int C, Prefetch P>
+template <int R, Prefetch P>
 void maddubs_panel_tile(const int8_t* q, const float* x_scale, const int8_t* wp, const float* wsp, float* y,
                         int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t G, int64_t k0, int64_t k1) {
-  constexpr int H = 2 * C;  // 256-bit halves: 8 channels each
+  constexpr int H = 2;  // a panel's two 256-bit halves: 8 channels each
   const int64_t groups = K / G;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t g = k0 / G; g < k1 / G; ++g) {
@@ -50,8 +50,8 @@ void maddubs_panel_tile(const int8_t* q, const float* x_scale, const int8_t* wp,
       __m256i wv[H], aw[H];
 #pragma GCC unroll 8
       for (int h = 0; h < H; ++h) {
-        const int8_t* half = wp + ((p0 + h / 2) * K + k) * 16 + 32 * (h % 2);
-        if (h % 2 == 0) prefetch_weights<P>(half);
+        const int8_t* half = wp + (p0 * K + k) * 16 + 32 * h;
+        if (h == 0) prefetch_weights<P>(half);
         wv[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(half));
         aw[h] = _mm256_abs_epi8(wv[h]);
       }
@@ -69,7 +69,7 @@ void maddubs_panel_tile(const int8_t* q, const float* x_scale, const int8_t* wp,
     // a float stored and loaded is the same float.
 #pragma GCC unroll 8
     for (int h = 0; h < H; ++h) {
-      const __m256 ws = _mm256_loadu_ps(wsp + ((p0 + h / 2) * groups + g) * 16 + 8 * (h % 2));
+      const __m256 ws = _mm256_loadu_ps(wsp + (p0 * groups + g) * 16 + 8 * h);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         float* out = y + (m0 + r) * N + 16 * p0 + 8 * h;
@@ -87,8 +87,8 @@ void int8_panel_dot_maddubs(const int8_t* q, const float* x_scale, const int8_t*
                             int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1) {
   const int64_t p0 = (n0 + 15) / 16, p1 = (n1 + 15) / 16;  // the panels that start in [n0, n1)
   with_prefetch(prefetch_policy(), [&](auto policy) {
-    const auto tile = [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
-      maddubs_panel_tile<decltype(rows)::value, decltype(panels)::value, decltype(policy)::value>(
+    const auto tile = [&](auto rows, auto, int64_t m, int64_t p, int64_t k0, int64_t k1) {  // one panel per tile
+      maddubs_panel_tile<decltype(rows)::value, decltype(policy)::value>(
           q, x_scale, wp, wsp, out, m, p, N, K, G, k0, k1);
     };
     if (M <= 1)  // one panel at a time: wider tiles measured slower at 1 row (13.7 / 14.5 / 15.0 ms per forward)

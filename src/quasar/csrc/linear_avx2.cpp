@@ -287,8 +287,9 @@ std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::
   for (size_t i = 0; i < w.size(); ++i) {
     w[i] = w[i].contiguous();
     const bool packed = w[i].dim() == 4;  // [N/16][K/4][16][4] uint8 w + 128 or int8 w, w_scale [N/16][K/G][16]
-    TORCH_CHECK(!packed || ((w[i].dtype() == torch::kUInt8 || w[i].dtype() == torch::kInt8) && w[i].size(1) * 4 == K &&
-                            w[i].size(2) == 16 && w[i].size(3) == 4 && w_scale[i].dim() == 3 && w_scale[i].size(2) == 16),
+    const bool bytes = w[i].dtype() == torch::kUInt8 || w[i].dtype() == torch::kInt8;
+    TORCH_CHECK(!packed || (bytes && w[i].size(1) * 4 == K && w[i].size(2) == 16 && w[i].size(3) == 4 &&
+                            w_scale[i].dim() == 3 && w_scale[i].size(2) == 16),
                 "packed uint8 w + 128 or int8 w [N/16, K/4, 16, 4] with w_scale [N/16, K/G, 16] expected");
     if (!packed) check_int8_weight(w[i], K);
     const int64_t N = packed ? w[i].size(0) * 16 : w[i].size(0);
