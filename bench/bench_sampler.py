@@ -2,7 +2,8 @@
 
 `sorted` is the path quasar had before issue 19: temperature, top-k, softmax, a full sort for top-p, then
 torch.multinomial over the vocabulary, for every row of the step. `quasar` is quasar.sampling: one threshold
-per filter (top-p by widening partial selection), weights computed only for the rows rejection sampling
+per filter (on quasar's kernel top-k and top-p find theirs by octaves of the weights and a selection inside
+one octave; torch's partial selection elsewhere), weights computed only for the rows rejection sampling
 reaches, one uniform number inverted through a float64 running sum, in buffers the request reuses.
 Both run interleaved in one process on the same logits; we report median microseconds and the ratio.
 

@@ -144,3 +144,49 @@ def test_the_greedy_token_on_the_kernel_is_torch_argmax():
         logits[5] = torch.arange(V, dtype=torch.float32).flip(0)  # the largest value first
         assert native.loaded().argmax_rows(logits).tolist() == logits.argmax(-1).tolist()
         assert argmax_rows(logits).tolist() == logits.argmax(-1).tolist()
+
+
+def walked_cut(logits: torch.Tensor, weights: torch.Tensor, top_k: int, top_p: float) -> tuple[float, float]:
+    """One row's cut the textbook way, in float64: tokens in descending logit order, top-k's cut at the k-th, then
+    top-p's at the first token where the running mass of what top-k kept reaches top_p of it -> (the cut, how far
+    the running mass at the tokens around it lies from the target, relative to it: how near a rounding is)."""
+    order = logits.double().sort(descending=True).values
+    cut, room = float("-inf"), float("inf")
+    if 0 < top_k < logits.numel():
+        cut = float(order[top_k - 1])
+    if top_p < 1:
+        kept = logits >= cut
+        values, index = logits[kept].double().sort(descending=True)
+        running = weights[kept].double()[index].cumsum(0)
+        target = top_p * float(running[-1])
+        at = int((running < target).sum())
+        cut = float(values[min(at, values.numel() - 1)])
+        room = float((running - target).abs().min() / target)
+    return cut, room
+
+
+@needs_kernels
+@pytest.mark.parametrize("V", [5, 1000, 49152])
+def test_filter_cuts_walk_the_sorted_row(V):
+    """The kernel's top-k / top-p cut (octaves of the weights, then a selection in one octave) is the logit a walk of
+    the sorted row stops at, for rows with many ties, -inf logits, weights that underflow to 0 at low temperature and
+    flat rows whose nucleus holds most of the vocabulary."""
+    kernel = native.kernel()
+    g = torch.Generator().manual_seed(V)
+    rows = [torch.randn(V, generator=g) * 3, torch.randint(-4, 5, (V,), generator=g).float(),  # many ties
+            torch.randn(V, generator=g) * 0.01, torch.randn(V, generator=g) * 30]  # flat; most weights underflow
+    rows[0][: V // 5] = float("-inf")
+    logits = torch.stack(rows)
+    checked = 0
+    for temperature in (0.05, 0.7, 1.0, 1.5):
+        weights = torch.empty_like(logits)
+        kernel.sampling_weights(logits, weights, 1.0 / temperature)
+        for top_k, top_p in ((0, 0.9), (0, 0.5), (0, 0.999), (3, 1), (50, 1), (V, 1), (40, 0.8), (1, 0.5), (0, 1)):
+            cuts = kernel.filter_cuts(logits, weights, top_k, top_p)
+            assert cuts.shape == (4, 1) and cuts.dtype == torch.float32
+            for r in range(4):
+                expected, room = walked_cut(logits[r], weights[r], top_k, top_p)
+                if room > 1e-9:  # float64 sums in another order may round to either side of a token this near
+                    assert cuts[r, 0].item() == expected, (temperature, top_k, top_p, r)
+                    checked += 1
+    assert checked > 120  # of 144

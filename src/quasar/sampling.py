@@ -90,7 +90,10 @@ def weights_and_sums(logits: torch.Tensor, params: SamplingParams, out: torch.Te
     if kernel is None:
         return filtered_weights(logits, params, out).sum(-1).tolist()
     sums = kernel.sampling_weights(logits, out, 1.0 / params.temperature)
-    keep_from = lowest_kept(logits, params, lambda: torch.tensor(sums)[:, None])
+    keep_from = None
+    if params.top_k > 0 or params.top_p < 1:  # by octaves of the weights and a selection, no torch.topk
+        keep_from = kernel.filter_cuts(logits, out, params.top_k, params.top_p)
+    keep_from = with_min_p(keep_from, logits, params)
     return sums if keep_from is None else kernel.keep_weights(logits, out, keep_from)
 
 
@@ -98,24 +101,29 @@ def lowest_kept(logits: torch.Tensor, params: SamplingParams, mass_of_all: Calla
                 ) -> torch.Tensor | None:
     """The lowest logit the filters keep [R, 1] (top-k, then top-p over what top-k kept, then min-p), None when no
     filter is on; mass_of_all() gives the rows' summed weights [R, 1] (top-p without top-k needs them)."""
-    if params.top_k <= 0 and params.top_p >= 1 and params.min_p <= 0:
-        return None
-    top = logits.amax(-1, keepdim=True)  # [R, 1]
-    inv_t = 1.0 / params.temperature
     keep_from = None  # [R, 1] the lowest kept logit
     if params.top_k > 0:
         kept = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values  # [R, top_k] descending
         keep_from = kept[:, -1:]
     if params.top_p < 1:
+        top = logits.amax(-1, keepdim=True)  # [R, 1]
+        inv_t = 1.0 / params.temperature
         if params.top_k > 0:
             mass = (kept - top).mul_(inv_t).exp_().sum(-1, keepdim=True)  # [R, 1] what top-k kept
         else:
             mass = mass_of_all()
         keep_from = nucleus_start(logits, top, inv_t, mass, params)
-    if params.min_p > 0:
-        relative = top + math.log(params.min_p) / inv_t  # [R, 1]: weight >= min_p * the top token's
-        keep_from = relative if keep_from is None else torch.maximum(keep_from, relative)
-    return keep_from
+    return with_min_p(keep_from, logits, params)
+
+
+def with_min_p(keep_from: torch.Tensor | None, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
+    """The lowest kept logit [R, 1] once min-p (a weight of at least min_p times the top token's) joins the other
+    filters' `keep_from` (None: no other filter)."""
+    if params.min_p <= 0:
+        return keep_from
+    inv_t = 1.0 / params.temperature  # as the weights exp((logit - top) * inv_t) have it
+    relative = logits.amax(-1, keepdim=True) + math.log(params.min_p) / inv_t  # [R, 1]
+    return relative if keep_from is None else torch.maximum(keep_from, relative)
 
 
 def nucleus_start(logits: torch.Tensor, top: torch.Tensor, inv_t: float, mass: torch.Tensor,

@@ -35,6 +35,7 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 // Sampling at temperature > 0 (logits.cpp, quasar.sampling): the weights exp((logits - max) * inv_t) and their row
 // sums, the filters' cut, and one draw by the running float64 sum.
 std::vector<double> sampling_weights(torch::Tensor logits, torch::Tensor out, double inv_t);
+torch::Tensor filter_cuts(torch::Tensor logits, torch::Tensor weights, int64_t top_k, double top_p);
 std::vector<double> keep_weights(torch::Tensor logits, torch::Tensor weights, torch::Tensor keep_from);
 int64_t draw_index(torch::Tensor weights, double u);
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,

@@ -1,5 +1,6 @@
 // The verifier's logits rows to tokens: the greedy token of each row (argmax_rows), and at temperature > 0 the
-// sampling weights, the filters' cut and one draw (sampling_weights, keep_weights, draw_index; quasar.sampling).
+// sampling weights, the filters' cut and one draw (sampling_weights, filter_cuts, keep_weights, draw_index;
+// quasar.sampling).
 //
 // torch.argmax on one 49k-vocabulary row took 90 us warm and 140 us right after a forward on a 2-core VM
 // (a parallel reduction's dispatch and fork for a few microseconds of work); a verify step takes it over
@@ -11,6 +12,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -133,8 +135,18 @@ std::vector<double> keep_weights(torch::Tensor logits, torch::Tensor weights, to
     const float* row = logits.data_ptr<float>() + r * V;
     float* w = weights.data_ptr<float>() + r * V;
     const float from = keep_from.data_ptr<float>()[r];
-    double sum = 0;
-    for (int64_t v = 0; v < V; ++v) {
+    const __m256 from8 = _mm256_set1_ps(from);
+    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();  // the sums in sampling_weights' order
+    int64_t v = 0;
+    for (; v + 8 <= V; v += 8) {
+      const __m256 kept = _mm256_and_ps(_mm256_loadu_ps(w + v),
+                                        _mm256_cmp_ps(_mm256_loadu_ps(row + v), from8, _CMP_NLT_UQ));
+      _mm256_storeu_ps(w + v, kept);
+      lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(kept)));
+      hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(kept, 1)));
+    }
+    double sum = lane_sum(lo, hi);
+    for (; v < V; ++v) {
       if (row[v] < from) w[v] = 0.f;
       sum += w[v];
     }
@@ -143,17 +155,185 @@ std::vector<double> keep_weights(torch::Tensor logits, torch::Tensor weights, to
   return sums;
 }
 
+// ---- the filters' cut (top-k, then top-p over what top-k keeps) without sorting the vocabulary -------------
+
+namespace {
+
+// A token as a cut walks the row: its logit and what it adds to the running measure (its weight, or 1).
+struct Walked {
+  float logit;
+  double measure;
+};
+
+// The logit of the token at which the running measure, walking `tokens` in descending logit order, first
+// reaches `target` (the tokens tying with it share its logit); the lowest logit when it never does (rounding).
+// Selection by three-way partitions around a pivot logit: O(n) expected, no sort.
+float reach(std::vector<Walked>& tokens, double target) {
+  Walked* t = tokens.data();
+  size_t n = tokens.size();
+  float lowest = INFINITY;
+  while (n > 0) {
+    float a = t[0].logit, b = t[n / 2].logit, c = t[n - 1].logit;
+    const float pivot = std::max(std::min(a, b), std::min(std::max(a, b), c));  // median of three
+    size_t above = 0, i = 0, below = n;  // [0, above) > pivot, [above, i) == pivot, [below, n) < pivot
+    double above_measure = 0, equal_measure = 0;
+    float above_lowest = INFINITY;
+    while (i < below) {
+      if (t[i].logit > pivot) {
+        above_measure += t[i].measure;
+        above_lowest = std::min(above_lowest, t[i].logit);
+        std::swap(t[i++], t[above++]);
+      } else if (t[i].logit < pivot) {
+        std::swap(t[i], t[--below]);
+      } else {
+        equal_measure += t[i++].measure;
+      }
+    }
+    if (above_measure >= target) {
+      n = above;
+      lowest = above_lowest;
+      continue;
+    }
+    if (above_measure + equal_measure >= target) return pivot;
+    target -= above_measure + equal_measure;
+    lowest = pivot;
+    t += below;
+    n -= below;
+  }
+  return lowest;
+}
+
+// The weight at which octave `band` of the weights starts: 2^(band - 127), a float's exponent field; band 0 also
+// holds the denormals and zeros.
+float band_start(int band) {
+  const uint32_t bits = static_cast<uint32_t>(band) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// What the tokens with a logit >= floor and a weight in [from, to) add up to: their weights (by_mass), or their
+// count; float64 lanes summed in a fixed order.
+double measure_between(const float* logits, const float* weights, int64_t V, float floor, float from, float to,
+                       bool by_mass) {
+  const __m256 floor8 = _mm256_set1_ps(floor), from8 = _mm256_set1_ps(from), to8 = _mm256_set1_ps(to);
+  const bool all_logits = floor == -INFINITY;
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  int64_t count = 0, v = 0;
+  for (; v + 8 <= V; v += 8) {
+    const __m256 w = _mm256_loadu_ps(weights + v);
+    __m256 in = _mm256_and_ps(_mm256_cmp_ps(w, from8, _CMP_GE_OQ), _mm256_cmp_ps(w, to8, _CMP_LT_OQ));
+    if (!all_logits) in = _mm256_and_ps(in, _mm256_cmp_ps(_mm256_loadu_ps(logits + v), floor8, _CMP_GE_OQ));
+    if (by_mass) {
+      const __m256 m = _mm256_and_ps(w, in);
+      lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(m)));
+      hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(m, 1)));
+    } else {
+      count += __builtin_popcount(_mm256_movemask_ps(in));
+    }
+  }
+  double sum = lane_sum(lo, hi);
+  for (; v < V; ++v) {
+    if (weights[v] >= from && weights[v] < to && logits[v] >= floor) {
+      sum += by_mass ? weights[v] : 0.0;
+      ++count;
+    }
+  }
+  return by_mass ? sum : static_cast<double>(count);
+}
+
+// The lowest logit a cut keeps in one row: walking the tokens with a logit >= floor in descending logit order,
+// the one at which the running measure reaches the target, where the measure is each token's weight (by_mass:
+// the target is top_p of the walked tokens' mass) or 1 (the target is k). The weights (exp((logit - max) / T) <= 1,
+// in the logits' order) fall into octaves by their float exponent: a search over octaves, each step one
+// vectorised pass, finds the octave where the target falls; only its tokens are selected in.
+float cut_row(const float* logits, const float* weights, int64_t V, float floor, bool by_mass, double top) {
+  const float none = INFINITY;
+  const double all = measure_between(logits, weights, V, floor, 0.f, none, by_mass);
+  const double target = by_mass ? top * all : top;
+  if (!(all >= target) || !(target > 0)) return floor;  // k beyond the walked tokens: keep them all
+  // The measure from octave `found` on reaches the target, from `past` on it does not. Octaves are probed
+  // from the top down at doubling steps (a nucleus mostly lies in the top few), then halved between.
+  int found = 0, past = 128;
+  double from_past = 0;
+  for (int step = 1; past - step > 0; step *= 2) {
+    const double from_probe = measure_between(logits, weights, V, floor, band_start(past - step), none, by_mass);
+    if (from_probe >= target) {
+      found = past - step;
+      break;
+    }
+    past -= step, from_past = from_probe;
+  }
+  while (past - found > 1) {
+    const int mid = (found + past) / 2;
+    const double from_mid = measure_between(logits, weights, V, floor, band_start(mid), none, by_mass);
+    if (from_mid >= target)
+      found = mid;
+    else
+      past = mid, from_past = from_mid;
+  }
+  const float from = found ? band_start(found) : 0.f, to = past < 128 ? band_start(past) : none;
+  static thread_local std::vector<Walked> tokens;
+  tokens.clear();
+  const __m256 floor8 = _mm256_set1_ps(floor), from8 = _mm256_set1_ps(from), to8 = _mm256_set1_ps(to);
+  auto take = [&](int64_t v) {
+    if (weights[v] >= from && weights[v] < to && logits[v] >= floor)
+      tokens.push_back({logits[v], by_mass ? weights[v] : 1.0});
+  };
+  int64_t v = 0;
+  for (; v + 8 <= V; v += 8) {
+    const __m256 w = _mm256_loadu_ps(weights + v);
+    const __m256 band = _mm256_and_ps(_mm256_cmp_ps(w, from8, _CMP_GE_OQ), _mm256_cmp_ps(w, to8, _CMP_LT_OQ));
+    const __m256 in = _mm256_and_ps(band, _mm256_cmp_ps(_mm256_loadu_ps(logits + v), floor8, _CMP_GE_OQ));
+    for (int bits = _mm256_movemask_ps(in); bits; bits &= bits - 1) take(v + __builtin_ctz(bits));
+  }
+  for (; v < V; ++v) take(v);
+  return reach(tokens, target - from_past);
+}
+
+}  // namespace
+
+// The lowest logit the filters top-k (top_k > 0) and then top-p (top_p < 1, over the tokens top-k keeps) keep in each
+// row of logits [R, V], given its weights exp((logits - max) * inv_t) (sampling_weights) -> float32 [R, 1]; -inf
+// where neither filter is on. In descending logit order a token is kept while fewer than k tokens / less than
+// top_p of the mass lie ahead of it; tokens tying with the last one kept are kept too. Sums in float64.
+torch::Tensor filter_cuts(torch::Tensor logits, torch::Tensor weights, int64_t top_k, double top_p) {
+  check_rows(logits, "logits");
+  check_rows(weights, "weights");
+  TORCH_CHECK(weights.sizes() == logits.sizes(), "weights of the logits' shape expected");
+  TORCH_CHECK(top_k >= 0 && top_p > 0 && top_p <= 1, "top_k >= 0 and top_p in (0, 1] expected");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  auto out = torch::empty({R, 1}, logits.options());
+  for (int64_t r = 0; r < R; ++r) {
+    const float *row = logits.data_ptr<float>() + r * V, *w = weights.data_ptr<float>() + r * V;
+    float floor = -INFINITY;
+    if (top_k > 0 && top_k < V) floor = cut_row(row, w, V, floor, false, static_cast<double>(top_k));
+    if (top_p < 1) floor = cut_row(row, w, V, floor, true, top_p);
+    out.data_ptr<float>()[r] = floor;
+  }
+  return out;
+}
+
 // One index from weights [V] (>= 0) at the uniform number u in [0, 1): the first v whose running float64 sum
-// passes u * total, as torch.searchsorted(torch.cumsum(weights, 0, dtype=float64), u * total, right=True); the last
-// nonzero weight's index where rounding carries u * total to the total; -1 when every weight is 0.
+// passes u * total, as torch.searchsorted(torch.cumsum(weights, 0, dtype=float64), u * total, right=True) (the
+// total summed in lanes); the last nonzero weight's index where rounding carries u * total past the running sum's
+// end; -1 when every weight is 0.
 int64_t draw_index(torch::Tensor weights, double u) {
   TORCH_CHECK(weights.dtype() == torch::kFloat32 && weights.dim() == 1 && weights.is_contiguous() && weights.device().is_cpu(),
               "contiguous float32 CPU weights [V] expected");
   const float* w = weights.data_ptr<float>();
   const int64_t V = weights.size(0);
-  double total = 0;
-  int64_t last = -1;
-  for (int64_t v = 0; v < V; ++v) {
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  int64_t last = -1, v = 0;
+  for (; v + 8 <= V; v += 8) {
+    const __m256 x = _mm256_loadu_ps(w + v);
+    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
+    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
+    const int nonzero = _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_NEQ_UQ));
+    if (nonzero) last = v + 31 - __builtin_clz(nonzero);
+  }
+  double total = lane_sum(lo, hi);  // in lanes; the running sum below is torch's sequential one
+  for (; v < V; ++v) {
     total += w[v];
     if (w[v] != 0.f) last = v;
   }
