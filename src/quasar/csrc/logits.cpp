@@ -244,26 +244,55 @@ double measure_between(const float* logits, const float* weights, int64_t V, flo
 
 // The lowest logit a cut keeps in one row: walking the tokens with a logit >= floor in descending logit order,
 // the one at which the running measure reaches the target, where the measure is each token's weight (by_mass:
-// the target is top_p of the walked tokens' mass) or 1 (the target is k). The weights (exp((logit - max) / T) <= 1,
-// in the logits' order) fall into octaves by their float exponent: a search over octaves, each step one
-// vectorised pass, finds the octave where the target falls; only its tokens are selected in.
+// the target is top_p of the walked tokens' mass) or 1 (the target is k). One vectorised pass sums the measure
+// and gathers the head, the tokens weighing at least 2^-12 (top-p) or 2^-24 (top-k) of the top one (in the logits'
+// order, so the head is the walk's start): where the head reaches the target (it mostly does), the cut is
+// selected in it.
+// Otherwise the weights fall into octaves by their float exponent: a search over octaves, each step one pass,
+// finds the octave where the target falls, and the cut is selected in that octave.
 float cut_row(const float* logits, const float* weights, int64_t V, float floor, bool by_mass, double top) {
-  const float none = INFINITY;
-  const double all = measure_between(logits, weights, V, floor, 0.f, none, by_mass);
+  constexpr size_t kMaxHead = 4096;
+  const float head_from = band_start(by_mass ? 127 - 12 : 127 - 24);  // k tokens reach further down
+  static thread_local std::vector<Walked> tokens;
+  tokens.clear();
+  const __m256 floor8 = _mm256_set1_ps(floor), head8 = _mm256_set1_ps(head_from);
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  int64_t count = 0, v = 0;
+  bool head_whole = true;
+  auto walked = [&](int64_t i) { return Walked{logits[i], by_mass ? weights[i] : 1.0}; };
+  for (; v + 8 <= V; v += 8) {
+    const __m256 w = _mm256_loadu_ps(weights + v);
+    const __m256 in = _mm256_and_ps(_mm256_cmp_ps(w, _mm256_setzero_ps(), _CMP_GE_OQ),
+                                    _mm256_cmp_ps(_mm256_loadu_ps(logits + v), floor8, _CMP_GE_OQ));
+    const __m256 m = _mm256_and_ps(w, in);
+    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(m)));
+    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(m, 1)));
+    count += __builtin_popcount(_mm256_movemask_ps(in));
+    const int head = _mm256_movemask_ps(_mm256_and_ps(in, _mm256_cmp_ps(w, head8, _CMP_GE_OQ)));
+    if (head && head_whole) {
+      for (int bits = head; bits; bits &= bits - 1) tokens.push_back(walked(v + __builtin_ctz(bits)));
+      head_whole = tokens.size() <= kMaxHead;
+    }
+  }
+  double mass = lane_sum(lo, hi);
+  for (; v < V; ++v) {
+    if (!(weights[v] >= 0.f && logits[v] >= floor)) continue;
+    mass += weights[v];
+    ++count;
+    if (weights[v] >= head_from && head_whole) tokens.push_back(walked(v));
+  }
+  const double all = by_mass ? mass : static_cast<double>(count);
   const double target = by_mass ? top * all : top;
   if (!(all >= target) || !(target > 0)) return floor;  // k beyond the walked tokens: keep them all
-  // The measure from octave `found` on reaches the target, from `past` on it does not. Octaves are probed
-  // from the top down at doubling steps (a nucleus mostly lies in the top few), then halved between.
+  if (head_whole && tokens.size() <= kMaxHead) {
+    double head = 0;
+    for (const Walked& t : tokens) head += t.measure;
+    if (head >= target) return reach(tokens, target);
+  }
+  // The measure from octave `found` on reaches the target, from `past` on it does not.
+  const float none = INFINITY;
   int found = 0, past = 128;
   double from_past = 0;
-  for (int step = 1; past - step > 0; step *= 2) {
-    const double from_probe = measure_between(logits, weights, V, floor, band_start(past - step), none, by_mass);
-    if (from_probe >= target) {
-      found = past - step;
-      break;
-    }
-    past -= step, from_past = from_probe;
-  }
   while (past - found > 1) {
     const int mid = (found + past) / 2;
     const double from_mid = measure_between(logits, weights, V, floor, band_start(mid), none, by_mass);
@@ -273,15 +302,12 @@ float cut_row(const float* logits, const float* weights, int64_t V, float floor,
       past = mid, from_past = from_mid;
   }
   const float from = found ? band_start(found) : 0.f, to = past < 128 ? band_start(past) : none;
-  static thread_local std::vector<Walked> tokens;
   tokens.clear();
-  const __m256 floor8 = _mm256_set1_ps(floor), from8 = _mm256_set1_ps(from), to8 = _mm256_set1_ps(to);
-  auto take = [&](int64_t v) {
-    if (weights[v] >= from && weights[v] < to && logits[v] >= floor)
-      tokens.push_back({logits[v], by_mass ? weights[v] : 1.0});
+  const __m256 from8 = _mm256_set1_ps(from), to8 = _mm256_set1_ps(to);
+  auto take = [&](int64_t i) {
+    if (weights[i] >= from && weights[i] < to && logits[i] >= floor) tokens.push_back(walked(i));
   };
-  int64_t v = 0;
-  for (; v + 8 <= V; v += 8) {
+  for (v = 0; v + 8 <= V; v += 8) {
     const __m256 w = _mm256_loadu_ps(weights + v);
     const __m256 band = _mm256_and_ps(_mm256_cmp_ps(w, from8, _CMP_GE_OQ), _mm256_cmp_ps(w, to8, _CMP_LT_OQ));
     const __m256 in = _mm256_and_ps(band, _mm256_cmp_ps(_mm256_loadu_ps(logits + v), floor8, _CMP_GE_OQ));
