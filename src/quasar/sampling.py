@@ -91,7 +91,7 @@ def weights_and_sums(logits: torch.Tensor, params: SamplingParams, out: torch.Te
         return filtered_weights(logits, params, out).sum(-1).tolist()
     sums = kernel.sampling_weights(logits, out, 1.0 / params.temperature)
     keep_from = None
-    if params.top_k > 0 or params.top_p < 1:  # by octaves of the weights and a selection, no torch.topk
+    if params.top_k > 0 or params.top_p < 1:  # a selection in the row's head (or one octave), no torch.topk
         keep_from = kernel.filter_cuts(logits, out, params.top_k, params.top_p)
     keep_from = with_min_p(keep_from, logits, params)
     return sums if keep_from is None else kernel.keep_weights(logits, out, keep_from)

@@ -32,7 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "the first index of the largest value of each row, as torch.argmax", NoGil());
   m.def("sampling_weights", &sampling_weights, "exp((logits - max) * inv_t) into out, row by row; the rows' sums", NoGil());
   m.def("filter_cuts", &filter_cuts, "the lowest logit top-k, then top-p, keep in each row [R, 1] (-inf: both off), "
-        "by octaves of the weights and a selection, no sort", NoGil());
+        "by a selection in the row's head (or in one octave of its weights), no sort", NoGil());
   m.def("keep_weights", &keep_weights, "zero the weights whose logit is below the row's threshold; the rows' sums", NoGil());
   m.def("draw_index", &draw_index, "the index where the running float64 sum of weights passes u * total (-1: all 0)", NoGil());
   m.def("decode_attention", &decode_attention, "rope, cache write and causal attention for a few new tokens", NoGil());

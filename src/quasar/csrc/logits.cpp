@@ -247,9 +247,8 @@ double measure_between(const float* logits, const float* weights, int64_t V, flo
 // the target is top_p of the walked tokens' mass) or 1 (the target is k). One vectorised pass sums the measure
 // and gathers the head, the tokens weighing at least 2^-12 (top-p) or 2^-24 (top-k) of the top one (in the logits'
 // order, so the head is the walk's start): where the head reaches the target (it mostly does), the cut is
-// selected in it.
-// Otherwise the weights fall into octaves by their float exponent: a search over octaves, each step one pass,
-// finds the octave where the target falls, and the cut is selected in that octave.
+// selected in it. Otherwise the weights fall into octaves by their float exponent: a binary search over octaves,
+// one pass a step, finds the octave where the target falls, and the cut is selected in that octave.
 float cut_row(const float* logits, const float* weights, int64_t V, float floor, bool by_mass, double top) {
   constexpr size_t kMaxHead = 4096;
   const float head_from = band_start(by_mass ? 127 - 12 : 127 - 24);  // k tokens reach further down
