@@ -168,9 +168,9 @@ def walked_cut(logits: torch.Tensor, weights: torch.Tensor, top_k: int, top_p: f
 @needs_kernels
 @pytest.mark.parametrize("V", [5, 1000, 49152])
 def test_filter_cuts_walk_the_sorted_row(V):
-    """The kernel's top-k / top-p cut (octaves of the weights, then a selection in one octave) is the logit a walk of
-    the sorted row stops at, for rows with many ties, -inf logits, weights that underflow to 0 at low temperature and
-    flat rows whose nucleus holds most of the vocabulary."""
+    """The kernel's top-k / top-p cut (a selection in the row's head, or in one octave of its weights) is the logit a
+    walk of the sorted row stops at, for rows with many ties, -inf logits, weights that underflow to 0 at low
+    temperature and flat rows whose nucleus holds most of the vocabulary (the octave search)."""
     kernel = native.kernel()
     g = torch.Generator().manual_seed(V)
     rows = [torch.randn(V, generator=g) * 3, torch.randint(-4, 5, (V,), generator=g).float(),  # many ties

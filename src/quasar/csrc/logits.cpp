@@ -12,6 +12,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -68,11 +69,19 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 
 namespace {
 
-double lane_sum(__m256d a, __m256d b) {
-  alignas(32) double s[4];
-  _mm256_store_pd(s, _mm256_add_pd(a, b));
-  return (s[0] + s[1]) + (s[2] + s[3]);
-}
+// A float64 sum of float32 vectors in 8 lanes (two registers of 4), read out in a fixed order.
+struct LaneSum {
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  void add(__m256 x) {
+    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
+    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
+  }
+  double sum() const {
+    alignas(32) double s[4];
+    _mm256_store_pd(s, _mm256_add_pd(lo, hi));
+    return (s[0] + s[1]) + (s[2] + s[3]);
+  }
+};
 
 void check_rows(const torch::Tensor& t, const char* what) {
   TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 2 && t.is_contiguous() && t.device().is_cpu(),
@@ -102,16 +111,15 @@ std::vector<double> sampling_weights(torch::Tensor logits, torch::Tensor out, do
     for (float lane : lanes) top = std::max(top, lane);
     for (; v < V; ++v) top = std::max(top, row[v]);
     const __m256 top8 = _mm256_set1_ps(top), scale8 = _mm256_set1_ps(scale);
-    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+    LaneSum acc;
     for (v = 0; v + 8 <= V; v += 8) {
       const __m256 x = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row + v), top8), scale8);
       // exp8 stops at exp(-87.3); below that (a -inf logit among them) the weight is 0, as a filtered-out token's
       const __m256 e = _mm256_and_ps(exp8(x), _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365f), _CMP_GE_OQ));
       _mm256_storeu_ps(w + v, e);
-      lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-      hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+      acc.add(e);
     }
-    double sum = lane_sum(lo, hi);
+    double sum = acc.sum();
     for (; v < V; ++v) {
       const float x = (row[v] - top) * scale;
       w[v] = x >= -87.3365f ? std::exp(x) : 0.f;
@@ -136,16 +144,15 @@ std::vector<double> keep_weights(torch::Tensor logits, torch::Tensor weights, to
     float* w = weights.data_ptr<float>() + r * V;
     const float from = keep_from.data_ptr<float>()[r];
     const __m256 from8 = _mm256_set1_ps(from);
-    __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();  // the sums in sampling_weights' order
+    LaneSum acc;  // the sums in sampling_weights' order
     int64_t v = 0;
     for (; v + 8 <= V; v += 8) {
       const __m256 kept = _mm256_and_ps(_mm256_loadu_ps(w + v),
                                         _mm256_cmp_ps(_mm256_loadu_ps(row + v), from8, _CMP_NLT_UQ));
       _mm256_storeu_ps(w + v, kept);
-      lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(kept)));
-      hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(kept, 1)));
+      acc.add(kept);
     }
-    double sum = lane_sum(lo, hi);
+    double sum = acc.sum();
     for (; v < V; ++v) {
       if (row[v] < from) w[v] = 0.f;
       sum += w[v];
@@ -218,7 +225,7 @@ double measure_between(const float* logits, const float* weights, int64_t V, flo
                        bool by_mass) {
   const __m256 floor8 = _mm256_set1_ps(floor), from8 = _mm256_set1_ps(from), to8 = _mm256_set1_ps(to);
   const bool all_logits = floor == -INFINITY;
-  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  LaneSum acc;
   int64_t count = 0, v = 0;
   for (; v + 8 <= V; v += 8) {
     const __m256 w = _mm256_loadu_ps(weights + v);
@@ -226,13 +233,12 @@ double measure_between(const float* logits, const float* weights, int64_t V, flo
     if (!all_logits) in = _mm256_and_ps(in, _mm256_cmp_ps(_mm256_loadu_ps(logits + v), floor8, _CMP_GE_OQ));
     if (by_mass) {
       const __m256 m = _mm256_and_ps(w, in);
-      lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(m)));
-      hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(m, 1)));
+      acc.add(m);
     } else {
       count += __builtin_popcount(_mm256_movemask_ps(in));
     }
   }
-  double sum = lane_sum(lo, hi);
+  double sum = acc.sum();
   for (; v < V; ++v) {
     if (weights[v] >= from && weights[v] < to && logits[v] >= floor) {
       sum += by_mass ? weights[v] : 0.0;
@@ -242,54 +248,49 @@ double measure_between(const float* logits, const float* weights, int64_t V, flo
   return by_mass ? sum : static_cast<double>(count);
 }
 
-// The lowest logit a cut keeps in one row: walking the tokens with a logit >= floor in descending logit order,
-// the one at which the running measure reaches the target, where the measure is each token's weight (by_mass:
-// the target is top_p of the walked tokens' mass) or 1 (the target is k). One vectorised pass sums the measure
-// and gathers the head, the tokens weighing at least 2^-12 (top-p) or 2^-24 (top-k) of the top one (in the logits'
-// order, so the head is the walk's start): where the head reaches the target (it mostly does), the cut is
-// selected in it. Otherwise the weights fall into octaves by their float exponent: a binary search over octaves,
-// one pass a step, finds the octave where the target falls, and the cut is selected in that octave.
-float cut_row(const float* logits, const float* weights, int64_t V, float floor, bool by_mass, double top) {
-  constexpr size_t kMaxHead = 4096;
-  const float head_from = band_start(by_mass ? 127 - 12 : 127 - 24);  // k tokens reach further down
-  static thread_local std::vector<Walked> tokens;
+// Gathers the tokens with a logit >= floor and a weight in [from, to) into `tokens`, in index order; false (and
+// `tokens` incomplete) as soon as more than `limit` are found.
+bool gather(const float* logits, const float* weights, int64_t V, float floor, float from, float to, bool by_mass,
+            std::vector<Walked>& tokens, size_t limit) {
   tokens.clear();
-  const __m256 floor8 = _mm256_set1_ps(floor), head8 = _mm256_set1_ps(head_from);
-  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
-  int64_t count = 0, v = 0;
-  bool head_whole = true;
-  auto walked = [&](int64_t i) { return Walked{logits[i], by_mass ? weights[i] : 1.0}; };
+  const __m256 floor8 = _mm256_set1_ps(floor), from8 = _mm256_set1_ps(from), to8 = _mm256_set1_ps(to);
+  auto take = [&](int64_t i) {
+    if (weights[i] >= from && weights[i] < to && logits[i] >= floor)
+      tokens.push_back({logits[i], by_mass ? weights[i] : 1.0});
+  };
+  int64_t v = 0;
   for (; v + 8 <= V; v += 8) {
     const __m256 w = _mm256_loadu_ps(weights + v);
-    const __m256 in = _mm256_and_ps(_mm256_cmp_ps(w, _mm256_setzero_ps(), _CMP_GE_OQ),
-                                    _mm256_cmp_ps(_mm256_loadu_ps(logits + v), floor8, _CMP_GE_OQ));
-    const __m256 m = _mm256_and_ps(w, in);
-    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(m)));
-    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(m, 1)));
-    count += __builtin_popcount(_mm256_movemask_ps(in));
-    const int head = _mm256_movemask_ps(_mm256_and_ps(in, _mm256_cmp_ps(w, head8, _CMP_GE_OQ)));
-    if (head && head_whole) {
-      for (int bits = head; bits; bits &= bits - 1) tokens.push_back(walked(v + __builtin_ctz(bits)));
-      head_whole = tokens.size() <= kMaxHead;
-    }
+    const __m256 band = _mm256_and_ps(_mm256_cmp_ps(w, from8, _CMP_GE_OQ), _mm256_cmp_ps(w, to8, _CMP_LT_OQ));
+    const __m256 in = _mm256_and_ps(band, _mm256_cmp_ps(_mm256_loadu_ps(logits + v), floor8, _CMP_GE_OQ));
+    for (int bits = _mm256_movemask_ps(in); bits; bits &= bits - 1) take(v + __builtin_ctz(bits));
+    if (tokens.size() > limit) return false;
   }
-  double mass = lane_sum(lo, hi);
-  for (; v < V; ++v) {
-    if (!(weights[v] >= 0.f && logits[v] >= floor)) continue;
-    mass += weights[v];
-    ++count;
-    if (weights[v] >= head_from && head_whole) tokens.push_back(walked(v));
-  }
-  const double all = by_mass ? mass : static_cast<double>(count);
+  for (; v < V; ++v) take(v);
+  return tokens.size() <= limit;
+}
+
+// The lowest logit a cut keeps in one row: walking the tokens with a logit >= floor in descending logit order,
+// the one at which the running measure reaches the target, where the measure is each token's weight (by_mass:
+// the target is top_p of the walked tokens' mass) or 1 (the target is k). The weights (exp((logit - max) / T) <= 1)
+// are in the logits' order, so the tokens weighing at least some w form the walk's start. First the head, the
+// tokens weighing at least 2^-12 (top-p) or 2^-24 (top-k) of the top one: where it reaches the target (it mostly
+// does), the cut is selected in it. Otherwise the weights fall into octaves by their float exponent: a binary
+// search over octaves, one pass a step, finds the octave where the target falls, and the cut is selected there.
+float cut_row(const float* logits, const float* weights, int64_t V, float floor, bool by_mass, double top) {
+  constexpr size_t kMaxHead = 4096;
+  const float none = INFINITY;
+  const double all = measure_between(logits, weights, V, floor, 0.f, none, by_mass);
   const double target = by_mass ? top * all : top;
   if (!(all >= target) || !(target > 0)) return floor;  // k beyond the walked tokens: keep them all
-  if (head_whole && tokens.size() <= kMaxHead) {
+  static thread_local std::vector<Walked> tokens;
+  const float head_from = band_start(by_mass ? 127 - 12 : 127 - 24);  // k tokens reach further down
+  if (gather(logits, weights, V, floor, head_from, none, by_mass, tokens, kMaxHead)) {
     double head = 0;
     for (const Walked& t : tokens) head += t.measure;
     if (head >= target) return reach(tokens, target);
   }
   // The measure from octave `found` on reaches the target, from `past` on it does not.
-  const float none = INFINITY;
   int found = 0, past = 128;
   double from_past = 0;
   while (past - found > 1) {
@@ -300,19 +301,8 @@ float cut_row(const float* logits, const float* weights, int64_t V, float floor,
     else
       past = mid, from_past = from_mid;
   }
-  const float from = found ? band_start(found) : 0.f, to = past < 128 ? band_start(past) : none;
-  tokens.clear();
-  const __m256 from8 = _mm256_set1_ps(from), to8 = _mm256_set1_ps(to);
-  auto take = [&](int64_t i) {
-    if (weights[i] >= from && weights[i] < to && logits[i] >= floor) tokens.push_back(walked(i));
-  };
-  for (v = 0; v + 8 <= V; v += 8) {
-    const __m256 w = _mm256_loadu_ps(weights + v);
-    const __m256 band = _mm256_and_ps(_mm256_cmp_ps(w, from8, _CMP_GE_OQ), _mm256_cmp_ps(w, to8, _CMP_LT_OQ));
-    const __m256 in = _mm256_and_ps(band, _mm256_cmp_ps(_mm256_loadu_ps(logits + v), floor8, _CMP_GE_OQ));
-    for (int bits = _mm256_movemask_ps(in); bits; bits &= bits - 1) take(v + __builtin_ctz(bits));
-  }
-  for (; v < V; ++v) take(v);
+  gather(logits, weights, V, floor, found ? band_start(found) : 0.f, past < 128 ? band_start(past) : none, by_mass,
+         tokens, SIZE_MAX);
   return reach(tokens, target - from_past);
 }
 
@@ -348,16 +338,15 @@ int64_t draw_index(torch::Tensor weights, double u) {
               "contiguous float32 CPU weights [V] expected");
   const float* w = weights.data_ptr<float>();
   const int64_t V = weights.size(0);
-  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  LaneSum acc;
   int64_t last = -1, v = 0;
   for (; v + 8 <= V; v += 8) {
     const __m256 x = _mm256_loadu_ps(w + v);
-    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
-    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
+    acc.add(x);
     const int nonzero = _mm256_movemask_ps(_mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_NEQ_UQ));
     if (nonzero) last = v + 31 - __builtin_clz(nonzero);
   }
-  double total = lane_sum(lo, hi);  // in lanes; the running sum below is torch's sequential one
+  double total = acc.sum();  // in lanes; the running sum below is torch's sequential one
   for (; v < V; ++v) {
     total += w[v];
     if (w[v] != 0.f) last = v;
