@@ -1,6 +1,7 @@
 """The fused CPU path (quasar.native): one kernel call per decoder layer for decode and verify steps.
 
-It must equal, bitwise, the same kernels called layer by layer from Python (the unfused path), stay
+It must equal, bitwise, the same kernels called layer by layer from Python (the unfused path; for packed W8A8
+steps of up to 32 rows the fused path runs every layer in one parallel region), stay
 close to the plain float path, and give a token the same logits alone and inside a verify block, on
 llama, qwen2 (q/k/v biases) and qwen3 (qk-norm) shapes and on W8A8, W8A16, bf16 (float32 or bf16 inputs)
 and float32 linears.
@@ -25,6 +26,10 @@ def make(kind: str, model_type: str, directory):
     model = load(directory, "fp32").model
     if kind in ("bf16", "bf16-inputs"):
         use_bf16_linears_(model, bf16_inputs=kind == "bf16-inputs")
+    elif kind.startswith("w8a8-g32"):  # the default verifier's scheme: packed panels, the layers in one region
+        quantize_(model, W8A8Config(group_size=32, lm_head=kind == "w8a8-g32-head"))  # -head: the lm_head too
+        if kind == "w8a8-g32":
+            use_bf16_linears_(model, ["lm_head"])
     elif kind != "fp32":
         quantize_(model, W8A8Config() if kind == "w8a8" else W8A16Config())
         use_bf16_linears_(model, ["lm_head"])
@@ -50,11 +55,21 @@ def steps(model, fused: bool | None) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["w8a8", "w8a16", "bf16", "bf16-inputs", "fp32"])
+@pytest.mark.parametrize("kind", ["w8a8", "w8a8-g32", "w8a8-g32-head", "w8a16", "bf16", "bf16-inputs", "fp32"])
 def test_fused_layer_equals_the_unfused_kernels(kind, model_dir):
     model = make(kind, "", model_dir)
     for fused, unfused in zip(steps(model, True), steps(model, False)):
         assert torch.equal(fused, unfused)
+
+
+@pytest.mark.parametrize("kind", ["w8a8-g32", "w8a8-g32-head", "w8a8", "w8a16", "bf16", "fp32"])
+def test_small_steps_of_packed_w8a8_run_in_one_region(kind, model_dir):
+    """A model whose linears are all packed W8A8 (group-wise, the default verifier's scheme) runs steps of up to 32
+    rows (decode, verify, a few sequences) with every layer in one parallel region (csrc/region_forward.cpp), and
+    the lm_head there too when it is packed W8A8: the bitwise comparisons here cover that path (the prefill of 20
+    rows too). Longer prefills and the other kinds (per-channel W8A8 included) keep one parallel region per kernel."""
+    fused = make(kind, "", model_dir).model.layers.fused
+    assert [fused.one_region(rows) for rows in (1, 5, 32, 33)] == [kind.startswith("w8a8-g32")] * 3 + [False]
 
 
 @pytest.mark.parametrize("kind", ["w8a8", "bf16", "bf16-inputs", "fp32"])
@@ -67,7 +82,7 @@ def test_fused_path_is_close_to_the_float_path(kind, model_dir):
         assert (ours - ref).abs().max() < (0.05 if kind == "w8a8" else 0.02) * ref.abs().max()
 
 
-@pytest.mark.parametrize("kind", ["w8a8", "bf16", "bf16-inputs", "fp32"])
+@pytest.mark.parametrize("kind", ["w8a8", "w8a8-g32-head", "bf16", "bf16-inputs", "fp32"])
 def test_token_alone_equals_token_in_verify_block(kind, model_dir):
     model = make(kind, "", model_dir)
     torch.manual_seed(1)

@@ -292,49 +292,23 @@ void attend_rows(const std::vector<Row>& rows, const float* keys, const float* v
 }  // namespace avx512
 #pragma GCC pop_options
 
-namespace {
-
-// New rows [row0, row0 + rows) of q/k/v belong to one sequence whose cache layer is k_cache, v_cache [H_kv, S, D].
-struct View {
-  float *k_cache, *v_cache;
-  int64_t S, start, row0, rows;
-};
-
-// Rope, cache writes and attention for the rows of several sequences (views), each over its own cache; one
-// parallel loop over every (sequence, kv head, block of rows) work item.
-void attend_views(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& cos,
-                  const torch::Tensor& sin, const std::vector<View>& views, int64_t H_kv, int64_t D, torch::Tensor& out) {
-  for (const auto& t : {q, k, v, cos, sin})
-    TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(),
-                "contiguous float32 CPU tensors expected");
-  const int64_t H = q.size(1) / D;
-  TORCH_CHECK(D % 8 == 0 && H % H_kv == 0 && q.size(1) == H * D && k.size(1) == H_kv * D, "bad head shapes");
-  auto q_rot = torch::empty_like(q);
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float* qr = q_rot.data_ptr<float>();
-  std::vector<const View*> row_view(q.size(0), nullptr);  // the sequence of each new row
-  for (const View& view : views) {
-    TORCH_CHECK(view.start >= 0 && view.start + view.rows <= view.S, "the new tokens do not fit the cache");
-    TORCH_CHECK(view.row0 >= 0 && view.row0 + view.rows <= q.size(0), "the sequences' rows are not q's rows");
-    std::fill(row_view.begin() + view.row0, row_view.begin() + view.row0 + view.rows, &view);
+AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, int64_t H, int64_t threads)
+    : row_view_(T, -1), T_(T), H_(H) {
+  const auto& first = segments.at(0).cache_k;
+  H_kv_ = first.size(1);
+  D_ = first.size(3);
+  TORCH_CHECK(D_ % 8 == 0 && H % H_kv_ == 0, "bad head shapes");
+  int64_t row = 0;
+  for (const Segment& s : segments) {
+    const int64_t S = s.cache_k.size(2);
+    TORCH_CHECK(s.start >= 0 && s.start + s.rows <= S, "the new tokens do not fit the cache");
+    TORCH_CHECK(row + s.rows <= T, "the sequences' rows are not q's rows");
+    std::fill(row_view_.begin() + row, row_view_.begin() + row + s.rows, static_cast<int64_t>(views_.size()));
+    views_.push_back(View{s.cache_k.data_ptr<float>(), s.cache_v.data_ptr<float>(), H_kv_ * S * D_, S, s.start, row, s.rows});
+    row += s.rows;
   }
-  // Each row on its own (a batch's rows split between the threads: none waits while one rotates).
-  const int64_t per_row = (H + 2 * H_kv) * D;
-  at::parallel_for(0, q.size(0), std::max<int64_t>(1, 8192 / per_row), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const View* view = row_view[t];
-      if (view == nullptr) continue;
-      const int64_t pos = view->start + t - view->row0;
-      for (int64_t h = 0; h < H; ++h) rope(qp + (t * H + h) * D, cp + t * D, sp + t * D, qr + (t * H + h) * D, D);
-      for (int64_t h = 0; h < H_kv; ++h) {
-        rope(kp + (t * H_kv + h) * D, cp + t * D, sp + t * D, view->k_cache + (h * view->S + pos) * D, D);
-        std::copy(vp + (t * H_kv + h) * D, vp + (t * H_kv + h + 1) * D, view->v_cache + (h * view->S + pos) * D);
-      }
-    }
-  });
-  const float scale = 1.f / std::sqrt(static_cast<float>(D));
-  const int64_t group = H / H_kv;
+  TORCH_CHECK(row == T, "the segments' rows are q's rows");
+  const int64_t group = H / H_kv_;
   // Work items: the rows of one kv head of one sequence, split in parts of at most kItemRows rows (a
   // prefill's scores stay small), and further only when there are fewer items than threads; rows of an item
   // share every key block read. A decode or verify step finds its keys and values in memory, not in the caches
@@ -344,52 +318,84 @@ void attend_views(const torch::Tensor& q, const torch::Tensor& k, const torch::T
   // changes a result.
   constexpr int64_t kItemRows = 32;
   int64_t base_items = 0;
-  for (const View& view : views) base_items += H_kv * ((view.rows * group + kItemRows - 1) / kItemRows);
-  const int64_t threads = at::get_num_threads(), want = threads;
-  struct Item {
-    const View* view;
-    int64_t kv, first, count, keys;  // keys: the key rows its rows read in all, its cost
-  };
-  std::vector<Item> items;
-  for (const View& view : views) {
+  for (const View& view : views_) base_items += H_kv_ * ((view.rows * group + kItemRows - 1) / kItemRows);
+  for (size_t v = 0; v < views_.size(); ++v) {
+    const View& view = views_[v];
     const int64_t per_kv = view.rows * group;
     int64_t chunks = (per_kv + kItemRows - 1) / kItemRows;
-    if (base_items < want) chunks = std::min(per_kv, std::max(chunks, (want + H_kv - 1) / H_kv));
+    if (base_items < threads) chunks = std::min(per_kv, std::max(chunks, (threads + H_kv_ - 1) / H_kv_));
     const int64_t chunk = (per_kv + chunks - 1) / chunks;
-    for (int64_t kv = 0; kv < H_kv; ++kv)
-      for (int64_t first = 0; first < per_kv; first += chunk) {
-        const int64_t count = std::min(chunk, per_kv - first);
+    for (int64_t kv = 0; kv < H_kv_; ++kv)
+      for (int64_t first_row = 0; first_row < per_kv; first_row += chunk) {
+        const int64_t count = std::min(chunk, per_kv - first_row);
         int64_t keys = 0;
-        for (int64_t r = first; r < first + count; ++r) keys += view.start + r / group + 1;
-        items.push_back(Item{&view, kv, first, count, keys});
+        for (int64_t r = first_row; r < first_row + count; ++r) keys += view.start + r / group + 1;
+        items_.push_back(Item{static_cast<int64_t>(v), kv, first_row, count, keys});
       }
   }
   // The items of a batch differ in cost by orders of magnitude (a decode row over a short cache next to a
   // prefill chunk over a long one), so an even split of the list left one thread waiting for the other
   // about half of the time in a busy batch. Dearest first, each thread takes the next item as it finishes
   // its last: which thread runs an item never changes its result.
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.keys > b.keys; });
-  float* op = out.data_ptr<float>();
-  const bool wide = D % 64 == 0 && float_path_avx512();
-  std::atomic<int64_t> next{0};
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, std::min(threads, n_items), 1, [&](int64_t, int64_t) {
-    std::vector<float> scores;
-    std::vector<Row> rows;
-    for (int64_t i = next++; i < n_items; i = next++) {
-      const Item& item = items[i];
-      const View& view = *item.view;
-      rows.clear();
-      for (int64_t r = item.first; r < item.first + item.count; ++r) {
-        const int64_t t = view.row0 + r / group, h = item.kv * group + r % group;
-        rows.push_back(Row{qr + (t * H + h) * D, view.start + r / group, op + (t * H + h) * D});
-      }
-      const float *keys = view.k_cache + item.kv * view.S * D, *values = view.v_cache + item.kv * view.S * D;
-      if (wide)
-        avx512::attend_rows(rows, keys, values, D, scale, scores);
-      else
-        attend_rows(rows, keys, values, D, scale, scores);
+  std::stable_sort(items_.begin(), items_.end(), [](const Item& a, const Item& b) { return a.keys > b.keys; });
+  wide_ = D_ % 64 == 0 && float_path_avx512();
+}
+
+void AttentionSteps::rope(int64_t layer, const float* q, const float* k, const float* v, const float* cos,
+                          const float* sin, float* q_rot, int64_t t0, int64_t t1) const {
+  for (int64_t t = t0; t < t1; ++t) {
+    const View& view = views_[row_view_[t]];
+    const int64_t pos = view.start + t - view.row0;
+    float *k_cache = view.k + layer * view.layer_size, *v_cache = view.v + layer * view.layer_size;
+    for (int64_t h = 0; h < H_; ++h) ::rope(q + (t * H_ + h) * D_, cos + t * D_, sin + t * D_, q_rot + (t * H_ + h) * D_, D_);
+    for (int64_t h = 0; h < H_kv_; ++h) {
+      ::rope(k + (t * H_kv_ + h) * D_, cos + t * D_, sin + t * D_, k_cache + (h * view.S + pos) * D_, D_);
+      std::copy(v + (t * H_kv_ + h) * D_, v + (t * H_kv_ + h + 1) * D_, v_cache + (h * view.S + pos) * D_);
     }
+  }
+}
+
+void AttentionSteps::attend(int64_t layer, int64_t i, const float* q_rot, float* out, std::vector<float>& scores) const {
+  const Item& item = items_[i];
+  const View& view = views_[item.view];
+  const int64_t group = H_ / H_kv_;
+  std::vector<Row> rows;
+  for (int64_t r = item.first; r < item.first + item.count; ++r) {
+    const int64_t t = view.row0 + r / group, h = item.kv * group + r % group;
+    rows.push_back(Row{q_rot + (t * H_ + h) * D_, view.start + r / group, out + (t * H_ + h) * D_});
+  }
+  const int64_t at = layer * view.layer_size + item.kv * view.S * D_;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D_));
+  if (wide_)
+    avx512::attend_rows(rows, view.k + at, view.v + at, D_, scale, scores);
+  else
+    attend_rows(rows, view.k + at, view.v + at, D_, scale, scores);
+}
+
+namespace {
+
+// The steps' rope and attention of layer `layer` over every row, split between ATen's threads.
+void attend_steps(const AttentionSteps& steps, int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
+                  const torch::Tensor& v, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
+  for (const auto& t : {q, k, v, cos, sin})
+    TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(),
+                "contiguous float32 CPU tensors expected");
+  const int64_t T = q.size(0), H = steps.heads(), H_kv = steps.kv_heads(), D = steps.head_dim();
+  TORCH_CHECK(q.size(1) == H * D && k.size(1) == H_kv * D && v.size(1) == H_kv * D, "bad head shapes");
+  auto q_rot = torch::empty_like(q);
+  float* qr = q_rot.data_ptr<float>();
+  // Each row on its own (a batch's rows split between the threads: none waits while one rotates).
+  const int64_t per_row = (H + 2 * H_kv) * D;
+  at::parallel_for(0, T, std::max<int64_t>(1, 8192 / per_row), [&](int64_t t0, int64_t t1) {
+    steps.rope(layer, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), cos.data_ptr<float>(),
+               sin.data_ptr<float>(), qr, t0, t1);
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = steps.items();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_items), 1, [&](int64_t, int64_t) {
+    std::vector<float> scores;
+    for (int64_t i = next++; i < n_items; i = next++) steps.attend(layer, i, qr, op, scores);
   });
 }
 
@@ -400,10 +406,13 @@ void attend_views(const torch::Tensor& q, const torch::Tensor& k, const torch::T
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
                                torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v, int64_t start) {
   TORCH_CHECK(cache_k.dtype() == torch::kFloat32 && cache_v.dtype() == torch::kFloat32 && cache_k.is_contiguous() &&
-              cache_v.is_contiguous() && cache_k.device().is_cpu(), "contiguous float32 CPU caches expected");
+              cache_v.is_contiguous() && cache_k.device().is_cpu() && cache_k.dim() == 3 && cache_k.sizes() == cache_v.sizes(),
+              "contiguous float32 CPU caches [H_kv, S, D] expected");
   auto out = torch::empty_like(q);
-  const View view{cache_k.data_ptr<float>(), cache_v.data_ptr<float>(), cache_k.size(1), start, 0, q.size(0)};
-  attend_views(q, k, v, cos, sin, {view}, cache_k.size(0), cache_k.size(2), out);
+  const int64_t D = cache_k.size(2);
+  TORCH_CHECK(q.dim() == 2 && q.size(1) % D == 0, "q [T, H*D] expected");
+  const std::vector<Segment> one{Segment{cache_k.unsqueeze(0), cache_v.unsqueeze(0), start, q.size(0)}};
+  attend_steps(AttentionSteps(one, q.size(0), q.size(1) / D, at::get_num_threads()), 0, q, k, v, cos, sin, out);
   return out;
 }
 
@@ -411,18 +420,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 // segment i attending over layer `layer` of its own cache [L, H_kv, S, D] (checked by FusedLayers::forward_segments).
 torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                                 const std::vector<Segment>& segments, int64_t layer) {
-  std::vector<View> views;
-  int64_t row = 0;
-  const auto& first = segments.at(0).cache_k;
-  const int64_t H_kv = first.size(1), D = first.size(3);
-  for (const Segment& s : segments) {
-    const int64_t S = s.cache_k.size(2), layer_size = H_kv * S * D;
-    views.push_back(View{s.cache_k.data_ptr<float>() + layer * layer_size, s.cache_v.data_ptr<float>() + layer * layer_size,
-                         S, s.start, row, s.rows});
-    row += s.rows;
-  }
-  TORCH_CHECK(row == q.size(0), "the segments' rows are q's rows");
+  const int64_t D = segments.at(0).cache_k.size(3);
+  TORCH_CHECK(q.dim() == 2 && q.size(1) % D == 0, "q [T, H*D] expected");
   auto out = torch::empty_like(q);
-  attend_views(q, k, v, cos, sin, views, H_kv, D, out);
+  attend_steps(AttentionSteps(segments, q.size(0), q.size(1) / D, at::get_num_threads()), layer, q, k, v, cos, sin, out);
   return out;
 }

@@ -1,4 +1,5 @@
-// The Python module of quasar's CPU kernels (linear_avx2.cpp, float_dot.cpp, int8_dot.cpp, int8_group.cpp, attention_avx2.cpp, decoder_layer.cpp, logits.cpp).
+// The Python module of quasar's CPU kernels (linear_avx2.cpp, float_dot.cpp, int8_dot.cpp, int8_group.cpp, attention_avx2.cpp, decoder_layer.cpp,
+// region_forward.cpp, logits.cpp).
 #include "int8_dot.h"
 #include "kernels.h"
 
@@ -43,5 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "the rows of several sequences through every layer, each attending over its own cache", NoGil())
       .def("forward_tokens", &FusedLayers::forward_tokens,
            "a whole forward from token ids: embedding, rope rows, every layer, then the final norm and the lm_head "
-           "on the picked rows: float32 logits", NoGil());
+           "on the picked rows: float32 logits", NoGil())
+      .def("one_region", &FusedLayers::one_region,
+           "whether a step of this many rows runs every layer in one parallel region (all linears packed W8A8)");
 }

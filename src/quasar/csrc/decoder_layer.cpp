@@ -78,17 +78,16 @@ FusedLayers::FusedLayers(std::vector<std::vector<torch::Tensor>> tensors, std::v
   TORCH_CHECK(tensors_.size() == kinds_.size(), "one kinds list per layer");
   TORCH_CHECK(head_.empty() || (head_.size() == 4 && head_kind_ >= 0 && head_kind_ <= 3),
               "the head is the final norm's weight, then the lm_head's weight, scale and bias, with its kind");
+  region_ = plan_region(tensors_, kinds_, head_, head_kind_);
 }
 
-// x [N, hidden], cos and sin [N, D]: the rows of several sequences one after another, `rows[i]` of them for
-// sequence i, whose cache is caches_k[i], caches_v[i] [L, H_kv, S, D] with `starts[i]` positions filled.
-torch::Tensor FusedLayers::forward_segments(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                                            std::vector<torch::Tensor> caches_k, std::vector<torch::Tensor> caches_v,
-                                            std::vector<int64_t> starts, std::vector<int64_t> rows) const {
+std::vector<Segment> FusedLayers::segments(const std::vector<torch::Tensor>& caches_k,
+                                           const std::vector<torch::Tensor>& caches_v, const std::vector<int64_t>& starts,
+                                           const std::vector<int64_t>& rows, int64_t total) const {
   const size_t n = caches_k.size();
   TORCH_CHECK(n > 0 && caches_v.size() == n && starts.size() == n && rows.size() == n, "one cache, start and row count per segment");
-  std::vector<Segment> segments;
-  int64_t total = 0;
+  std::vector<Segment> out;
+  int64_t sum = 0;
   for (size_t i = 0; i < n; ++i) {  // checked once here, not in every layer's attention
     const auto &k = caches_k[i], &v = caches_v[i];
     TORCH_CHECK(k.dim() == 4 && k.size(0) == static_cast<int64_t>(tensors_.size()) && k.sizes() == v.sizes() &&
@@ -97,12 +96,25 @@ torch::Tensor FusedLayers::forward_segments(torch::Tensor x, torch::Tensor cos, 
     TORCH_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 && k.is_contiguous() &&
                 v.is_contiguous() && k.device().is_cpu() && v.device().is_cpu(), "contiguous float32 CPU caches expected");
     TORCH_CHECK(rows[i] > 0, "every segment has at least one row");
-    segments.push_back(Segment{caches_k[i], caches_v[i], starts[i], rows[i]});
-    total += rows[i];
+    out.push_back(Segment{caches_k[i], caches_v[i], starts[i], rows[i]});
+    sum += rows[i];
   }
-  TORCH_CHECK(total == x.size(0) && cos.size(0) == total && sin.size(0) == total, "the segments' rows are x's rows");
+  TORCH_CHECK(sum == total, "the segments' rows are x's rows");
+  return out;
+}
+
+bool FusedLayers::one_region(int64_t rows) const { return region_ && region_runs(*region_, rows); }
+
+// x [N, hidden], cos and sin [N, D]: the rows of several sequences one after another, `rows[i]` of them for
+// sequence i, whose cache is caches_k[i], caches_v[i] [L, H_kv, S, D] with `starts[i]` positions filled.
+torch::Tensor FusedLayers::forward_segments(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                            std::vector<torch::Tensor> caches_k, std::vector<torch::Tensor> caches_v,
+                                            std::vector<int64_t> starts, std::vector<int64_t> rows) const {
+  const auto segs = segments(caches_k, caches_v, starts, rows, x.size(0));
+  TORCH_CHECK(cos.size(0) == x.size(0) && sin.size(0) == x.size(0), "one rope row per row of x");
+  if (one_region(x.size(0))) return run_region(*region_, x, cos, sin, segs, eps_, nullptr);
   for (size_t i = 0; i < tensors_.size(); ++i)
-    x = decoder_layer(x, tensors_[i], kinds_[i], eps_, cos, sin, segments, static_cast<int64_t>(i));
+    x = decoder_layer(x, tensors_[i], kinds_[i], eps_, cos, sin, segs, static_cast<int64_t>(i));
   return x;
 }
 
@@ -169,10 +181,13 @@ torch::Tensor FusedLayers::forward_tokens(std::vector<int64_t> ids, torch::Tenso
   TORCH_CHECK(!head_.empty(), "these layers were built without the final norm and lm_head");
   TORCH_CHECK(starts.size() == rows.size(), "one start per segment");
   auto cos = rope_rows(cos_table, starts, rows), sin = rope_rows(sin_table, starts, rows);
+  const int64_t N = cos.size(0);
+  for (int64_t row : picked) TORCH_CHECK(row >= 0 && row < N, "picked row ", row, " is not one of the ", N, " rows");
+  if (one_region(N) && region_has_head(*region_))  // the layers and the head in one region
+    return run_region(*region_, embed_rows(embedding, ids), cos, sin, segments(caches_k, caches_v, starts, rows, N),
+                      eps_, &picked);
   auto hidden = forward_segments(embed_rows(embedding, ids), cos, sin, std::move(caches_k), std::move(caches_v),
                                  std::move(starts), std::move(rows));
-  const int64_t N = hidden.size(0);
-  for (int64_t row : picked) TORCH_CHECK(row >= 0 && row < N, "picked row ", row, " is not one of the ", N, " rows");
   const bool all = static_cast<int64_t>(picked.size()) == N && std::is_sorted(picked.begin(), picked.end());
   if (!all) hidden = hidden.index_select(0, torch::tensor(picked, torch::kInt64));
   return linear(head_kind_, rms_norm(hidden, head_[0], eps_), head_[1], head_[2], head_[3]);

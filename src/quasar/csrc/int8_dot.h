@@ -12,6 +12,9 @@ enum class Int8Path { Maddubs, DpbusdEmulated, Dpbusd };
 // The prefetch policy of the dpbusd loops now (linear_avx2.cpp; blocking.h says what each does).
 Prefetch prefetch_policy();
 
+// The path every W8A8 linear runs on now (linear_avx2.cpp; use_int8_path chooses it).
+Int8Path linear_path();
+
 // The paths this CPU runs, fastest first ("dpbusd" only with AVX-512 VNNI).
 std::vector<std::string> int8_paths();
 // "auto" (the fastest) or one of int8_paths(); anything else is an error that lists them.

@@ -2,6 +2,7 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,10 @@ std::string use_float_path(const std::string& name);  // "auto" or one of float_
 std::string float_path();  // the path float-activation linears run on now
 bool float_path_avx512();  // whether that path has 512-bit registers (attention follows it)
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+// One row of rms_norm (y may be x), and quantize_tokens on one group of G values (G % 16 == 0) -> q [G], *scale:
+// the row operations of the W8A8 linears (linear_avx2.cpp), for the one-region forward (region_forward.cpp).
+void norm_row(const float* x, const float* weight, int64_t K, double eps, float* y);
+void quantize_group(const float* x, int64_t G, int8_t* q, float* scale);
 // logits [R, V] float32 -> torch.argmax(logits, -1) (logits.cpp).
 torch::Tensor argmax_rows(torch::Tensor logits);
 // Sampling at temperature > 0 (logits.cpp, quasar.sampling): the weights exp((logits - max) * inv_t) and their row
@@ -45,6 +50,38 @@ struct Segment {
   torch::Tensor cache_k, cache_v;
   int64_t start, rows;
 };
+// Rope, cache writes and attention of one step's rows over their sequences' caches (attention_avx2.cpp), in parts any
+// thread may run: rope(t0, t1) for every row first, then attend(i) for each work item i < items(), in any order and
+// on any thread (the results never depend on which runs what). Built once per step, for every layer.
+class AttentionSteps {
+ public:
+  // segments' caches [L, H_kv, S, D] (contiguous float32), T rows of H query heads; threads: how many share the items.
+  AttentionSteps(const std::vector<Segment>& segments, int64_t T, int64_t H, int64_t threads);
+  int64_t items() const { return static_cast<int64_t>(items_.size()); }
+  int64_t heads() const { return H_; }
+  int64_t kv_heads() const { return H_kv_; }
+  int64_t head_dim() const { return D_; }
+  // q [T, H*D], k and v [T, H_kv*D], cos and sin [T, D]: rows [t0, t1) of q_rot [T, H*D] (q rotated), and the rows'
+  // rotated keys and their values written into layer `layer` of their caches.
+  void rope(int64_t layer, const float* q, const float* k, const float* v, const float* cos, const float* sin,
+            float* q_rot, int64_t t0, int64_t t1) const;
+  // Work item i of layer `layer`: its rows of out [T, H*D] from q_rot and the caches (scores: the caller's scratch).
+  void attend(int64_t layer, int64_t i, const float* q_rot, float* out, std::vector<float>& scores) const;
+
+ private:
+  struct View {  // one sequence: its caches, a layer's size in them, its rows [row0, row0 + rows) at positions start..
+    float *k, *v;
+    int64_t layer_size, S, start, row0, rows;
+  };
+  struct Item {  // rows [first, first + count) of one kv head of one view (row r: token r / group, head r % group)
+    int64_t view, kv, first, count, keys;  // keys: the key rows its rows read in all, its cost
+  };
+  std::vector<View> views_;
+  std::vector<int64_t> row_view_;  // the view of each row
+  std::vector<Item> items_;
+  int64_t T_, H_, H_kv_ = 0, D_ = 0;
+  bool wide_ = false;  // AVX-512 attention (float_path_avx512, D % 64 == 0)
+};
 // decode_attention for the rows of several sequences, each over layer `layer` of its own cache (caches checked
 // by the caller: contiguous float32 [L, H_kv, S, D], one H_kv and D).
 torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
@@ -53,6 +90,18 @@ torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
 torch::Tensor decoder_layer(torch::Tensor x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& kinds,
                             double eps, const torch::Tensor& cos, const torch::Tensor& sin,
                             const std::vector<Segment>& segments, int64_t layer);
+
+// Every layer of a small step in one parallel region, for models whose linears are all packed W8A8
+// (region_forward.cpp): plan_region is nullptr for any other model; run_region gives bitwise decoder_layer's results,
+// then the logits of the picked rows where the plan holds the head (else the hidden states).
+struct RegionPlan;
+std::shared_ptr<const RegionPlan> plan_region(const std::vector<std::vector<torch::Tensor>>& tensors,
+                                              const std::vector<std::vector<int64_t>>& kinds,
+                                              const std::vector<torch::Tensor>& head, int64_t head_kind);
+bool region_runs(const RegionPlan& plan, int64_t rows);  // whether run_region takes a step of this many rows
+bool region_has_head(const RegionPlan& plan);
+torch::Tensor run_region(const RegionPlan& plan, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                         const std::vector<Segment>& segments, double eps, const std::vector<int64_t>* picked);
 
 // All decoder layers of one model (see decoder_layer): built once, then one call per forward.
 class FusedLayers {
@@ -67,11 +116,18 @@ class FusedLayers {
                                torch::Tensor sin_table, std::vector<torch::Tensor> caches_k,
                                std::vector<torch::Tensor> caches_v, std::vector<int64_t> starts,
                                std::vector<int64_t> rows, std::vector<int64_t> picked) const;
+  // Whether a step of this many rows runs every layer in one parallel region (region_forward.cpp).
+  bool one_region(int64_t rows) const;
 
  private:
+  // The segments of the caches (checked), with rows[i] rows each, `total` in all.
+  std::vector<Segment> segments(const std::vector<torch::Tensor>& caches_k, const std::vector<torch::Tensor>& caches_v,
+                                const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t total) const;
+
   std::vector<std::vector<torch::Tensor>> tensors_;
   std::vector<std::vector<int64_t>> kinds_;
   double eps_;
   std::vector<torch::Tensor> head_;
   int64_t head_kind_;
+  std::shared_ptr<const RegionPlan> region_;  // nullptr: not all packed W8A8
 };
