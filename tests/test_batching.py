@@ -37,6 +37,7 @@ def mixed_params() -> list[SamplingParams]:
 def alone_then_batched(engine: Engine, batch: Batch, texts: list[str], params: list[SamplingParams]):
     ids = [engine.encode(t, chat=False) for t in texts]
     alone = [engine.run(i, p).result() for i, p in zip(ids, params)]
+    engine.caches.free.clear()  # no kept cache holds these prompts: the batch prefills them, in chunks
     requests = [engine.request(i, p) for i, p in zip(ids, params)]
     batch.run_all(requests)
     return alone, [r.output for r in requests]
@@ -79,6 +80,25 @@ def test_forward_steps_give_each_sequence_its_logits_alone(verifier):
 @pytest.fixture(scope="module")
 def w8a8_engine():
     return build_engine("default", "w8a8", DecodeConfig(drafter="ngram"))
+
+
+@needs_kernels
+@pytest.mark.parametrize("params", [SamplingParams(max_new_tokens=24),
+                                    SamplingParams(max_new_tokens=24, temperature=0.8, seed=3)])
+def test_a_next_turn_starts_from_the_kept_cache_and_answers_as_from_scratch(w8a8_engine, params):
+    """Prefix caching: a chat's next turn takes the cache its last turn left, holding the conversation so far, and
+    prefills only what follows; its answer is the one an empty cache gives, token for token."""
+    engine = w8a8_engine
+    chat = [{"role": "user", "content": "Name three rivers in Europe."}]
+    first = engine.generate(engine.encode(chat), params, chat)
+    chat += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Which one is the longest?"}]
+    ids = engine.encode(chat)
+    assert engine.caches.longest_prefix(ids)[1] > len(first.prompt_token_ids)
+    reused = engine.generate(ids, params, chat)
+    engine.caches.free.clear()
+    assert engine.caches.longest_prefix(ids) == (None, 0)
+    fresh = engine.generate(ids, params, chat)
+    assert reused.token_ids == fresh.token_ids and reused.text == fresh.text
 
 
 @needs_kernels

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import needs_kernels
+
 from quasar.kv_cache import ContextOverflowError
 
 
@@ -68,3 +70,55 @@ def test_a_token_scored_alone_equals_the_same_token_inside_a_verify_step(verifie
         alone = torch.cat([model(ids[:, i : i + 1], plain)[0] for i in range(base, base + 6)])  # [6, V]
         together = model(ids[:, base : base + 6], verify)[0]  # [6, V]
         assert torch.equal(alone, together), f"rows differ in the step at {base}"
+
+
+@torch.no_grad()
+def test_the_cache_records_the_tokens_it_holds(tiny_model):
+    """Forwards record their tokens, trim forgets them, a write of several sequences' tokens is not recorded."""
+    model, ids = tiny_model.model, token_ids(12)
+    cache = model.new_cache(64)
+    model(ids[:, :8], cache, last_only=True)
+    model(ids[:, 8:10], cache)
+    assert cache.held == ids[0, :10].tolist()
+    cache.trim(3)
+    assert cache.held == ids[0, :7].tolist()
+    cache.reset()
+    assert cache.held == [] and cache.length == 0
+    batch = model.new_cache(64, batch=2)
+    model(torch.cat([ids[:, :4], ids[:, 4:8]]), batch)
+    assert batch.held == [] and batch.length == 4
+
+
+@needs_kernels
+@pytest.mark.parametrize("backend", ["kernels", "torch"])
+def test_a_pool_hands_a_prompt_the_positions_a_kept_cache_shares_with_it(backend, tiny_model_dir):
+    """On the kernels (every row computed alone) the longest start of a new prompt that a kept cache holds is
+    reused, in that cache when its size fits or copied into a new one, and the logits of the prompt's last token
+    are bitwise a fresh prefill's. On the torch path nothing is reused (a prefill and decode steps round apart)."""
+    from quasar import backends
+    from quasar.kv_cache import CachePool
+    from quasar.loading import load
+    from quasar.quant.schemes import W8A8Config, quantize_
+
+    model = load(tiny_model_dir, "fp32").model
+    if backend == "kernels":
+        quantize_(model, W8A8Config(group_size=32))
+        assert backends.prepare_(model).startswith("kernels:")
+    pool, ids = CachePool(model, spare=2), token_ids(40)[0].tolist()
+    first = pool.take(64, ids[:20])
+    with torch.inference_mode():
+        model(torch.tensor([ids[:20]]), first, last_only=True)
+        for i in range(20, 25):  # a request's decode steps
+            model(torch.tensor([ids[i : i + 1]]), first)
+    pool.give(first)
+    # kept after each: ids[:30] (64); + ids[:23] + [7, 8, 9] (128); + [5] + ids[1:30] (64, the first one reset)
+    cases = [(64, ids[:30], 25), (128, ids[:23] + [7, 8, 9], 23), (64, [5] + ids[1:30], 0), (64, ids[:25], 23)]
+    for size, prompt, shared in cases:
+        cache = pool.take(size, prompt)
+        expected = shared if backend == "kernels" else 0
+        assert (cache.length, cache.max_len, cache.held) == (expected, size, prompt[:expected])
+        with torch.inference_mode():
+            got = model(torch.tensor([prompt[cache.length :]]), cache, last_only=True)[0, -1]
+            fresh = model(torch.tensor([prompt]), model.new_cache(size), last_only=True)[0, -1]
+        assert torch.equal(got, fresh)
+        pool.give(cache)

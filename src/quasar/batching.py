@@ -139,7 +139,7 @@ class Batch:
         while self.waiting and len(self.active) < self.max_batch and caches.fits(self.waiting[0].cache_len):
             request = self.waiting.popleft()
             self.active.append(request)
-            self.guarded(request, request.begin, caches.take(request.cache_len))
+            self.guarded(request, request.begin, caches.take(request.cache_len, request.output.prompt_token_ids))
 
     def plan(self) -> dict[Request, Step]:
         """The rows each request runs in this step: every decode step's first row and the uncut steps whole, then

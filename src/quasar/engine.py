@@ -190,7 +190,7 @@ class Engine:
         request = self.request(prompt_ids, params, prompt)
 
         def pieces() -> Iterator[str]:
-            cache = self.caches.take(request.cache_len)
+            cache = self.caches.take(request.cache_len, request.output.prompt_token_ids)
             try:
                 request.begin(cache)
                 while True:

@@ -74,7 +74,7 @@ def autoregressive(
     """Plain decoding: asks for the prompt's forward, then one forward per token; yields one-token lists."""
     sampler = Sampler(params)
     start = time.perf_counter()
-    logits = yield Step(prompt_ids, cache, last_only=True)
+    logits = yield Step(prompt_ids[cache.length :], cache, last_only=True)  # a kept start of it is not run again
     token = sampler.next_token(logits[-1])
     stats.prefill_s = time.perf_counter() - start
     while True:

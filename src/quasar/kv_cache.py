@@ -33,6 +33,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S, D]
         self.max_len = max_len
         self.length = 0
+        self.held: list[int] = []  # the tokens at positions [0, len(held)), where known (len(held) <= length)
 
     def check_room(self, n: int) -> None:
         """Refuse n more tokens where they do not fit the context window."""
@@ -59,14 +60,30 @@ class KVCache:
     def advance(self, n: int) -> None:
         self.length += n
 
+    def wrote(self, n: int, tokens: list[int] | None = None) -> None:
+        """Record that the last forward wrote n positions before `length`, holding `tokens` (None: not known, or not
+        one sequence's): the model calls it, so that a cache pool can hand a later prompt what it shares with them."""
+        start = self.length - n
+        del self.held[start:]
+        if tokens is not None and len(self.held) == start:
+            self.held.extend(tokens)
+
+    def copy_prefix(self, source: KVCache, n: int) -> None:
+        """Hold the first n positions of `source` (a cache of the same model), keys, values and tokens."""
+        self.k[:, :, :, :n] = source.k[:, :, :, :n]
+        self.v[:, :, :, :n] = source.v[:, :, :, :n]
+        self.length, self.held = n, source.held[:n]
+
     def trim(self, n: int) -> None:
         """Forget the last n positions (they are overwritten by the next write)."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot trim {n} of {self.length} cached positions")
         self.length -= n
+        del self.held[self.length :]
 
     def reset(self) -> None:
         self.length = 0
+        self.held.clear()
 
 
 class StreamCache:
@@ -129,17 +146,44 @@ class CachePool:
     def fits(self, size: int) -> bool:
         return self.budget is None or self.taken + size <= self.budget
 
-    def take(self, size: int) -> KVCache:
-        cache = next((c for c in self.free if c.max_len == size), None)
+    def take(self, size: int, prompt: list[int] | None = None) -> KVCache:
+        """A cache of `size` positions. With a prompt, on a model whose every row is computed from its own input
+        alone (quasar's kernels: a position's keys and values are bitwise the same whether written by a prefill, a
+        decode or a verify step), the cache already holds the longest start of the prompt (all of it but the last
+        token) that a kept cache holds, as llama.cpp and vLLM's prefix caching do: a chat's next turn prefills
+        only its new tokens. Its `length` says how many positions are filled."""
+        source, common = self.longest_prefix(prompt or [])
+        cache = source if source is not None and source.max_len == size else None
+        cache = cache or next((c for c in self.free if c.max_len == size), None)
         if cache is not None:
             self.free.remove(cache)
         else:
             while self.free and self.budget is not None and self.taken + size + self.kept > self.budget:
                 self.free.pop(0)  # the oldest kept cache makes room
             cache = self.model.new_cache(size)
-        cache.reset()
+        if cache is source:
+            cache.trim(cache.length - common)
+        else:
+            cache.reset()
+            if common:
+                cache.copy_prefix(source, common)
         self.taken += size
         return cache
+
+    def longest_prefix(self, prompt: list[int]) -> tuple[KVCache | None, int]:
+        """The kept cache holding the longest start of `prompt` (short of its last token), and that length."""
+        if len(prompt) < 2 or not getattr(self.model, "batches_rows", False):
+            return None, 0
+        best, most = None, 0
+        for cache in self.free:
+            held = cache.held
+            limit = min(len(held), cache.length, len(prompt) - 1)
+            common = limit if held[:limit] == prompt[:limit] else 0  # the usual case: one comparison in C
+            while common < limit and held[common] == prompt[common]:
+                common += 1
+            if common > most:
+                best, most = cache, common
+        return best, most
 
     def give(self, cache: KVCache) -> None:
         self.taken -= cache.max_len

@@ -124,7 +124,7 @@ class Speculative:
         drafter.reset()
         stats.middle = getattr(drafter, "stats", None)  # a cascade's middle level counts its own steps
         drafter.commit(prompt_ids)
-        logits = yield Step(prompt_ids, cache, last_only=True)
+        logits = yield Step(prompt_ids[cache.length :], cache, last_only=True)  # a kept start is not run again
         pending = [sampler.next_token(logits[-1])]
         stats.prefill_s = time.perf_counter() - start
         tokens, reason = stop.cut(pending)

@@ -275,6 +275,7 @@ class Transformer(nn.Module):
         rope = self.rope_span(cache.length, input_ids.shape[1])  # cos, sin [T, D]
         x = self.model.embed_tokens(input_ids).to(self.dtype)  # [B, T, hidden]
         x = self.model.layers(x, rope, cache)
+        cache.wrote(input_ids.shape[1], input_ids[0].tolist() if input_ids.shape[0] == 1 else None)
         x = self.model.norm(x[:, -1:] if last_only else x)
         return self.lm_head(x).float()
 
@@ -315,4 +316,6 @@ class Transformer(nn.Module):
             x = self.model.embed_tokens(ids).to(self.dtype)  # [N, hidden]
             x = self.model.layers.forward_segments(x, rope, caches, rows)
             logits = self.lm_head(self.model.norm(x[torch.tensor(picked, device=self.device)])).float()  # [picked, V]
+        for step in steps:
+            step.cache.wrote(len(step.tokens), step.tokens)
         return list(logits.split([len(r) for r in scored]))
