@@ -99,6 +99,7 @@ def test_a_next_turn_starts_from_the_kept_cache_and_answers_as_from_scratch(w8a8
     assert engine.caches.longest_prefix(ids) == (None, 0)
     fresh = engine.generate(ids, params, chat)
     assert reused.token_ids == fresh.token_ids and reused.text == fresh.text
+    assert reused.stats.cached_tokens > len(first.prompt_token_ids) and fresh.stats.cached_tokens == 0
 
 
 @needs_kernels

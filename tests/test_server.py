@@ -127,6 +127,23 @@ def test_models_and_completion(server, expected):
     assert 0.0 <= spec["acceptance_rate"] <= 1.0 and spec["accepted_tokens"] <= spec["proposed_tokens"]
 
 
+def test_a_repeated_prompt_starts_from_the_kept_cache(server):
+    """Prefix caching: a prompt sent again starts from the cache its first run left (all its tokens but the last,
+    on quasar's kernels), says so in usage.prompt_tokens_details.cached_tokens and in /metrics, and answers the
+    same."""
+    from quasar import native
+
+    client = server.client()
+    prompt = "Rivers, mountains and seas: a prompt sent twice"
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    before = server.metrics()["quasar_prompt_cached_tokens_total"]
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert again.choices[0].text == first.choices[0].text and first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached == (again.usage.prompt_tokens - 1 if native.kernel() is not None else 0)
+    assert server.metrics()["quasar_prompt_cached_tokens_total"] == before + cached
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_streaming_equals_non_streaming_greedy(server, endpoint):
     client = server.client()

@@ -59,6 +59,7 @@ class Request:
         self.started = time.perf_counter()
         stats = self.output.stats
         stats.prompt_tokens = len(self.output.prompt_token_ids)
+        stats.cached_tokens = cache.length  # the start of the prompt the cache pool's kept cache held
         self.detok = IncrementalDetokenizer(self.engine.tokenizer, self.params.stop)
         stop = StopRule(self.params, self.engine.eos, self.budget)
         self.steps = self.engine.decoder(self.engine.target.model, cache, self.output.prompt_token_ids, self.params,

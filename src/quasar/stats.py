@@ -20,6 +20,7 @@ class GenerationStats:
     plain decoding is the case of empty drafts, so its mean accepted tokens is 1.0."""
 
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens a kept cache already held (prefix caching: not prefilled again)
     new_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0

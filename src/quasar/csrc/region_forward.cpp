@@ -39,7 +39,7 @@ struct RegionPlan {
   std::vector<RegionLayer> layers;
   std::optional<PackedLinear> head;
   const float* final_norm = nullptr;
-  int64_t hidden = 0, I = 0, H = 0, H_kv = 0, D = 0;
+  int64_t hidden = 0, I = 0, qk_norm_dim = 0;  // qk_norm_dim: the q/k-norm weights' size (the head dim), or 0
   bool unsigned_bytes = false;
 };
 
@@ -55,6 +55,11 @@ std::optional<PackedLinear> packed(const torch::Tensor& w, const torch::Tensor& 
   if (bias.numel() && (bias.dtype() != torch::kFloat32 || !bias.is_contiguous() || bias.numel() != N)) return std::nullopt;
   return PackedLinear{w.data_ptr(), scale.data_ptr<float>(), bias.numel() ? bias.data_ptr<float>() : nullptr, N, K, G,
                       w.dtype() == torch::kUInt8};
+}
+
+// A float32 CPU vector of n values, as the region reads it.
+bool float_vector(const torch::Tensor& t, int64_t n) {
+  return t.dtype() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu() && t.numel() == n;
 }
 
 // A linear's input rows, quantized by one thread for itself: q [M, K], scale [M, K/G], start [M, K/G] (dpbusd).
@@ -144,6 +149,11 @@ std::shared_ptr<const RegionPlan> plan_region(const std::vector<std::vector<torc
                         down.N == hidden && k.N == v.N && gate.N % down.G == 0;
     const auto& before = plan->layers.empty() ? down : plan->layers[0].down;  // one group size for down's input
     if (!shapes || down.G != before.G || (l && (hidden != plan->hidden || gate.N != plan->I))) return nullptr;
+    const int64_t qk = t[2].numel();  // qk-norm: one weight of the head dim for q, one for k
+    if (!float_vector(t[0], hidden) || !float_vector(t[1], hidden) || !float_vector(t[3], qk) ||
+        (qk && (!float_vector(t[2], qk) || q.N % qk || k.N % qk)) || (l && qk != plan->qk_norm_dim))
+      return nullptr;
+    plan->qk_norm_dim = qk;
     plan->hidden = hidden;
     plan->I = gate.N;
     plan->layers.push_back(RegionLayer{t[0].data_ptr<float>(), t[1].data_ptr<float>(),
@@ -153,7 +163,7 @@ std::shared_ptr<const RegionPlan> plan_region(const std::vector<std::vector<torc
   if (plan->layers.empty()) return nullptr;
   if (head.size() == 4 && head_kind == 0) {
     auto p = packed(head[1], head[2], head[3]);
-    if (p && p->unsigned_bytes == plan->unsigned_bytes && p->K == plan->hidden) {
+    if (p && p->unsigned_bytes == plan->unsigned_bytes && p->K == plan->hidden && float_vector(head[0], plan->hidden)) {
       plan->head = p;
       plan->final_norm = head[0].data_ptr<float>();
     }
@@ -182,7 +192,8 @@ torch::Tensor run_region(const RegionPlan& plan, torch::Tensor x, const torch::T
   const int64_t M = x.size(0), hidden = plan.hidden, I = plan.I;
   const RegionLayer& first = plan.layers[0];
   const int64_t D = segments[0].cache_k.size(3), H = first.q.N / D, H_kv = first.k.N / D;
-  TORCH_CHECK(H * D == first.q.N && H_kv * D == first.k.N && x.size(1) == hidden, "bad head shapes");
+  TORCH_CHECK(H * D == first.q.N && H_kv * D == first.k.N && x.size(1) == hidden &&
+              (plan.qk_norm_dim == 0 || plan.qk_norm_dim == D), "bad head shapes");
   const int threads = at::get_num_threads();
   const AttentionSteps steps(segments, M, H, threads);
   x = x.contiguous().clone();  // the residual stream, updated in place

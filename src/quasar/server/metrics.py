@@ -38,6 +38,7 @@ class Metrics:
         self.requests: Counter[tuple[str, int]] = Counter()  # (endpoint, status) -> count
         self.finished: Counter[str] = Counter()  # finish reason (stop, length, cancelled) -> count
         self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.generation_tokens = 0
         self.verify_steps = 0
         self.emitted_by_steps = 0
@@ -55,6 +56,7 @@ class Metrics:
         with self._lock:
             self.finished["cancelled" if cancelled else stats.finish_reason] += 1
             self.prompt_tokens += stats.prompt_tokens
+            self.cached_tokens += stats.cached_tokens
             self.generation_tokens += stats.new_tokens
             self.verify_steps += stats.verify_steps
             self.emitted_by_steps += sum(stats.accept_lengths)
@@ -84,6 +86,8 @@ class Metrics:
             lines += [f"quasar_generations_total{{reason={_label(r)}}} {n}" for r, n in sorted(self.finished.items())]
             for name, value, doc in (
                 ("quasar_prompt_tokens_total", self.prompt_tokens, "prompt tokens processed"),
+                ("quasar_prompt_cached_tokens_total", self.cached_tokens,
+                 "prompt tokens a kept KV cache already held (prefix caching), not prefilled again"),
                 ("quasar_generation_tokens_total", self.generation_tokens, "tokens generated"),
                 ("quasar_verify_steps_total", self.verify_steps, "verifier forwards over [last, *draft]"),
                 ("quasar_proposed_tokens_total", self.proposed_tokens, "draft tokens proposed"),

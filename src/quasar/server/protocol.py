@@ -133,6 +133,7 @@ def usage(completion: RequestOutput) -> dict[str, Any]:
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.new_tokens,
         "total_tokens": stats.prompt_tokens + stats.new_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},  # prefix caching (kv_cache.CachePool)
         "speculative": {
             "verify_steps": stats.verify_steps,
             "proposed_tokens": stats.proposed_tokens,
