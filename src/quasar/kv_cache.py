@@ -13,6 +13,14 @@ class ContextOverflowError(ValueError):
     """More tokens than the cache (context window) holds."""
 
 
+def common_prefix(held: list[int], tokens: list[int], limit: int) -> int:
+    """How many first tokens of `held` and `tokens` agree, at most `limit` (<= both lengths)."""
+    common = limit if held[:limit] == tokens[:limit] else 0  # the usual case: one comparison in C
+    while common < limit and held[common] == tokens[common]:
+        common += 1
+    return common
+
+
 class KVCache:
     """K/V buffers of shape [L, B, H_kv, S, D]; `length` tokens of them are valid.
 
@@ -109,10 +117,7 @@ class StreamCache:
         get logits). More than `most` (a prompt, a long stretch) are prefilled here, without the lm_head, but
         the last. Call `fed` with what the next forward writes."""
         assert self.cache is not None
-        limit = min(len(self.cached), len(stream) - 1)
-        common = limit if stream[:limit] == self.cached[:limit] else 0  # the usual case: one comparison in C
-        while common < limit and self.cached[common] == stream[common]:
-            common += 1
+        common = common_prefix(self.cached, stream, min(len(self.cached), len(stream) - 1))
         self.cache.trim(self.cache.length - common)
         del self.cached[common:]
         feed = stream[common:]
@@ -176,11 +181,7 @@ class CachePool:
             return None, 0
         best, most = None, 0
         for cache in self.free:
-            held = cache.held
-            limit = min(len(held), cache.length, len(prompt) - 1)
-            common = limit if held[:limit] == prompt[:limit] else 0  # the usual case: one comparison in C
-            while common < limit and held[common] == prompt[common]:
-                common += 1
+            common = common_prefix(cache.held, prompt, min(len(cache.held), len(prompt) - 1))
             if common > most:
                 best, most = cache, common
         return best, most

@@ -293,7 +293,7 @@ void attend_rows(const std::vector<Row>& rows, const float* keys, const float* v
 #pragma GCC pop_options
 
 AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, int64_t H, int64_t threads)
-    : row_view_(T, -1), T_(T), H_(H) {
+    : row_view_(T, -1), H_(H) {
   const auto& first = segments.at(0).cache_k;
   H_kv_ = first.size(1);
   D_ = first.size(3);
@@ -359,7 +359,8 @@ void AttentionSteps::attend(int64_t layer, int64_t i, const float* q_rot, float*
   const Item& item = items_[i];
   const View& view = views_[item.view];
   const int64_t group = H_ / H_kv_;
-  std::vector<Row> rows;
+  thread_local std::vector<Row> rows;  // reused: a step runs tens of items per thread
+  rows.clear();
   for (int64_t r = item.first; r < item.first + item.count; ++r) {
     const int64_t t = view.row0 + r / group, h = item.kv * group + r % group;
     rows.push_back(Row{q_rot + (t * H_ + h) * D_, view.start + r / group, out + (t * H_ + h) * D_});

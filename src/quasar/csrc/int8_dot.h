@@ -34,6 +34,12 @@ void int8_panel_dot(const int8_t* q, const int32_t* start, const float* x_scale,
 // floats as int8_panel_dot (int8_panel.cpp).
 void int8_panel_dot_maddubs(const int8_t* q, const float* x_scale, const int8_t* wp, const float* wsp, float* out,
                             int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1);
+// The panels of a packed W8A8 linear that start in [n0, n1) into out [M, N]: int8_panel_dot for uint8 w + 128
+// (unsigned_bytes), int8_panel_dot_maddubs for int8 w, then bias [N] (or nullptr) added on those panels' channels
+// (linear_avx2.cpp; the W8A8 linears and region_forward.cpp).
+void packed_panel_range(const void* wp, bool unsigned_bytes, const float* wsp, const float* bias, const int8_t* q,
+                        const int32_t* start, const float* x_scale, float* out, int64_t M, int64_t N, int64_t K,
+                        int64_t G, int64_t n0, int64_t n1);
 // start [M, K/G] = -128 * the sum of q [M, K] over each group of G inputs.
 void group_starts(const int8_t* q, int64_t M, int64_t K, int64_t G, int32_t* start);
 void int8_group_dot(Int8Path path, const int8_t* q, const uint8_t* u, const float* x_scale, const int8_t* w,

@@ -31,10 +31,10 @@ std::string use_float_path(const std::string& name);  // "auto" or one of float_
 std::string float_path();  // the path float-activation linears run on now
 bool float_path_avx512();  // whether that path has 512-bit registers (attention follows it)
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-// One row of rms_norm (y may be x), and quantize_tokens on one group of G values (G % 16 == 0) -> q [G], *scale:
-// the row operations of the W8A8 linears (linear_avx2.cpp), for the one-region forward (region_forward.cpp).
+// One row of rms_norm (y may be x), and quantize_tokens on each group of G values (G % 16 == 0) of x [M, K] -> q
+// [M, K], scale [M, K / G]: the row operations of the W8A8 linears (linear_avx2.cpp), for region_forward.cpp too.
 void norm_row(const float* x, const float* weight, int64_t K, double eps, float* y);
-void quantize_group(const float* x, int64_t G, int8_t* q, float* scale);
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* q, float* scale);
 // logits [R, V] float32 -> torch.argmax(logits, -1) (logits.cpp).
 torch::Tensor argmax_rows(torch::Tensor logits);
 // Sampling at temperature > 0 (logits.cpp, quasar.sampling): the weights exp((logits - max) * inv_t) and their row
@@ -79,7 +79,7 @@ class AttentionSteps {
   std::vector<View> views_;
   std::vector<int64_t> row_view_;  // the view of each row
   std::vector<Item> items_;
-  int64_t T_, H_, H_kv_ = 0, D_ = 0;
+  int64_t H_, H_kv_ = 0, D_ = 0;
   bool wide_ = false;  // AVX-512 attention (float_path_avx512, D % 64 == 0)
 };
 // decode_attention for the rows of several sequences, each over layer `layer` of its own cache (caches checked

@@ -31,13 +31,6 @@ void over_rows(int64_t M, int64_t K, const F& fn) {
   at::parallel_for(0, M, std::max<int64_t>(1, kRowsWork / std::max<int64_t>(K, 1)), fn);
 }
 
-// Quantize each group of G values of each row of x [M, K] to int8 values in [-127, 127]; write the scales
-// [M, K / G] (G = K: one scale per row), group by group (quantize_group).
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* q, float* scale) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < K; g += G) quantize_group(x + m * K + g, G, q + m * K + g, scale + (m * K + g) / G);
-}
-
 // How a group-wise weight is laid out (int8_panel.cpp): plain [N, K] int8, or packed in panels of 16 channels
 // x 4 inputs, [N/16][K/4][16][4] with w_scale [N/16][K/G][16], as unsigned bytes w + 128 (the dpbusd path, AVX-512
 // VNNI) or as signed bytes w (maddubs, AVX2).
@@ -109,12 +102,8 @@ void run_jobs(Int8Path path, const int8_t* q, const float* x_scale, const std::v
       if (n0 >= n1) continue;
       const IntJob& job = jobs[i];
       if (job.panels != Panels::None) {  // whole 16-channel panels: those that start in [n0, n1)
-        if (job.panels == Panels::Unsigned)
-          int8_panel_dot(q, start.data(), x_scale, reinterpret_cast<const uint8_t*>(job.w), job.w_scale, job.y, M,
-                         job.N, K, job.G, n0, n1);
-        else
-          int8_panel_dot_maddubs(q, x_scale, job.w, job.w_scale, job.y, M, job.N, K, job.G, n0, n1);
-        add_bias(job, M, (n0 + 15) / 16 * 16, std::min((n1 + 15) / 16 * 16, job.N));
+        packed_panel_range(job.w, job.panels == Panels::Unsigned, job.w_scale, job.bias, q, start.data(), x_scale,
+                           job.y, M, job.N, K, job.G, n0, n1);
         continue;
       }
       if (job.G) {
@@ -313,6 +302,34 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   return y;
 }
 
+void packed_panel_range(const void* wp, bool unsigned_bytes, const float* wsp, const float* bias, const int8_t* q,
+                        const int32_t* start, const float* x_scale, float* out, int64_t M, int64_t N, int64_t K,
+                        int64_t G, int64_t n0, int64_t n1) {
+  if (unsigned_bytes)
+    int8_panel_dot(q, start, x_scale, static_cast<const uint8_t*>(wp), wsp, out, M, N, K, G, n0, n1);
+  else
+    int8_panel_dot_maddubs(q, x_scale, static_cast<const int8_t*>(wp), wsp, out, M, N, K, G, n0, n1);
+  if (!bias) return;
+  const int64_t c1 = std::min((n1 + 15) / 16 * 16, N);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = (n0 + 15) / 16 * 16; n < c1; ++n) out[m * N + n] += bias[n];
+}
+
+// y [K] = weight * (x * (1 / sqrt(mean(x^2) + eps))), the sum of squares on 8 lanes, then across them; y may be x.
+void norm_row(const float* x, const float* weight, int64_t K, double eps, float* y) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+  }
+  const float inv = 1.f / std::sqrt(hsum_ps(acc, _mm256_setzero_ps()) / static_cast<float>(K) + static_cast<float>(eps));
+  const __m256 inv8 = _mm256_set1_ps(inv);
+  for (int64_t k = 0; k < K; k += 8)
+    _mm256_storeu_ps(y + k, _mm256_mul_ps(_mm256_loadu_ps(weight + k), _mm256_mul_ps(_mm256_loadu_ps(x + k), inv8)));
+}
+
+namespace {
+
 // The same operations as quasar.quant.int8.quantize_tokens on one group (IEEE division by the scale, round half to
 // even, clamp), eight lanes at a time; G is a multiple of 16.
 void quantize_group(const float* x, int64_t G, int8_t* q, float* scale) {
@@ -337,15 +354,11 @@ void quantize_group(const float* x, int64_t G, int8_t* q, float* scale) {
   }
 }
 
-// y [K] = weight * (x * (1 / sqrt(mean(x^2) + eps))), the sum of squares on 8 lanes, then across them; y may be x.
-void norm_row(const float* x, const float* weight, int64_t K, double eps, float* y) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    const __m256 v = _mm256_loadu_ps(x + k);
-    acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
-  }
-  const float inv = 1.f / std::sqrt(hsum_ps(acc, _mm256_setzero_ps()) / static_cast<float>(K) + static_cast<float>(eps));
-  const __m256 inv8 = _mm256_set1_ps(inv);
-  for (int64_t k = 0; k < K; k += 8)
-    _mm256_storeu_ps(y + k, _mm256_mul_ps(_mm256_loadu_ps(weight + k), _mm256_mul_ps(_mm256_loadu_ps(x + k), inv8)));
+}  // namespace
+
+// Quantize each group of G values of each row of x [M, K] to int8 values in [-127, 127]; write the scales
+// [M, K / G] (G = K: one scale per row), group by group (quantize_group).
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* q, float* scale) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < K; g += G) quantize_group(x + m * K + g, G, q + m * K + g, scale + (m * K + g) / G);
 }

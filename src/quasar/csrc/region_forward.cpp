@@ -7,7 +7,7 @@
 // third of the worker thread's time. Here the threads stay together for the whole step: each normalizes and
 // quantizes a linear's few input rows itself (the same bytes on every thread), sums its share of the output
 // channels, and they meet at a barrier only where a result needs every thread's channels (6 per layer). The
-// arithmetic is the kernels' own (norm_row, quantize_group, the panel dots, AttentionSteps, ATen's silu), each
+// arithmetic is the kernels' own (norm_row, quantize_rows, packed_panel_range, AttentionSteps, ATen's silu), each
 // value computed by the same operations in the same order, so the logits are bitwise those of decoder_layer.cpp.
 #include "int8_dot.h"
 #include "kernels.h"
@@ -74,15 +74,12 @@ void quantize_input(const float* x, int64_t M, int64_t K, const float* norm, dou
                     std::vector<float>& normed, Quantized& in) {
   in.q.resize(M * K);
   in.scale.resize(M * K / G);
-  if (norm) normed.resize(M * K);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = x + m * K;
-    if (norm) {
-      norm_row(row, norm, K, eps, normed.data() + m * K);
-      row = normed.data() + m * K;
-    }
-    for (int64_t g = 0; g < K; g += G) quantize_group(row + g, G, in.q.data() + m * K + g, in.scale.data() + (m * K + g) / G);
+  if (norm) {
+    normed.resize(M * K);
+    for (int64_t m = 0; m < M; ++m) norm_row(x + m * K, norm, K, eps, normed.data() + m * K);
+    x = normed.data();
   }
+  quantize_rows(x, M, K, G, in.q.data(), in.scale.data());
   if (starts) {
     in.start.resize(M * K / G);
     group_starts(in.q.data(), M, K, G, in.start.data());
@@ -92,14 +89,7 @@ void quantize_input(const float* x, int64_t M, int64_t K, const float* norm, dou
 // Channels [n0, n1) (whole panels, or up to N) of y [M, N] = the linear of the quantized rows, bias added.
 void linear_range(const PackedLinear& L, const int8_t* q, const int32_t* start, const float* x_scale, float* y,
                   int64_t M, int64_t n0, int64_t n1) {
-  if (n0 >= n1) return;
-  if (L.unsigned_bytes)
-    int8_panel_dot(q, start, x_scale, static_cast<const uint8_t*>(L.w), L.w_scale, y, M, L.N, L.K, L.G, n0, n1);
-  else
-    int8_panel_dot_maddubs(q, x_scale, static_cast<const int8_t*>(L.w), L.w_scale, y, M, L.N, L.K, L.G, n0, n1);
-  if (L.bias)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = n0; n < n1; ++n) y[m * L.N + n] += L.bias[n];
+  packed_panel_range(L.w, L.unsigned_bytes, L.w_scale, L.bias, q, start, x_scale, y, M, L.N, L.K, L.G, n0, n1);
 }
 
 // Part `tid` of `parts` of [0, units).
@@ -256,8 +246,7 @@ torch::Tensor run_region(const RegionPlan& plan, torch::Tensor x, const torch::T
         torch::silu_(slice);
         for (int64_t m = 0; m < M; ++m) {
           for (int64_t n = i0; n < i1; ++n) gp[m * I + n] = gp[m * I + n] * up_p[m * I + n];
-          for (int64_t g = i0; g < i1; g += G_down)
-            quantize_group(gp + m * I + g, G_down, aq + m * I + g, as + (m * I + g) / G_down);
+          quantize_rows(gp + m * I + i0, 1, i1 - i0, G_down, aq + m * I + i0, as + (m * I + i0) / G_down);
           if (ast) group_starts(aq + m * I + i0, 1, i1 - i0, G_down, ast + (m * I + i0) / G_down);
         }
       }
