@@ -1,7 +1,9 @@
-"""Progress bars on stderr for long work (hidden when stderr is not a terminal)."""
+"""Progress on stderr for long work: a bar on a terminal; a plain line every minute otherwise (a log file, a
+job run under nohup), so long runs say how far they are wherever their output goes."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -11,11 +13,39 @@ from typing import TypeVar
 from tqdm.auto import tqdm
 
 Item = TypeVar("Item")
+LINE_EVERY_S = 60.0  # without a terminal: how often a progress line is written
 
 
 def progress(items: Iterable[Item], description: str, total: int | None = None, initial: int = 0) -> Iterator[Item]:
     """items with a bar (count, rate, ETA); `initial` items were done before (a resumed run)."""
-    yield from tqdm(items, desc=description, total=total, initial=initial, disable=None, leave=False, dynamic_ncols=True)
+    if sys.stderr.isatty():
+        yield from tqdm(items, desc=description, total=total, initial=initial, leave=False, dynamic_ncols=True)
+    else:
+        yield from lines(items, description, total, initial)
+
+
+def lines(items: Iterable[Item], description: str, total: int | None = None, initial: int = 0,
+          every_s: float = LINE_EVERY_S) -> Iterator[Item]:
+    """items, with a line on stderr every `every_s` seconds: the count, the rate and the time left."""
+    start = last = time.monotonic()
+    done = 0
+    for item in items:
+        yield item
+        done += 1
+        now = time.monotonic()
+        if now - last >= every_s:
+            last = now
+            print(f"{description}: {status(initial + done, total, done / (now - start))}", file=sys.stderr, flush=True)
+
+
+def status(count: int, total: int | None, per_s: float) -> str:
+    """'53/250 (21%), 9.1/min, about 22 min left'; without a total, the count and the rate."""
+    rate = f"{per_s:.2f}/s" if per_s >= 1 else f"{per_s * 60:.1f}/min"
+    if not total:
+        return f"{count} done, {rate}"
+    left_s = (total - count) / per_s if per_s > 0 else float("inf")
+    left = f"{left_s:.0f} s" if left_s < 120 else f"{left_s / 60:.0f} min"
+    return f"{count}/{total} ({100 * count / total:.0f}%), {rate}, about {left} left"
 
 
 @contextmanager
