@@ -202,17 +202,20 @@ def test_packed_weights_the_cpu_cannot_run_are_refused():
 
 @pytest.mark.parametrize("group_size", [0, 32])
 def test_every_prefetch_policy_gives_the_same_results(group_size):
-    """The dpbusd loops prefetch into L1 or L2 (chosen per CPU vendor): a choice of speed, never of values."""
+    """The int8 loops prefetch into L1 or L2 (under 'auto' chosen per CPU vendor, path and rows): a choice of speed,
+    never of values."""
     kernel = native.kernel()
     torch.manual_seed(group_size)
     layer = backends.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, 320), backend="avx2", group_size=group_size))
     x = torch.randn(7, 576) * 3
     before = kernel.prefetch()
     try:
-        results = {name: [layer(x[:m]) for m in (1, 2, 6, 7)] for name in ("l1", "l2") if kernel.use_prefetch(name)}
+        results = {name: [layer(x[:m]) for m in (1, 2, 6, 7)] for name in ("l1", "l2", "auto") if kernel.use_prefetch(name)}
+        assert kernel.prefetch().startswith("auto")  # and names what auto picks on this CPU
     finally:
         kernel.use_prefetch(before)
     assert all(torch.equal(a, b) for a, b in zip(results["l1"], results["l2"]))
+    assert all(torch.equal(a, b) for a, b in zip(results["l1"], results["auto"]))
     with pytest.raises(RuntimeError, match="choose auto, l1 or l2"):
         kernel.use_prefetch("l3")
     assert kernel.prefetch() == before

@@ -19,9 +19,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "for benchmarks of what another CPU kind runs; returns the path's name");
   m.def("int8_path", &int8_path, "the int8 path every W8A8 linear runs on now");
   m.def("int8_paths", &int8_paths, "the int8 dot-product paths this CPU runs, fastest first");
-  m.def("use_prefetch", &use_prefetch, "how every later dpbusd loop prefetches weights: 'auto' (l2 on AMD CPUs, "
-        "l1 elsewhere), 'l1' or 'l2'; all give the same results; returns the policy's name");
-  m.def("prefetch", &prefetch, "the prefetch policy of the dpbusd loops now");
+  m.def("use_prefetch", &use_prefetch, "how every later int8 weight loop prefetches: 'auto' (l1 on Intel CPUs; l2 on "
+        "AMD ones, l1 at one row on maddubs), 'l1' or 'l2'; all give the same results; returns prefetch()");
+  m.def("prefetch", &prefetch, "the prefetch setting of the int8 weight loops now, as use_prefetch takes it back");
   m.def("float_act_linear", &float_act_linear, "float32 x times float32, int8 or bfloat16 w, fixed-order fp32 sums", NoGil());
   m.def("bf16_linear", &bf16_linear, "x rounded to bfloat16 times bfloat16 w packed [N/16, K/2, 16, 2], fp32 sums as vdpbf16ps", NoGil());
   m.def("fp32_linear", &fp32_linear, "float32 x times float32 or bfloat16 (widened) w packed [N/16, K, 16], one FMA chain per output", NoGil());

@@ -12,8 +12,9 @@ constexpr int64_t kPrefetch = 1024;
 // Where the int8 panel loops (int8_panel.cpp, both paths) and dpbusd_block.h prefetch their weights: into L1
 // kPrefetch bytes ahead (tuned on Intel Xeons), or into L2 kPrefetchL2 bytes ahead. On an AMD EPYC Zen 4 the L2
 // policy streams the default model's linears 17-19% faster at 1 and 6 rows (T0 prefetches hold the few L1 miss
-// buffers that the loads need; 2 to 4 KB ahead measured alike). prefetch_policy() (linear_avx2.cpp) picks L2 on
-// AMD CPUs, L1 elsewhere, until use_prefetch() chooses; every policy gives the same results.
+// buffers that the loads need; 2 to 4 KB ahead measured alike). On a Zen 3 (AVX2, maddubs panels) L1 is 5-6%
+// faster at one row and L2 1-5% faster from 2 to 6 rows. prefetch_policy(rows, maddubs) (linear_avx2.cpp) picks
+// by vendor, path and rows until use_prefetch() fixes one; every policy gives the same results.
 enum class Prefetch { L1, L2 };
 constexpr int64_t kPrefetchL2 = 4096;
 

@@ -154,7 +154,7 @@ void prepare_rows(Int8Path path, const int8_t* q, int64_t count, std::vector<uin
 
 void int8_dot(Int8Path path, const int8_t* q, const uint8_t* u, const int8_t* w, int32_t* acc, int64_t M, int64_t N,
               int64_t K, int64_t n0, int64_t n1) {
-  with_prefetch(prefetch_policy(), [&](auto policy) {
+  with_prefetch(prefetch_policy(M, path == Int8Path::Maddubs), [&](auto policy) {
     constexpr Prefetch P = decltype(policy)::value;
     row_blocks<8>(M, [&](auto rows, int64_t m) {
       constexpr int MB = decltype(rows)::value;

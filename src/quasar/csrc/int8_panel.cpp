@@ -86,7 +86,7 @@ void maddubs_panel_tile(const int8_t* q, const float* x_scale, const int8_t* wp,
 void int8_panel_dot_maddubs(const int8_t* q, const float* x_scale, const int8_t* wp, const float* wsp, float* out,
                             int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1) {
   const int64_t p0 = (n0 + 15) / 16, p1 = (n1 + 15) / 16;  // the panels that start in [n0, n1)
-  with_prefetch(prefetch_policy(), [&](auto policy) {
+  with_prefetch(prefetch_policy(M, true), [&](auto policy) {
     const auto tile = [&](auto rows, auto, int64_t m, int64_t p, int64_t k0, int64_t k1) {  // one panel per tile
       maddubs_panel_tile<decltype(rows)::value, decltype(policy)::value>(
           q, x_scale, wp, wsp, out, m, p, N, K, G, k0, k1);

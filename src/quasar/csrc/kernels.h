@@ -13,8 +13,8 @@ torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w, const std::string& path)
 // Chooses the int8 path of every later W8A8 linear ("auto" or one of int8_paths()); returns its name.
 std::string use_int8_path(const std::string& name);
 std::string int8_path();  // the path W8A8 linears run on now
-// Chooses how the dpbusd loops prefetch weights ("auto": l2 on AMD CPUs, l1 elsewhere; see blocking.h);
-// returns its name. prefetch() names the policy now.
+// Chooses how the int8 weight loops prefetch ("auto": per CPU vendor and rows, see prefetch_policy in int8_dot.h;
+// "l1" or "l2" for every loop); returns prefetch(), which names the setting now (and is accepted back).
 std::string use_prefetch(const std::string& name);
 std::string prefetch();
 torch::Tensor int8_group_mm(torch::Tensor q, torch::Tensor x_scale, torch::Tensor w, torch::Tensor w_scale,

@@ -194,26 +194,41 @@ std::string use_int8_path(const std::string& name) {
 
 namespace {
 
-Prefetch vendor_prefetch() {
+// The setting: a fixed policy, or "auto" (kAuto): the vendor's rule, per loop (prefetch_policy(rows, maddubs)).
+constexpr int kAuto = 2;
+
+bool amd_cpu() {
   __builtin_cpu_init();
-  return __builtin_cpu_is("amd") ? Prefetch::L2 : Prefetch::L1;
+  return __builtin_cpu_is("amd");
 }
 
 std::atomic<int>& prefetch_slot() {
-  static std::atomic<int> slot{static_cast<int>(vendor_prefetch())};
+  static std::atomic<int> slot{kAuto};
   return slot;
 }
 
 }  // namespace
 
-Prefetch prefetch_policy() { return static_cast<Prefetch>(prefetch_slot().load(std::memory_order_relaxed)); }
+Prefetch prefetch_policy(int64_t rows, bool maddubs) {
+  const int setting = prefetch_slot().load(std::memory_order_relaxed);
+  if (setting != kAuto) return static_cast<Prefetch>(setting);
+  static const bool amd = amd_cpu();
+  if (!amd) return Prefetch::L1;
+  return maddubs && rows <= 1 ? Prefetch::L1 : Prefetch::L2;
+}
 
-std::string prefetch() { return prefetch_policy() == Prefetch::L2 ? "l2" : "l1"; }
+Prefetch prefetch_policy() { return prefetch_policy(2, false); }
+
+std::string prefetch() {
+  const int setting = prefetch_slot().load(std::memory_order_relaxed);
+  if (setting != kAuto) return setting == static_cast<int>(Prefetch::L2) ? "l2" : "l1";
+  return amd_cpu() ? "auto: l2, l1 at one row on maddubs" : "auto: l1";
+}
 
 std::string use_prefetch(const std::string& name) {
-  TORCH_CHECK(name == "auto" || name == "l1" || name == "l2", "prefetch policy '", name, "' unknown; choose auto, l1 or l2");
-  const Prefetch chosen = name == "auto" ? vendor_prefetch() : name == "l2" ? Prefetch::L2 : Prefetch::L1;
-  prefetch_slot().store(static_cast<int>(chosen));
+  const bool automatic = name == "auto" || name.rfind("auto:", 0) == 0;  // what prefetch() says restores it
+  TORCH_CHECK(automatic || name == "l1" || name == "l2", "prefetch policy '", name, "' unknown; choose auto, l1 or l2");
+  prefetch_slot().store(automatic ? kAuto : static_cast<int>(name == "l2" ? Prefetch::L2 : Prefetch::L1));
   return prefetch();
 }
 
