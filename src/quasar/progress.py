@@ -14,11 +14,12 @@ from tqdm.auto import tqdm
 
 Item = TypeVar("Item")
 LINE_EVERY_S = 60.0  # without a terminal: how often a progress line is written
+IN_NOTEBOOK = any(c.__module__ == "tqdm.notebook" for c in tqdm.__mro__)  # tqdm.auto draws a widget there
 
 
 def progress(items: Iterable[Item], description: str, total: int | None = None, initial: int = 0) -> Iterator[Item]:
     """items with a bar (count, rate, ETA); `initial` items were done before (a resumed run)."""
-    if sys.stderr.isatty():
+    if sys.stderr.isatty() or IN_NOTEBOOK:
         yield from tqdm(items, desc=description, total=total, initial=initial, leave=False, dynamic_ncols=True)
     else:
         yield from lines(items, description, total, initial)
