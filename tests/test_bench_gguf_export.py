@@ -64,3 +64,20 @@ def test_llamacpp_peers_need_a_gguf(tmp_path):
         exported_gguf(tmp_path, "q8_0")
     with pytest.raises(ValueError, match="unknown GGUF precision"):
         exported_gguf(tmp_path, "q4_0")
+
+
+def test_a_llama_cpp_that_crashes_in_its_probe_is_skipped_with_the_reason(monkeypatch, tmp_path):
+    """llama.cpp runs in the bench's process, so it is tried in a child first: a crash there (ggml's AMX path
+    segfaults on some CPUs) becomes one line that says why and how to rebuild, not the end of the run."""
+    from quasar.bench import peers
+
+    crash = "import os, signal\nprint('CPU : AVX512 = 1 | AMX_INT8 = 1 |', flush=True)\nos.kill(os.getpid(), signal.SIGSEGV)\n"
+    monkeypatch.setattr(peers, "LLAMA_PROBE", crash)
+    why = peers.llama_cpp_fails(str(tmp_path / "crash.gguf"), 2)
+    assert why.startswith("llama.cpp failed a probe run on this CPU (signal 11)")
+    assert "GGML_AMX_INT8=OFF" in why
+    monkeypatch.setattr(peers, "LLAMA_PROBE", "import sys\nsys.exit('no such file')\n")
+    assert peers.llama_cpp_fails(str(tmp_path / "missing.gguf"), 2) == (
+        "llama.cpp failed a probe run on this CPU (exit status 1: no such file)")
+    monkeypatch.setattr(peers, "LLAMA_PROBE", "print('ok')\n")
+    assert peers.llama_cpp_fails(str(tmp_path / "fine.gguf"), 2) is None

@@ -6,7 +6,10 @@ verify steps are counted from outside: a forward pre-hook records where each tra
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import subprocess
+import sys
 import time
 from collections.abc import Collection
 from pathlib import Path
@@ -91,6 +94,42 @@ class HFMethod:
         return RequestOutput(list(messages), ids, text=text, token_ids=new, stats=stats)
 
 
+# A few tokens through llama.cpp in a child process: prints its system info, then evaluates a prompt and one token.
+LLAMA_PROBE = """
+import sys
+import llama_cpp
+print(llama_cpp.llama_print_system_info().decode(), flush=True)
+llm = llama_cpp.Llama(sys.argv[1], n_ctx=64, n_threads=int(sys.argv[2]), verbose=False)
+llm.eval(list(range(1, 9)))
+llm.eval([9])
+"""
+PROBE_TIMEOUT_S = 300
+# What builds llama-cpp-python without ggml's AMX path (and with every other x86 extension; drop those the CPU lacks).
+NO_AMX_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON '
+                '-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_INT8=OFF" '
+                'pip install --no-cache-dir --force-reinstall llama-cpp-python')
+
+
+@functools.cache
+def llama_cpp_fails(gguf: str, threads: int) -> str | None:
+    """Why llama.cpp cannot run this GGUF here, or None: it is tried first in a child process, because it runs in
+    the bench's own process, where a crash of its native code (llama-cpp-python 0.3.36 built for a CPU with AMX
+    segfaults in ggml's AMX matrix product) would end the whole run without a word."""
+    try:
+        done = subprocess.run([sys.executable, "-c", LLAMA_PROBE, gguf, str(threads)], capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"a probe run of llama.cpp on {gguf} did not finish in {PROBE_TIMEOUT_S} s"
+    if done.returncode == 0:
+        return None
+    how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit status {done.returncode}"
+    last = done.stderr.strip().splitlines()[-1:] if done.returncode > 0 else []
+    why = f"llama.cpp failed a probe run on this CPU ({how}{': ' + last[0] if last else ''})"
+    if "AMX_INT8 = 1" in done.stdout:
+        why += f"; it was built with ggml's AMX path, which crashes on some CPUs: rebuild it without: {NO_AMX_BUILD}"
+    return why
+
+
 class LlamaCppMethod:
     """llama-cpp-python on an F16 or Q8_0 GGUF of the same model, plain or with LlamaPromptLookupDecoding."""
 
@@ -110,6 +149,8 @@ class LlamaCppMethod:
         self.tokenizer = load_tokenizer(pool.directory())
         draft = LlamaPromptLookupDecoding(num_pred_tokens=pld_tokens) if pld_tokens else None
         path = exported_gguf(pool.options.model, precision, pool.options.cache_dir)
+        if why := llama_cpp_fails(str(path), torch.get_num_threads()):
+            raise PeerMissingError(why)
         n_ctx = pool.options.max_context or 4096
         # logits_all: with a draft model llama-cpp-python scores several positions per eval; without it, its
         # score buffer holds n_batch rows and a verify step past position 512 fails with a broadcast error.

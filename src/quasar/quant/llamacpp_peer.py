@@ -41,7 +41,7 @@ class LlamaCppScorer:
 
 def peers(names: list[str], model: str | Path, max_tokens: int, cache_dir: str | Path | None = None) -> dict[str, LlamaCppScorer]:
     """'llamacpp' (or 'llamacpp:q8_0') -> {'llama.cpp q8_0': scorer}; an empty dict with one line on stderr when
-    llama-cpp-python is missing."""
+    llama-cpp-python is missing, or when it fails a probe run in a child process (bench.peers.llama_cpp_fails)."""
     import sys
 
     wanted = []
@@ -53,4 +53,13 @@ def peers(names: list[str], model: str | Path, max_tokens: int, cache_dir: str |
     if wanted and not available():
         print(INSTALL, file=sys.stderr)
         return {}
-    return {f"llama.cpp {p}": LlamaCppScorer(model, p, max_tokens, cache_dir) for p in dict.fromkeys(wanted)}
+    from quasar.bench.gguf_export import exported_gguf
+    from quasar.bench.peers import llama_cpp_fails
+
+    scorers = {}
+    for p in dict.fromkeys(wanted):
+        if why := llama_cpp_fails(str(exported_gguf(model, p, cache_dir)), torch.get_num_threads()):
+            print(f"skipping llama.cpp {p}: {why}", file=sys.stderr)
+            continue
+        scorers[f"llama.cpp {p}"] = LlamaCppScorer(model, p, max_tokens, cache_dir)
+    return scorers
