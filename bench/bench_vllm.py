@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from quasar.api import DecodeConfig, build_engine
 from quasar.bench.suites import load_suite
 from quasar.loading import gguf_directory, resolve, sha256_file
@@ -118,6 +120,10 @@ def run_vllm(python: str, checkpoint: Path, dtype: str, spec: dict | None, promp
     (work / "job.json").write_text(json.dumps(job))
     (work / "worker.py").write_text(WORKER)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    # vLLM's automatic binding keeps one core for its engine process: on 2 cores its model then runs on one
+    # thread while quasar uses two. Bind its OpenMP threads to as many cores as quasar's (unless set).
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{torch.get_num_threads() - 1}")
+    print(f"vLLM OpenMP threads bound to cores {env['VLLM_CPU_OMP_THREADS_BIND']}", file=sys.stderr)
     preload = vllm_preload(python)
     if preload:
         env["LD_PRELOAD"] = ":".join(filter(None, [*preload, os.environ.get("LD_PRELOAD")]))
