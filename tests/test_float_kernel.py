@@ -1,6 +1,7 @@
 """quasar's float-activation kernels (csrc/float_dot.cpp): float32 x times float32, bf16 or int8 weights, and
-bf16 x bf16 as vdpbf16ps sums. Every path this CPU runs gives the same floats, every row is independent of
-the other rows, and the fp32 and bf16 verifiers run on them."""
+bf16 x bf16 as vdpbf16ps sums. Every path this CPU runs gives the same floats (but the amx path's bf16 x bf16,
+which sums as AMX's tdpbf16ps: csrc/float_amx.cpp), every row is independent of the other rows, and the fp32
+and bf16 verifiers run on them."""
 
 from __future__ import annotations
 
@@ -24,13 +25,18 @@ def kernel():
     k.use_float_path("auto")
 
 
-def on_every_path(kernel, op):
-    """op() on each float path this CPU runs -> {path: result}."""
+def on_every_path(kernel, op, paths=None):
+    """op() on each float path this CPU runs (or on `paths`) -> {path: result}."""
     results = {}
-    for path in kernel.float_paths():
+    for path in paths or kernel.float_paths():
         assert kernel.use_float_path(path) == path
         results[path] = op()
     return results
+
+
+def vdpbf16ps_paths(kernel) -> list[str]:
+    """The paths whose bf16_linear sums as vdpbf16ps does: all but amx."""
+    return [path for path in kernel.float_paths() if path != "amx"]
 
 
 def assert_same_everywhere(results: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -68,7 +74,7 @@ def test_bf16_inputs_are_the_same_on_every_path_and_row_by_row(kernel, M, K, N):
     x, w, bias = torch.randn(M, K), torch.randn(N, K).to(torch.bfloat16), torch.randn(N)
     packed = pack_panels(w)
     assert packed[1, 2, 3, 1] == w[16 + 3, 2 * 2 + 1]
-    y = assert_same_everywhere(on_every_path(kernel, lambda: kernel.bf16_linear(x, packed, bias)))
+    y = assert_same_everywhere(on_every_path(kernel, lambda: kernel.bf16_linear(x, packed, bias), vdpbf16ps_paths(kernel)))
     exact = x.to(torch.bfloat16).double() @ w.double().T + bias.double()  # the products of bf16 are exact
     assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
     alone = torch.cat([kernel.bf16_linear(x[m : m + 1], packed, bias) for m in range(M)])
@@ -85,11 +91,37 @@ def test_bf16_inputs_flush_denormals_as_vdpbf16ps_on_every_path(kernel):
     x[2, :8] = 2.0**-130  # denormal inputs: read as zero
     w = torch.full((32, K), 2.0**-64).to(torch.bfloat16)
     w[16:] = (torch.randn(16, K) * 2.0**-62).to(torch.bfloat16)
-    y = assert_same_everywhere(on_every_path(kernel, lambda: kernel.bf16_linear(x, pack_panels(w), E)))
-    assert torch.equal(y[0, :16], torch.zeros(16))
-    assert torch.equal(y[1, :16], torch.full((16,), K * 2.0**-124))
+    results = on_every_path(kernel, lambda: kernel.bf16_linear(x, pack_panels(w), E))
+    assert_same_everywhere({path: results[path] for path in vdpbf16ps_paths(kernel)})
+    for y in results.values():  # amx's tiles flush as vdpbf16ps does
+        assert torch.equal(y[0, :16], torch.zeros(16))
+        assert torch.equal(y[1, :16], torch.full((16,), K * 2.0**-124))
     tiny = torch.tensor([2.0**-140])
     assert (tiny * 2).item() == 2.0**-139  # denormals work again outside the kernel
+
+
+@pytest.mark.parametrize("M", [1, 5, 16, 17, 32, 45, 70])  # every tile shape: 1 or 2 row tiles, whole or not
+def test_amx_bf16_is_close_to_the_exact_sum_and_row_by_row(kernel, M):
+    """The amx path sums bf16 pairs on AMX tiles (tdpbf16ps): other floats than vdpbf16ps's, as close to the exact
+    sum, and a row's result the same alone, in any split of the rows, and in tiles of any height."""
+    if "amx" not in kernel.float_paths():
+        pytest.skip("this CPU has no AMX-BF16")
+    kernel.use_float_path("amx")
+    torch.manual_seed(M)
+    K, N = 576, 80  # 5 panels: pairs of panels and a last single one
+    x, w, bias = torch.randn(M, K), torch.randn(N, K).to(torch.bfloat16), torch.randn(N)
+    packed = pack_panels(w)
+    y = kernel.bf16_linear(x, packed, bias)
+    exact = x.to(torch.bfloat16).double() @ w.double().T + bias.double()
+    assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    alone = torch.cat([kernel.bf16_linear(x[m : m + 1], packed, bias) for m in range(M)])
+    assert torch.equal(alone, y)
+    split = M // 3 + 1
+    assert torch.equal(torch.cat([kernel.bf16_linear(x[:split], packed, bias), kernel.bf16_linear(x[split:], packed, bias)]), y)
+    kernel.use_float_path("avx512")  # a K that is no whole number of tiles runs as on avx512
+    odd = kernel.bf16_linear(x[:, :48], pack_panels(w[:, :48]), bias)
+    kernel.use_float_path("amx")
+    assert torch.equal(kernel.bf16_linear(x[:, :48], pack_panels(w[:, :48]), bias), odd)
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 64, 48), (5, 7, 32), (13, 576, 80), (9, 1536, 144)])

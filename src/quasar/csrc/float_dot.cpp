@@ -13,6 +13,10 @@
 //   same sums as two FMAs per pair, on 16 and 8 channels: a product of two bfloat16 is exact in float32, so
 //   each FMA rounds once, as vdpbf16ps does, and with denormals flushed to zero as vdpbf16ps flushes them.
 //   Where the CPU has vdpbf16ps a probe picks the faster of it and the 16-lane FMAs (pair_fma_faster).
+//   Where it has AMX-BF16 the "amx" path runs bf16_linear on the tile unit instead (float_amx.cpp), 6-7x the
+//   FMAs' rate at a prefill's 1,024 rows: its sums are tdpbf16ps's, not vdpbf16ps's (other floats, as close
+//   to the exact sum), so it is a path of its own, still with every row independent of the others. Its
+//   other products (and a K that is no multiple of 32) run as on the avx512 path.
 // - fp32_linear: float32 x times weights packed in panels of 16 channels ([N/16][K][16]), float32 (the fp32
 //   verifier) or bfloat16 widened to float32 in registers (exact: the floats of the same weights stored as
 //   float32, in half the bytes; the bf16 lm_head of W8A8 checkpoints). An output is one float32 FMA chain in
@@ -26,6 +30,7 @@
 #include "kernels.h"
 #include "blocking.h"
 #include "float_lanes.h"
+#include "float_amx.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
@@ -37,7 +42,7 @@
 
 namespace {
 
-enum class FloatPath { Avx2, Avx512, Avx512Bf16 };
+enum class FloatPath { Avx2, Avx512, Avx512Bf16, Amx };
 
 // The weights of one block of channels: small enough to stay in L2 while every row tile passes.
 constexpr int64_t kBlockBytes = 256 * 1024;
@@ -437,11 +442,13 @@ std::vector<FloatPath> available_paths() {
     const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
     std::vector<FloatPath> found;
+    if (avx512 && amx_bf16_usable()) found.push_back(FloatPath::Amx);
     if (avx512 && __builtin_cpu_supports("avx512bf16"))
-      found = pair_fma_faster() ? std::vector{FloatPath::Avx512, FloatPath::Avx512Bf16}
-                                : std::vector{FloatPath::Avx512Bf16, FloatPath::Avx512};
+      for (FloatPath p : pair_fma_faster() ? std::vector{FloatPath::Avx512, FloatPath::Avx512Bf16}
+                                           : std::vector{FloatPath::Avx512Bf16, FloatPath::Avx512})
+        found.push_back(p);
     else if (avx512)
-      found = {FloatPath::Avx512};
+      found.push_back(FloatPath::Avx512);
     found.push_back(FloatPath::Avx2);
     return found;
   }();
@@ -449,7 +456,7 @@ std::vector<FloatPath> available_paths() {
 }
 
 const char* path_name(FloatPath p) {
-  return p == FloatPath::Avx512Bf16 ? "avx512bf16" : p == FloatPath::Avx512 ? "avx512" : "avx2";
+  return p == FloatPath::Amx ? "amx" : p == FloatPath::Avx512Bf16 ? "avx512bf16" : p == FloatPath::Avx512 ? "avx512" : "avx2";
 }
 
 std::atomic<int>& path_slot() {
@@ -560,9 +567,11 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bia
   x = x.contiguous();
   wp = wp.contiguous();
   bias = bias.contiguous();
-  const FloatPath path = current_path();
-  // x rounded to bfloat16: as float32 for the AVX-512 FMAs, as bfloat16 bits for vdpbf16ps and AVX2
-  const bool as_float = pairs && path == FloatPath::Avx512;
+  // The amx path's tiles take bf16 pairs where K is whole tiles; what they do not take runs as on the avx512 path.
+  const bool amx = pairs && current_path() == FloatPath::Amx && K % 32 == 0;
+  const FloatPath path = current_path() == FloatPath::Amx ? FloatPath::Avx512 : current_path();
+  // x rounded to bfloat16: as float32 for the AVX-512 FMAs, as bfloat16 bits for the tiles, vdpbf16ps and AVX2
+  const bool as_float = pairs && !amx && path == FloatPath::Avx512;
   const auto xr = as_float ? rounded_bf16<float>(x.data_ptr<float>(), M * K) : nullptr;
   const auto xb = pairs && !as_float ? rounded_bf16<uint16_t>(x.data_ptr<float>(), M * K) : nullptr;
   auto y = torch::empty({M, N}, x.options());
@@ -572,6 +581,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bia
   const uint16_t* w16 = bf16 ? reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()) : nullptr;
   const float* w32 = bf16 ? nullptr : wp.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    if (amx) return amx_bf16_panels(xb.get(), w16, yp, M, N, K, p0, p1);
     if (pairs) {
       if (path == FloatPath::Avx512Bf16) return avx512bf16::panel_dot(xb.get(), w16, yp, M, N, K, p0, p1);
       const FlushDenormals as_vdpbf16ps;

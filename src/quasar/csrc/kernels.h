@@ -21,12 +21,12 @@ torch::Tensor int8_group_mm(torch::Tensor q, torch::Tensor x_scale, torch::Tenso
                             const std::string& path);
 // Float-activation linears (float_dot.cpp): float32 x times float32, bfloat16 or int8 w (float_act_linear);
 // x rounded to bfloat16 times bfloat16 w packed in panels of 16 channels, as vdpbf16ps sums (bf16_linear).
-// Same floats on every path.
+// Same floats on every path, but for bf16_linear on "amx" (AMX-BF16 tiles: tdpbf16ps's sums).
 torch::Tensor float_act_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor bias);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
 // float32 x times float32 w packed in panels of 16 channels, one FMA chain per output (fp32_linear).
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
-std::vector<std::string> float_paths();  // this CPU's: "avx512bf16", "avx512", "avx2", fastest first
+std::vector<std::string> float_paths();  // this CPU's: "amx", "avx512bf16", "avx512", "avx2", fastest first
 std::string use_float_path(const std::string& name);  // "auto" or one of float_paths(); returns its name
 std::string float_path();  // the path float-activation linears run on now
 bool float_path_avx512();  // whether that path has 512-bit registers (attention follows it)

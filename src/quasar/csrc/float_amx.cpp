@@ -1,0 +1,141 @@
+// The bf16 verifier's linears on Intel AMX: x [Mp, K] bfloat16 times bfloat16 weights packed in panels of 16
+// channels ([N/16][K/2][16][2], float_dot.cpp's layout, which is already AMX's B-tile layout: a panel's 32
+// inputs are one 16 x 64-byte tile), float32 sums in tiles of 16 rows x 16 channels by tdpbf16ps.
+//
+// tdpbf16ps sums differently from vdpbf16ps (measured: on 33,966 of 51,200 random outputs the floats differ),
+// so this is a path of its own: its floats are not the other float paths' floats. What the verifier needs
+// holds on it too: an output is the tile unit's function of its own row of x and its channel's weights, the
+// tiles always hold 16 rows and K always walks in steps of 32 from 0, so a row's result does not depend on how
+// many rows come with it (decode, verify and prefill give one row the same floats) or on which thread runs it.
+// At 1 row the 15 padding rows cost nothing that shows: a tile product of 16 x 16 x 32 takes 16 cycles while its
+// 1 KB of weights takes longer to arrive from memory. A prefill of many rows runs at the tile unit's rate
+// instead of the FMAs' (the 1,024-row prefill of the default model's linears: see docs/benchmarks.md).
+#include "float_amx.h"
+#include "blocking.h"
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+namespace {
+
+bool cpu_has_amx_bf16() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (d >> 24 & 1) && (d >> 22 & 1);  // AMX-TILE, AMX-BF16
+}
+
+// Linux keeps the 8 KB tile state off until a process asks for it (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+bool tiles_granted() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+}  // namespace
+
+bool amx_bf16_usable() {
+  static const bool usable = cpu_has_amx_bf16() && tiles_granted();
+  return usable;
+}
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16")
+namespace {
+
+// Tiles 0-3: sums of (row tile r, panel c) at 2r + c; 4, 5: the row tiles' inputs; 6, 7: the panels' weights
+// (16 rows of 64 bytes). Row tile 0 has rows0 rows, row tile 1 rows1 (16 and 16 in a block of 32 rows; fewer in
+// the last block: a row's sums are the same whichever tile shape holds them).
+void configure_tiles(int rows0, int rows1) {
+  TileConfig config;
+  const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, 16, 16};
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = static_cast<uint8_t>(rows[t]);
+    config.colsb[t] = rows[t] ? 64 : 0;
+  }
+  _tile_loadconfig(&config);
+}
+
+// RT row tiles (from row m0) times PT panels (from p0) over all of K. STREAM: the weights come from memory, once
+// (a step of at most 32 rows): each tile's bytes are also asked for kPrefetch ahead, which took a one-row pass
+// over the default model's linears from 8.99 to 8.45 ms (2,048 and 4,096 bytes ahead: 8.61, 8.79).
+template <int RT, int PT, bool STREAM>
+void tile_block(const uint16_t* x, const uint16_t* wp, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K) {
+  const uint16_t* a0 = x + m0 * K;
+  const uint16_t* a1 = a0 + 16 * K;
+  const uint16_t* b0 = wp + p0 * K * 16;
+  const uint16_t* b1 = b0 + K * 16;
+  const int64_t a_stride = K * 2;
+  _tile_zero(0);
+  if constexpr (PT == 2) _tile_zero(1);
+  if constexpr (RT == 2) _tile_zero(2);
+  if constexpr (RT == 2 && PT == 2) _tile_zero(3);
+  for (int64_t k = 0; k < K; k += 32) {
+    if constexpr (STREAM) {
+#pragma GCC unroll 16
+      for (int line = 0; line < 16; ++line) {
+        _mm_prefetch(reinterpret_cast<const char*>(b0 + k * 16) + kPrefetch + 64 * line, _MM_HINT_T0);
+        if constexpr (PT == 2) _mm_prefetch(reinterpret_cast<const char*>(b1 + k * 16) + kPrefetch + 64 * line, _MM_HINT_T0);
+      }
+    }
+    _tile_loadd(6, b0 + k * 16, 64);
+    if constexpr (PT == 2) _tile_loadd(7, b1 + k * 16, 64);
+    _tile_loadd(4, a0 + k, a_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (PT == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RT == 2) {
+      _tile_loadd(5, a1 + k, a_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (PT == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  float* c = y + m0 * N + 16 * p0;
+  const int64_t c_stride = N * 4;
+  _tile_stored(0, c, c_stride);
+  if constexpr (PT == 2) _tile_stored(1, c + 16, c_stride);
+  if constexpr (RT == 2) _tile_stored(2, c + 16 * N, c_stride);
+  if constexpr (RT == 2 && PT == 2) _tile_stored(3, c + 16 * N + 16, c_stride);
+}
+
+// Rows [m0, m1) (blocks of 32, the last one maybe fewer) times panels [p0, p1), a block of panels staying in L2
+// while every row block passes (as panel_tiles' blocks).
+template <bool STREAM>
+void row_range(const uint16_t* x, const uint16_t* wp, float* y, int64_t m0, int64_t m1, int64_t N, int64_t K,
+               int64_t p0, int64_t p1) {
+  for (int64_t b = p0; b < p1; b += kPanelBlock) {
+    const int64_t b1 = std::min(b + kPanelBlock, p1);
+    for (int64_t m = m0; m < m1; m += 32) {
+      const bool two_rows = m1 - m > 16;
+      for (int64_t p = b; p < b1; p += 2) {
+        const bool two_panels = p + 2 <= b1;
+        if (two_rows && two_panels) tile_block<2, 2, STREAM>(x, wp, y, m, p, N, K);
+        else if (two_rows) tile_block<2, 1, STREAM>(x, wp, y, m, p, N, K);
+        else if (two_panels) tile_block<1, 2, STREAM>(x, wp, y, m, p, N, K);
+        else tile_block<1, 1, STREAM>(x, wp, y, m, p, N, K);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void amx_bf16_panels(const uint16_t* x, const uint16_t* wp, float* y, int64_t M, int64_t N, int64_t K, int64_t p0,
+                     int64_t p1) {
+  const int64_t whole = M / 32 * 32, rest = M - whole;
+  if (whole) {
+    configure_tiles(16, 16);
+    row_range<false>(x, wp, y, 0, whole, N, K, p0, p1);
+  }
+  if (rest) {  // the last rows, with tiles of their size (a decode step's one row: no padding rows to sum)
+    configure_tiles(std::min<int>(16, rest), std::max<int>(0, rest - 16));
+    if (whole) row_range<false>(x, wp, y, whole, M, N, K, p0, p1);
+    else row_range<true>(x, wp, y, 0, M, N, K, p0, p1);
+  }
+  _tile_release();
+}
+#pragma GCC pop_options
