@@ -80,9 +80,11 @@ def cpu_kernel(t: torch.Tensor) -> Any | None:
 
 def kernel_paths(kernel: Any, modules: dict[nn.Module, type]) -> str:
     """'kernels:' and the instruction-set paths the linears run on: the int8 path of W8A8 ones (kind 0), the
-    float path of the others ('kernels:dpbusd+avx512bf16' for w8a8:lmbf16, a W8A8 model with a bf16 lm_head)."""
+    float path of the others ('kernels:dpbusd+avx512' for w8a8:lmbf16, a W8A8 model with a bf16 lm_head widened to
+    float32; 'kernels:amx' for bf16, whose bf16 x bf16 products run on AMX tiles where the CPU has them)."""
     kinds = {module.kernel_args()[0] for module in modules if hasattr(module, "kernel_args")}
-    paths = ([kernel.int8_path()] if 0 in kinds else []) + ([kernel.float_path()] if kinds - {0} else [])
+    floats = [kernel.float_path_for(2 in kinds)] if kinds - {0} else []  # kind 2: bf16 x bf16 (bf16_linear)
+    paths = ([kernel.int8_path()] if 0 in kinds else []) + floats
     return "kernels:" + "+".join(paths)
 
 

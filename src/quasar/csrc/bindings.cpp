@@ -29,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_float_path", &use_float_path, "run every later float-activation linear on this path ('auto': the "
         "fastest); all paths give the same floats; returns the path's name");
   m.def("float_path", &float_path, "the path float-activation linears run on now");
+  m.def("float_path_for", &float_path_for, "the path bf16_linear (True) or the other float products (False) run on now");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, sums in a fixed order", NoGil());
   m.def("argmax_rows", &argmax_rows, "the first index of the largest value of each row, as torch.argmax", NoGil());
   m.def("sampling_weights", &sampling_weights, "exp((logits - max) * inv_t) into out, row by row; the rows' sums", NoGil());

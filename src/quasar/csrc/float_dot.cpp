@@ -466,6 +466,9 @@ std::atomic<int>& path_slot() {
 
 FloatPath current_path() { return static_cast<FloatPath>(path_slot().load(std::memory_order_relaxed)); }
 
+// The path the products other than amx's tiles run on: amx's are avx512's.
+FloatPath lanes_path() { return current_path() == FloatPath::Amx ? FloatPath::Avx512 : current_path(); }
+
 template <typename W>
 void act32_dot(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
   const FloatPath path = current_path();
@@ -510,6 +513,8 @@ std::vector<std::string> float_paths() {
 }
 
 std::string float_path() { return path_name(current_path()); }
+
+std::string float_path_for(bool bf16_pairs) { return path_name(bf16_pairs ? current_path() : lanes_path()); }
 
 bool float_path_avx512() { return current_path() != FloatPath::Avx2; }
 
@@ -569,7 +574,7 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bia
   bias = bias.contiguous();
   // The amx path's tiles take bf16 pairs where K is whole tiles; what they do not take runs as on the avx512 path.
   const bool amx = pairs && current_path() == FloatPath::Amx && K % 32 == 0;
-  const FloatPath path = current_path() == FloatPath::Amx ? FloatPath::Avx512 : current_path();
+  const FloatPath path = lanes_path();
   // x rounded to bfloat16: as float32 for the AVX-512 FMAs, as bfloat16 bits for the tiles, vdpbf16ps and AVX2
   const bool as_float = pairs && !amx && path == FloatPath::Avx512;
   const auto xr = as_float ? rounded_bf16<float>(x.data_ptr<float>(), M * K) : nullptr;

@@ -29,6 +29,7 @@ torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
 std::vector<std::string> float_paths();  // this CPU's: "amx", "avx512bf16", "avx512", "avx2", fastest first
 std::string use_float_path(const std::string& name);  // "auto" or one of float_paths(); returns its name
 std::string float_path();  // the path float-activation linears run on now
+std::string float_path_for(bool bf16_pairs);  // the path bf16_linear (true) or the other products run on now
 bool float_path_avx512();  // whether that path has 512-bit registers (attention follows it)
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 // One row of rms_norm (y may be x), and quantize_tokens on each group of G values (G % 16 == 0) of x [M, K] -> q
