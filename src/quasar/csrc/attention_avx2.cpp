@@ -183,26 +183,82 @@ inline __m512 half_sums8(const __m512* a) {
   return _mm512_permutexvar_ps(order, w);
 }
 
-// score_range for two rows at once: qq [D / 8][16] holds the rows' queries 8 dims each side by side. Eight keys
-// at a time (eight independent FMA chains), their sums reduced together (half_sums8).
-void score_pair(const float* qq, const float* keys, int64_t j0, int64_t j1, int64_t D, float scale, float* sa, float* sb) {
+// score_range for P pairs of rows at once: qq[p] [D / 8][16] holds pair p's queries 8 dims each side by side, s[2p]
+// and s[2p + 1] its rows' scores. Eight keys at a time (8 P independent FMA chains; each key load serves every
+// pair), each pair's sums reduced together (half_sums8).
+template <int P>
+void score_pairs(const float* const* qq, const float* keys, int64_t j0, int64_t j1, int64_t D, float scale,
+                 float* const* s) {
   const __m512 scale16 = _mm512_set1_ps(scale);
   for (int64_t j = j0; j < j1; j += 8) {
     const int64_t n = std::min<int64_t>(8, j1 - j);
-    __m512 acc[8];
-#pragma GCC unroll 8
-    for (int t = 0; t < 8; ++t) acc[t] = _mm512_setzero_ps();
+    __m512 acc[P][8];
+#pragma GCC unroll 16
+    for (int p = 0; p < P; ++p)
+      for (int t = 0; t < 8; ++t) acc[p][t] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
-      const __m512 qv = _mm512_loadu_ps(qq + 2 * d);
+      __m512 qv[P];
+#pragma GCC unroll 2
+      for (int p = 0; p < P; ++p) qv[p] = _mm512_loadu_ps(qq[p] + 2 * d);
 #pragma GCC unroll 8
       for (int t = 0; t < 8; ++t)
-        if (t < n) acc[t] = _mm512_fmadd_ps(qv, _mm512_broadcast_f32x8(_mm256_loadu_ps(keys + (j + t) * D + d)), acc[t]);
+        if (t < n) {
+          const __m512 key = _mm512_broadcast_f32x8(_mm256_loadu_ps(keys + (j + t) * D + d));
+#pragma GCC unroll 2
+          for (int p = 0; p < P; ++p) acc[p][t] = _mm512_fmadd_ps(qv[p], key, acc[p][t]);
+        }
     }
-    const __m512 s = _mm512_mul_ps(half_sums8(acc), scale16);
     const __mmask8 keep = static_cast<__mmask8>((1u << n) - 1);
-    _mm256_mask_storeu_ps(sa + j, keep, _mm512_castps512_ps256(s));
-    _mm256_mask_storeu_ps(sb + j, keep, _mm512_extractf32x8_ps(s, 1));
+#pragma GCC unroll 2
+    for (int p = 0; p < P; ++p) {
+      const __m512 sums = _mm512_mul_ps(half_sums8(acc[p]), scale16);
+      _mm256_mask_storeu_ps(s[2 * p] + j, keep, _mm512_castps512_ps256(sums));
+      _mm256_mask_storeu_ps(s[2 * p + 1] + j, keep, _mm512_extractf32x8_ps(sums, 1));
+    }
   }
+}
+
+// exp8 on 16 floats: the same operations lane by lane, so the same floats.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365f));
+  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.f));
+  const __m512i n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(n));
+}
+
+// softmax_numerators on 16 lanes: the same floats (the maximum is exact in any order; each e_j is exp8's; the
+// total adds each 8 keys' lanes to the 8-lane sum in the same order as the 8-lane code).
+float softmax_numerators(float* scores, int64_t n) {
+  const int64_t padded = (n + 7) / 8 * 8;
+  __m512 top16 = _mm512_set1_ps(-INFINITY);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(scores + j));
+  float top = _mm512_reduce_max_ps(top16);
+  for (; j < n; ++j) top = std::max(top, scores[j]);
+  for (j = n; j < padded; ++j) scores[j] = top;  // exp(0) = 1, zeroed below
+  const __m512 top_v = _mm512_set1_ps(top);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m256 total = _mm256_setzero_ps();
+  for (j = 0; j < padded; j += 16) {
+    const __mmask16 in = j + 16 <= padded ? 0xFFFF : 0x00FF;  // the last 8 of a padded row, alone
+    const __mmask16 valid = _mm512_mask_cmpgt_epi32_mask(in, _mm512_set1_epi32(static_cast<int>(n - j)), lane);
+    const __m512 e = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, scores + j), top_v)));
+    _mm512_mask_storeu_ps(scores + j, in, e);
+    total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
+    if (in == 0xFFFF) total = _mm256_add_ps(total, _mm512_extractf32x8_ps(e, 1));
+  }
+  return hsum8(total);
 }
 
 // acc_out[r][64] += sum_{j in [j0, j1)} e[r][j] v_j[d0 : d0 + 64] for R rows, j in order (64 dims: 4 registers).
@@ -247,14 +303,18 @@ void attend_rows(const std::vector<Row>& rows, const float* keys, const float* v
     }
   }
   for (int64_t j0 = 0; j0 < n_max; j0 += block)
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int64_t a = 2 * p, b = 2 * p + 1;
-      const int64_t last = std::max(rows[a].last, rows[std::min(b, count - 1)].last);
-      score_pair(qq.data() + p * 2 * D, keys, j0, std::min(j0 + block, last + 1), D, scale, scores.data() + a * stride,
-                 scores.data() + b * stride);
+    for (int64_t p = 0; p < pairs; p += 2) {  // two pairs share each key load; a last pair alone
+      const int64_t first = 2 * p, end = std::min(2 * p + 4, 2 * pairs);
+      int64_t last = 0;
+      for (int64_t r = first; r < end; ++r) last = std::max(last, rows[std::min(r, count - 1)].last);
+      const float* qs[2] = {qq.data() + p * 2 * D, qq.data() + (p + 1) * 2 * D};
+      float* s[4];
+      for (int64_t r = first; r < first + 4; ++r) s[r - first] = scores.data() + std::min(r, 2 * pairs - 1) * stride;
+      if (end - first == 4) score_pairs<2>(qs, keys, j0, std::min(j0 + block, last + 1), D, scale, s);
+      else score_pairs<1>(qs, keys, j0, std::min(j0 + block, last + 1), D, scale, s);
     }
   std::vector<float> norm(count);
-  for (int64_t r = 0; r < count; ++r) norm[r] = softmax_numerators(scores.data() + r * stride, rows[r].last + 1);
+  for (int64_t r = 0; r < count; ++r) norm[r] = avx512::softmax_numerators(scores.data() + r * stride, rows[r].last + 1);
   constexpr int R = 4;
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     for (const Row& r : rows) std::fill(r.out + d0, r.out + d0 + 64, 0.f);
