@@ -100,15 +100,16 @@ def test_bf16_inputs_flush_denormals_as_vdpbf16ps_on_every_path(kernel):
     assert (tiny * 2).item() == 2.0**-139  # denormals work again outside the kernel
 
 
-@pytest.mark.parametrize("M", [1, 5, 16, 17, 32, 45, 70])  # every tile shape: 1 or 2 row tiles, whole or not
-def test_amx_bf16_is_close_to_the_exact_sum_and_row_by_row(kernel, M):
+# every tile shape (1 or 2 row tiles, whole or not), K in one chunk of 1,024 inputs or three
+@pytest.mark.parametrize("M,K", [(1, 576), (5, 2080), (16, 576), (17, 2080), (32, 576), (45, 2080), (70, 576)])
+def test_amx_bf16_is_close_to_the_exact_sum_and_row_by_row(kernel, M, K):
     """The amx path sums bf16 pairs on AMX tiles (tdpbf16ps): other floats than vdpbf16ps's, as close to the exact
     sum, and a row's result the same alone, in any split of the rows, and in tiles of any height."""
     if "amx" not in kernel.float_paths():
         pytest.skip("this CPU has no AMX-BF16")
     kernel.use_float_path("amx")
     torch.manual_seed(M)
-    K, N = 576, 80  # 5 panels: pairs of panels and a last single one
+    N = 80  # 5 panels: pairs of panels and a last single one
     x, w, bias = torch.randn(M, K), torch.randn(N, K).to(torch.bfloat16), torch.randn(N)
     packed = pack_panels(w)
     y = kernel.bf16_linear(x, packed, bias)
