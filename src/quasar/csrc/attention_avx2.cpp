@@ -218,20 +218,18 @@ void score_pairs(const float* const* qq, const float* keys, int64_t j0, int64_t 
   }
 }
 
-// exp8 on 16 floats: the same operations lane by lane, so the same floats.
+// exp8 on 16 floats: the same constants and operations lane by lane (floor as a round toward -inf), so the same
+// floats.
 inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365f));
-  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+  using namespace cephes_exp;
+  x = _mm512_max_ps(x, _mm512_set1_ps(kLowest));
+  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2High), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2Low), x);
   const __m512 z = _mm512_mul_ps(x, x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 y = _mm512_set1_ps(kPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kPoly[i]));
   y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.f));
   const __m512i n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(y, _mm512_castsi512_ps(n));

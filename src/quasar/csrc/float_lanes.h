@@ -13,20 +13,25 @@ inline float hsum_ps(__m256 a, __m256 b) {
   return _mm_cvtss_f32(s);
 }
 
+// The Cephes expf constants: exp8 here and attention's 16-lane exp16 use these, in the same operations, so both
+// give the same floats.
+namespace cephes_exp {
+constexpr float kLowest = -87.3365f, kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = -2.12194440e-4f;
+constexpr float kPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace cephes_exp
+
 // exp on 8 floats (the Cephes expf polynomial, about 1 ulp from torch's exp). Inputs below -87.3 give exp(-87.3),
 // about 1e-38: nothing beside attention's largest weight of 1; the sampling weights zero them themselves.
 inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365f));
-  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  using namespace cephes_exp;
+  x = _mm256_max_ps(x, _mm256_set1_ps(kLowest));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(kLog2e), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kLn2High), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kLn2Low), x);
   const __m256 z = _mm256_mul_ps(x, x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 y = _mm256_set1_ps(kPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kPoly[i]));
   y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.f));
   const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
