@@ -125,6 +125,26 @@ def test_amx_bf16_is_close_to_the_exact_sum_and_row_by_row(kernel, M, K):
     assert torch.equal(kernel.bf16_linear(x[:, :48], pack_panels(w[:, :48]), bias), odd)
 
 
+def test_a_dead_large_result_serves_the_next_one_and_live_ones_never_share(kernel):
+    """Results of 1 MB and more come from blocks the kernels keep (csrc/results.cpp): a freed one is reused by the
+    next result of its size, fully rewritten, while results that are alive keep blocks of their own."""
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 256), torch.randn(4096, 256).to(torch.bfloat16)  # a 1 MB result
+    packed = pack_panels(w)
+    first = kernel.bf16_linear(x, packed, E)
+    expected, block = first.clone(), first.data_ptr()
+    first.fill_(float("nan"))
+    del first
+    again = kernel.bf16_linear(x, packed, E)
+    assert again.data_ptr() == block and torch.equal(again, expected)
+    other = kernel.bf16_linear(x.flip(0), packed, E)  # while `again` lives
+    assert other.data_ptr() != block and torch.equal(other, expected.flip(0))
+    again.add_(1)  # an ordinary tensor: in place, views, copies
+    assert torch.equal(again[:, :3], expected[:, :3] + 1) and torch.equal(other, expected.flip(0))
+    small = kernel.bf16_linear(x[:1], packed, E)  # under 1 MB: torch.empty's
+    assert torch.equal(small, expected[:1])
+
+
 @pytest.mark.parametrize("M,K,N", [(1, 64, 48), (5, 7, 32), (13, 576, 80), (9, 1536, 144)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_fp32_is_the_same_on_every_path_and_row_by_row(kernel, M, K, N, dtype):

@@ -441,7 +441,7 @@ void attend_steps(const AttentionSteps& steps, int64_t layer, const torch::Tenso
                 "contiguous float32 CPU tensors expected");
   const int64_t T = q.size(0), H = steps.heads(), H_kv = steps.kv_heads(), D = steps.head_dim();
   TORCH_CHECK(q.size(1) == H * D && k.size(1) == H_kv * D && v.size(1) == H_kv * D, "bad head shapes");
-  auto q_rot = torch::empty_like(q);
+  auto q_rot = kernel_result(q.sizes(), q.options());
   float* qr = q_rot.data_ptr<float>();
   // Each row on its own (a batch's rows split between the threads: none waits while one rotates).
   const int64_t per_row = (H + 2 * H_kv) * D;
@@ -467,7 +467,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   TORCH_CHECK(cache_k.dtype() == torch::kFloat32 && cache_v.dtype() == torch::kFloat32 && cache_k.is_contiguous() &&
               cache_v.is_contiguous() && cache_k.device().is_cpu() && cache_k.dim() == 3 && cache_k.sizes() == cache_v.sizes(),
               "contiguous float32 CPU caches [H_kv, S, D] expected");
-  auto out = torch::empty_like(q);
+  auto out = kernel_result(q.sizes(), q.options());
   const int64_t D = cache_k.size(2);
   TORCH_CHECK(q.dim() == 2 && q.size(1) % D == 0, "q [T, H*D] expected");
   const std::vector<Segment> one{Segment{cache_k.unsqueeze(0), cache_v.unsqueeze(0), start, q.size(0)}};
@@ -481,7 +481,7 @@ torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor 
                                 const std::vector<Segment>& segments, int64_t layer) {
   const int64_t D = segments.at(0).cache_k.size(3);
   TORCH_CHECK(q.dim() == 2 && q.size(1) % D == 0, "q [T, H*D] expected");
-  auto out = torch::empty_like(q);
+  auto out = kernel_result(q.sizes(), q.options());
   attend_steps(AttentionSteps(segments, q.size(0), q.size(1) / D, at::get_num_threads()), layer, q, k, v, cos, sin, out);
   return out;
 }

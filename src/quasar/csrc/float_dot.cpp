@@ -226,12 +226,20 @@ void round_bf16(const float* x, int64_t count, Out* out) {
   }
 }
 
-// x [count] rounded as round_bf16, into a new buffer, on every thread: a prefill's inputs are megabytes.
+// x [count] rounded as round_bf16 (bfloat16 bits, or widened to float32), on every thread: a prefill's inputs are
+// megabytes. Empty: not rounded.
 template <typename Out>
-std::unique_ptr<Out[]> rounded_bf16(const float* x, int64_t count) {
-  std::unique_ptr<Out[]> out(new Out[count]);
-  at::parallel_for(0, count, 1 << 16, [&](int64_t i0, int64_t i1) { round_bf16(x + i0, i1 - i0, out.get() + i0); });
-  return out;
+struct Rounded {
+  torch::Tensor values;
+  const Out* get() const { return values.defined() ? static_cast<const Out*>(values.data_ptr()) : nullptr; }
+};
+
+template <typename Out>
+Rounded<Out> rounded_bf16(const float* x, int64_t count) {
+  auto out = kernel_result({count}, torch::dtype(sizeof(Out) == 4 ? torch::kFloat32 : torch::kBFloat16));
+  Out* o = static_cast<Out*>(out.data_ptr());
+  at::parallel_for(0, count, 1 << 16, [&](int64_t i0, int64_t i1) { round_bf16(x + i0, i1 - i0, o + i0); });
+  return {out};
 }
 
 // vdpbf16ps treats denormal inputs as zero and flushes denormal results to zero: the FMAs that stand in for
@@ -541,7 +549,7 @@ torch::Tensor float_act_linear(torch::Tensor x, torch::Tensor w, torch::Tensor s
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(scale.numel() == 0 || (scale.dtype() == torch::kFloat32 && scale.numel() == N),
               "float32 scale [N] or empty expected");
-  auto y = torch::empty({M, N}, x.options());
+  auto y = kernel_result({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (w.dtype() == torch::kInt8)
@@ -577,9 +585,9 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bia
   const FloatPath path = lanes_path();
   // x rounded to bfloat16: as float32 for the AVX-512 FMAs, as bfloat16 bits for the tiles, vdpbf16ps and AVX2
   const bool as_float = pairs && !amx && path == FloatPath::Avx512;
-  const auto xr = as_float ? rounded_bf16<float>(x.data_ptr<float>(), M * K) : nullptr;
-  const auto xb = pairs && !as_float ? rounded_bf16<uint16_t>(x.data_ptr<float>(), M * K) : nullptr;
-  auto y = torch::empty({M, N}, x.options());
+  const auto xr = as_float ? rounded_bf16<float>(x.data_ptr<float>(), M * K) : Rounded<float>{};
+  const auto xb = pairs && !as_float ? rounded_bf16<uint16_t>(x.data_ptr<float>(), M * K) : Rounded<uint16_t>{};
+  auto y = kernel_result({M, N}, x.options());
   float* yp = y.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   const bool bf16 = wp.dtype() == torch::kBFloat16;

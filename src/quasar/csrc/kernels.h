@@ -6,6 +6,10 @@
 #include <string>
 #include <vector>
 
+// A new, unwritten tensor like torch::empty's, for a kernel to fill whole (results.cpp): blocks of 1 MB and more are
+// handed back to the next result of the same size instead of to malloc (a forward repeats its sizes every layer).
+torch::Tensor kernel_result(at::IntArrayRef sizes, const torch::TensorOptions& options);
+
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale, torch::Tensor bias);
 std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::Tensor> w,
                                             std::vector<torch::Tensor> w_scale, std::vector<torch::Tensor> bias);

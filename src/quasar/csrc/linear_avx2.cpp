@@ -130,8 +130,8 @@ std::pair<torch::Tensor, torch::Tensor> quantize(const torch::Tensor& x, int64_t
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) % 16 == 0, "float32 x [M, K], K % 16 == 0");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(G % 16 == 0 && K % G == 0, "group size ", G, " must be a multiple of 16 dividing K = ", K);
-  auto q = torch::empty({M, K}, x.options().dtype(torch::kInt8));
-  auto scale = torch::empty({M, K / G}, x.options());
+  auto q = kernel_result({M, K}, x.options().dtype(torch::kInt8));
+  auto scale = kernel_result({M, K / G}, x.options());
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* sp = scale.data_ptr<float>();
@@ -164,7 +164,7 @@ torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w, const std::string& path)
   const Int8Path p = parse_int8_path(path);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto input = p == Int8Path::Maddubs ? x.clamp_min(-127).contiguous() : x.contiguous();
-  auto out = torch::empty({M, N}, x.options().dtype(torch::kInt32));
+  auto out = kernel_result({M, N}, x.options().dtype(torch::kInt32));
   run_jobs(p, input.data_ptr<int8_t>(), nullptr, {IntJob{w.data_ptr<int8_t>(), N, out.data_ptr<int32_t>()}}, M, K);
   if (p != Int8Path::Maddubs) return out;
   auto low = x.eq(-128);
@@ -249,7 +249,7 @@ torch::Tensor int8_group_mm(torch::Tensor q, torch::Tensor x_scale, torch::Tenso
               x_scale.size(1) == K / G, "float32 x_scale [M, K / G] expected");
   const Int8Path p = parse_int8_path(path);
   TORCH_CHECK(p != Int8Path::Maddubs || q.min().item<int>() > -128, "the maddubs path takes q in [-127, 127]");
-  auto y = torch::empty({M, N}, x_scale.options());
+  auto y = kernel_result({M, N}, x_scale.options());
   run_jobs(p, q.data_ptr<int8_t>(), x_scale.data_ptr<float>(),
            {IntJob{w.data_ptr<int8_t>(), N, nullptr, y.data_ptr<float>(), w_scale.data_ptr<float>(), nullptr, G}}, M, K);
   return y;
@@ -283,8 +283,8 @@ std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::
     TORCH_CHECK(jobs.empty() || jobs[0].G == G, "the linears of one input must share their group size");
     TORCH_CHECK(bias[i].numel() == 0 || (bias[i].dtype() == torch::kFloat32 && bias[i].numel() == N),
                 "float32 bias [N] or empty expected");
-    acc.push_back(G ? torch::Tensor() : torch::empty({M, N}, x.options().dtype(torch::kInt32)));
-    out.push_back(torch::empty({M, N}, x.options()));
+    acc.push_back(G ? torch::Tensor() : kernel_result({M, N}, x.options().dtype(torch::kInt32)));
+    out.push_back(kernel_result({M, N}, x.options()));
     jobs.push_back(IntJob{static_cast<const int8_t*>(w[i].data_ptr()), N, G ? nullptr : acc.back().data_ptr<int32_t>(),
                           out.back().data_ptr<float>(), w_scale[i].data_ptr<float>(),
                           bias[i].numel() ? bias[i].data_ptr<float>() : nullptr, G,
@@ -308,7 +308,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   x = x.contiguous();
   weight = weight.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  auto y = torch::empty_like(x);
+  auto y = kernel_result(x.sizes(), x.options());
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   over_rows(M, K, [&](int64_t m0, int64_t m1) {
