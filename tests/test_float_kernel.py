@@ -125,6 +125,23 @@ def test_amx_bf16_is_close_to_the_exact_sum_and_row_by_row(kernel, M, K):
     assert torch.equal(kernel.bf16_linear(x[:, :48], pack_panels(w[:, :48]), bias), odd)
 
 
+@pytest.mark.parametrize("M,K,N", [(1, 64, 48), (5, 48, 32), (40, 576, 80)])
+def test_bf16_linear_in_two_steps_is_bf16_linear(kernel, M, K, N):
+    """Linears that share an input round it once (bf16_input), then multiply it (bf16_linear_rounded): the same floats
+    on every path; an input rounded for another path, or not rounded, is refused."""
+    torch.manual_seed(K)
+    x, w, bias = torch.randn(M, K), torch.randn(N, K).to(torch.bfloat16), torch.randn(N)
+    packed = pack_panels(w)
+    for path in kernel.float_paths():
+        kernel.use_float_path(path)
+        rounded = kernel.bf16_input(x)
+        assert torch.equal(rounded.float(), x.to(torch.bfloat16).float())
+        assert torch.equal(kernel.bf16_linear_rounded(rounded, packed, bias), kernel.bf16_linear(x, packed, bias))
+        other = rounded.float() if rounded.dtype == torch.bfloat16 else rounded.to(torch.bfloat16)
+        with pytest.raises(RuntimeError, match="rounded"):
+            kernel.bf16_linear_rounded(other, packed, bias)
+
+
 def test_a_dead_large_result_serves_the_next_one_and_live_ones_never_share(kernel):
     """Results of 1 MB and more come from blocks the kernels keep (csrc/results.cpp): a freed one is reused by the
     next result of its size, fully rewritten, while results that are alive keep blocks of their own."""

@@ -82,6 +82,25 @@ def test_fused_path_is_close_to_the_float_path(kind, model_dir):
         assert (ours - ref).abs().max() < (0.05 if kind == "w8a8" else 0.02) * ref.abs().max()
 
 
+def test_bf16_mlp_pieces_of_a_long_prefill_equal_the_unfused_kernels(tmp_path, tokenizer_dir):
+    """A bf16 MLP takes silu(gate) * up and its rounding in pieces of rows (16 rows here, on both threads): the same
+    logits as the modules one by one, and as the same tokens prefilled in two parts."""
+    directory = write_hf_dir(tiny_hf_model("llama", seed=5, intermediate_size=4096), tmp_path, tokenizer_dir)
+    model = make("bf16-inputs", "", directory)
+    torch.manual_seed(2)
+    ids = torch.randint(0, 1000, (1, 100))
+
+    def prefill(fused: bool, parts: list[tuple[int, int]]) -> torch.Tensor:
+        backends.prepare_(model, fuse=fused)
+        cache = model.new_cache(128)
+        with torch.inference_mode():
+            return torch.cat([model(ids[:, a:b], cache)[0] for a, b in parts])
+
+    whole = prefill(True, [(0, 100)])
+    assert torch.equal(whole, prefill(False, [(0, 100)]))
+    assert torch.equal(whole, prefill(True, [(0, 37), (37, 100)]))
+
+
 @pytest.mark.parametrize("kind", ["w8a8", "w8a8-g32-head", "bf16", "bf16-inputs", "fp32"])
 def test_token_alone_equals_token_in_verify_block(kind, model_dir):
     model = make(kind, "", model_dir)

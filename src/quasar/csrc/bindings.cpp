@@ -24,6 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefetch", &prefetch, "the prefetch setting of the int8 weight loops now, as use_prefetch takes it back");
   m.def("float_act_linear", &float_act_linear, "float32 x times float32, int8 or bfloat16 w, fixed-order fp32 sums", NoGil());
   m.def("bf16_linear", &bf16_linear, "x rounded to bfloat16 times bfloat16 w packed [N/16, K/2, 16, 2], fp32 sums as vdpbf16ps", NoGil());
+  m.def("bf16_input", &bf16_input, "x rounded to bfloat16 as the current float path's bf16 products take it", NoGil());
+  m.def("bf16_linear_rounded", &bf16_linear_rounded, "bf16_linear of an input bf16_input rounded", NoGil());
   m.def("fp32_linear", &fp32_linear, "float32 x times float32 or bfloat16 (widened) w packed [N/16, K, 16], one FMA chain per output", NoGil());
   m.def("float_paths", &float_paths, "the float-linear paths this CPU runs, fastest first");
   m.def("use_float_path", &use_float_path, "run every later float-activation linear on this path ('auto': the "

@@ -226,22 +226,6 @@ void round_bf16(const float* x, int64_t count, Out* out) {
   }
 }
 
-// x [count] rounded as round_bf16 (bfloat16 bits, or widened to float32), on every thread: a prefill's inputs are
-// megabytes. Empty: not rounded.
-template <typename Out>
-struct Rounded {
-  torch::Tensor values;
-  const Out* get() const { return values.defined() ? static_cast<const Out*>(values.data_ptr()) : nullptr; }
-};
-
-template <typename Out>
-Rounded<Out> rounded_bf16(const float* x, int64_t count) {
-  auto out = kernel_result({count}, torch::dtype(sizeof(Out) == 4 ? torch::kFloat32 : torch::kBFloat16));
-  Out* o = static_cast<Out*>(out.data_ptr());
-  at::parallel_for(0, count, 1 << 16, [&](int64_t i0, int64_t i1) { round_bf16(x + i0, i1 - i0, o + i0); });
-  return {out};
-}
-
 // vdpbf16ps treats denormal inputs as zero and flushes denormal results to zero: the FMAs that stand in for
 // it do the same while this lives (DAZ and FTZ in this thread's MXCSR, restored after).
 struct FlushDenormals {
@@ -564,43 +548,50 @@ torch::Tensor float_act_linear(torch::Tensor x, torch::Tensor w, torch::Tensor s
 
 namespace {
 
+// Whether the bf16 products of the current path take x rounded as float32 numbers (the avx512 path's FMAs) rather
+// than as bfloat16 bits (the tiles, vdpbf16ps, AVX2): the amx path's tiles take K in whole tiles only.
+bool amx_takes(int64_t K) { return current_path() == FloatPath::Amx && K % 32 == 0; }
+bool rounded_as_float(int64_t K) { return !amx_takes(K) && lanes_path() == FloatPath::Avx512; }
+
 // The packed products (bf16_linear, fp32_linear): x [M, K] float32 times weights packed in panels of 16
-// channels: bfloat16 pairs [N/16, K/2, 16, 2] (x rounded to bfloat16 first), float32 [N/16, K, 16] or
-// bfloat16 [N/16, K, 16] (widened), plus bias [N] float32 or empty -> y [M, N] float32; one parallel region
-// over the panels.
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias) {
+// channels: bfloat16 pairs [N/16, K/2, 16, 2] (x rounded to bfloat16 first, or given rounded: bf16_input's),
+// float32 [N/16, K, 16] or bfloat16 [N/16, K, 16] (widened), plus bias [N] float32 or empty -> y [M, N] float32;
+// one parallel region over the panels.
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias, bool rounded) {
   const bool pairs = wp.dim() == 4, widened = wp.dim() == 3 && wp.dtype() == torch::kBFloat16;
   TORCH_CHECK(pairs ? wp.dtype() == torch::kBFloat16 && wp.size(3) == 2 : wp.dim() == 3,
               "weights packed [N/16, K/2, 16, 2] (bfloat16 pairs) or [N/16, K, 16] (float32 or bfloat16) expected");
   TORCH_CHECK(wp.size(2) == 16, "panels of 16 channels expected");
   const int64_t K = pairs ? 2 * wp.size(1) : wp.size(1), P = wp.size(0), N = 16 * P;
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == K, "float32 x [M, K] expected");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.device().is_cpu(), "x [M, K] expected");
+  TORCH_CHECK(rounded ? x.scalar_type() == bf16_input_dtype(K) : x.dtype() == torch::kFloat32,
+              rounded ? "x rounded as bf16_input rounds it for this path expected" : "float32 x expected");
   TORCH_CHECK(bias.numel() == 0 || (bias.dtype() == torch::kFloat32 && bias.numel() == N), "float32 bias [N] or empty expected");
   const int64_t M = x.size(0);
   x = x.contiguous();
   wp = wp.contiguous();
   bias = bias.contiguous();
   // The amx path's tiles take bf16 pairs where K is whole tiles; what they do not take runs as on the avx512 path.
-  const bool amx = pairs && current_path() == FloatPath::Amx && K % 32 == 0;
+  const bool amx = pairs && amx_takes(K);
   const FloatPath path = lanes_path();
   // x rounded to bfloat16: as float32 for the AVX-512 FMAs, as bfloat16 bits for the tiles, vdpbf16ps and AVX2
-  const bool as_float = pairs && !amx && path == FloatPath::Avx512;
-  const auto xr = as_float ? rounded_bf16<float>(x.data_ptr<float>(), M * K) : Rounded<float>{};
-  const auto xb = pairs && !as_float ? rounded_bf16<uint16_t>(x.data_ptr<float>(), M * K) : Rounded<uint16_t>{};
-  auto y = kernel_result({M, N}, x.options());
+  const auto xr = pairs && !rounded ? bf16_input(x) : x;
+  const float* xf = pairs && rounded_as_float(K) ? xr.data_ptr<float>() : nullptr;
+  const uint16_t* xb = pairs && !xf ? reinterpret_cast<const uint16_t*>(xr.data_ptr<at::BFloat16>()) : nullptr;
+  auto y = kernel_result({M, N}, torch::dtype(torch::kFloat32));
   float* yp = y.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
+  const float* xp = pairs ? nullptr : x.data_ptr<float>();
   const bool bf16 = wp.dtype() == torch::kBFloat16;
   const uint16_t* w16 = bf16 ? reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()) : nullptr;
   const float* w32 = bf16 ? nullptr : wp.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    if (amx) return amx_bf16_panels(xb.get(), w16, yp, M, N, K, p0, p1);
+    if (amx) return amx_bf16_panels(xb, w16, yp, M, N, K, p0, p1);
     if (pairs) {
-      if (path == FloatPath::Avx512Bf16) return avx512bf16::panel_dot(xb.get(), w16, yp, M, N, K, p0, p1);
+      if (path == FloatPath::Avx512Bf16) return avx512bf16::panel_dot(xb, w16, yp, M, N, K, p0, p1);
       const FlushDenormals as_vdpbf16ps;
-      if (path == FloatPath::Avx512) return avx512::pair_fma_dot(xr.get(), w16, yp, M, N, K, p0, p1);
+      if (path == FloatPath::Avx512) return avx512::pair_fma_dot(xf, w16, yp, M, N, K, p0, p1);
       panel_tiles<4, 1>(M, p0, p1, K, 32, 2, [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
-        bf16_tile_avx2<decltype(rows)::value, decltype(panels)::value>(xb.get(), w16, yp, m, p, N, K, k0, k1);
+        bf16_tile_avx2<decltype(rows)::value, decltype(panels)::value>(xb, w16, yp, m, p, N, K, k0, k1);
       });
       return;
     }
@@ -621,12 +612,36 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bia
 
 }  // namespace
 
+torch::ScalarType bf16_input_dtype(int64_t K) { return rounded_as_float(K) ? torch::kFloat32 : torch::kBFloat16; }
+
+void round_bf16_into(const float* x, int64_t count, torch::Tensor& out, int64_t offset) {
+  TORCH_CHECK(out.is_contiguous() && offset >= 0 && offset + count <= out.numel(), "the rounded values do not fit out");
+  if (out.dtype() == torch::kFloat32)
+    round_bf16(x, count, out.data_ptr<float>() + offset);
+  else
+    round_bf16(x, count, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + offset);
+}
+
+torch::Tensor bf16_input(torch::Tensor x) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.device().is_cpu(), "float32 x [M, K] expected");
+  x = x.contiguous();
+  auto out = kernel_result(x.sizes(), torch::dtype(bf16_input_dtype(x.size(1))));
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, x.numel(), 1 << 16, [&](int64_t i0, int64_t i1) { round_bf16_into(xp + i0, i1 - i0, out, i0); });
+  return out;
+}
+
+torch::Tensor bf16_linear_rounded(torch::Tensor xr, torch::Tensor wp, torch::Tensor bias) {
+  TORCH_CHECK(wp.dtype() == torch::kBFloat16 && wp.dim() == 4, "bfloat16 weights packed [N/16, K/2, 16, 2] expected");
+  return packed_linear(xr, wp, bias, true);
+}
+
 // x [M, K] float32 rounded to bfloat16, times bfloat16 weights packed [N/16, K/2, 16, 2] (w[n, k] at
 // [n / 16, k / 2, n % 16, k % 2]), float32 sums as vdpbf16ps takes them, plus bias [N] float32 (or empty)
 // -> y [M, N] float32: the bf16 verifier. Row m of the result depends on x[m] only.
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias) {
   TORCH_CHECK(wp.dtype() == torch::kBFloat16 && wp.dim() == 4, "bfloat16 weights packed [N/16, K/2, 16, 2] expected");
-  return packed_linear(x, wp, bias);
+  return packed_linear(x, wp, bias, false);
 }
 
 // x [M, K] float32 times float32 or bfloat16 weights packed [N/16, K, 16] (w[n, k] at [n / 16, k, n % 16]),
@@ -636,5 +651,5 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias)
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias) {
   TORCH_CHECK((wp.dtype() == torch::kFloat32 || wp.dtype() == torch::kBFloat16) && wp.dim() == 3,
               "float32 or bfloat16 weights packed [N/16, K, 16] expected");
-  return packed_linear(x, wp, bias);
+  return packed_linear(x, wp, bias, false);
 }

@@ -28,6 +28,14 @@ torch::Tensor int8_group_mm(torch::Tensor q, torch::Tensor x_scale, torch::Tenso
 // Same floats on every path, but for bf16_linear on "amx" (AMX-BF16 tiles: tdpbf16ps's sums).
 torch::Tensor float_act_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor bias);
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
+// bf16_linear in two steps, for an input several linears share or one rounded in pieces (decoder_layer.cpp): x rounded
+// as the current float path's bf16 products take it (bf16_input_dtype(K): bfloat16 bits, or float32 numbers where the
+// path runs them on FMAs), then multiplied (bf16_linear_rounded); round_bf16_into rounds count floats into such an
+// input at element offset. bf16_linear(x, w, b) == bf16_linear_rounded(bf16_input(x), w, b), bit for bit.
+torch::ScalarType bf16_input_dtype(int64_t K);
+torch::Tensor bf16_input(torch::Tensor x);
+void round_bf16_into(const float* x, int64_t count, torch::Tensor& out, int64_t offset);
+torch::Tensor bf16_linear_rounded(torch::Tensor xr, torch::Tensor w, torch::Tensor bias);
 // float32 x times float32 w packed in panels of 16 channels, one FMA chain per output (fp32_linear).
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
 std::vector<std::string> float_paths();  // this CPU's: "amx", "avx512bf16", "avx512", "avx2", fastest first
