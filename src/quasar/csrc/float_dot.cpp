@@ -553,19 +553,18 @@ namespace {
 bool amx_takes(int64_t K) { return current_path() == FloatPath::Amx && K % 32 == 0; }
 bool rounded_as_float(int64_t K) { return !amx_takes(K) && lanes_path() == FloatPath::Avx512; }
 
-// The packed products (bf16_linear, fp32_linear): x [M, K] float32 times weights packed in panels of 16
-// channels: bfloat16 pairs [N/16, K/2, 16, 2] (x rounded to bfloat16 first, or given rounded: bf16_input's),
-// float32 [N/16, K, 16] or bfloat16 [N/16, K, 16] (widened), plus bias [N] float32 or empty -> y [M, N] float32;
-// one parallel region over the panels.
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias, bool rounded) {
+// The packed products (bf16_linear_rounded, fp32_linear): x [M, K] times weights packed in panels of 16 channels:
+// bfloat16 pairs [N/16, K/2, 16, 2] (x as bf16_input rounds it), float32 [N/16, K, 16] or bfloat16 [N/16, K, 16]
+// (widened; x float32), plus bias [N] float32 or empty -> y [M, N] float32; one parallel region over the panels.
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias) {
   const bool pairs = wp.dim() == 4, widened = wp.dim() == 3 && wp.dtype() == torch::kBFloat16;
   TORCH_CHECK(pairs ? wp.dtype() == torch::kBFloat16 && wp.size(3) == 2 : wp.dim() == 3,
               "weights packed [N/16, K/2, 16, 2] (bfloat16 pairs) or [N/16, K, 16] (float32 or bfloat16) expected");
   TORCH_CHECK(wp.size(2) == 16, "panels of 16 channels expected");
   const int64_t K = pairs ? 2 * wp.size(1) : wp.size(1), P = wp.size(0), N = 16 * P;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.device().is_cpu(), "x [M, K] expected");
-  TORCH_CHECK(rounded ? x.scalar_type() == bf16_input_dtype(K) : x.dtype() == torch::kFloat32,
-              rounded ? "x rounded as bf16_input rounds it for this path expected" : "float32 x expected");
+  TORCH_CHECK(pairs ? x.scalar_type() == bf16_input_dtype(K) : x.dtype() == torch::kFloat32,
+              pairs ? "x rounded as bf16_input rounds it for this path expected" : "float32 x expected");
   TORCH_CHECK(bias.numel() == 0 || (bias.dtype() == torch::kFloat32 && bias.numel() == N), "float32 bias [N] or empty expected");
   const int64_t M = x.size(0);
   x = x.contiguous();
@@ -575,9 +574,8 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bia
   const bool amx = pairs && amx_takes(K);
   const FloatPath path = lanes_path();
   // x rounded to bfloat16: as float32 for the AVX-512 FMAs, as bfloat16 bits for the tiles, vdpbf16ps and AVX2
-  const auto xr = pairs && !rounded ? bf16_input(x) : x;
-  const float* xf = pairs && rounded_as_float(K) ? xr.data_ptr<float>() : nullptr;
-  const uint16_t* xb = pairs && !xf ? reinterpret_cast<const uint16_t*>(xr.data_ptr<at::BFloat16>()) : nullptr;
+  const float* xf = pairs && rounded_as_float(K) ? x.data_ptr<float>() : nullptr;
+  const uint16_t* xb = pairs && !xf ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
   auto y = kernel_result({M, N}, torch::dtype(torch::kFloat32));
   float* yp = y.data_ptr<float>();
   const float* xp = pairs ? nullptr : x.data_ptr<float>();
@@ -633,15 +631,14 @@ torch::Tensor bf16_input(torch::Tensor x) {
 
 torch::Tensor bf16_linear_rounded(torch::Tensor xr, torch::Tensor wp, torch::Tensor bias) {
   TORCH_CHECK(wp.dtype() == torch::kBFloat16 && wp.dim() == 4, "bfloat16 weights packed [N/16, K/2, 16, 2] expected");
-  return packed_linear(xr, wp, bias, true);
+  return packed_linear(xr, wp, bias);
 }
 
 // x [M, K] float32 rounded to bfloat16, times bfloat16 weights packed [N/16, K/2, 16, 2] (w[n, k] at
 // [n / 16, k / 2, n % 16, k % 2]), float32 sums as vdpbf16ps takes them, plus bias [N] float32 (or empty)
 // -> y [M, N] float32: the bf16 verifier. Row m of the result depends on x[m] only.
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias) {
-  TORCH_CHECK(wp.dtype() == torch::kBFloat16 && wp.dim() == 4, "bfloat16 weights packed [N/16, K/2, 16, 2] expected");
-  return packed_linear(x, wp, bias, false);
+  return bf16_linear_rounded(bf16_input(x), wp, bias);
 }
 
 // x [M, K] float32 times float32 or bfloat16 weights packed [N/16, K, 16] (w[n, k] at [n / 16, k, n % 16]),
@@ -651,5 +648,5 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias)
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias) {
   TORCH_CHECK((wp.dtype() == torch::kFloat32 || wp.dtype() == torch::kBFloat16) && wp.dim() == 3,
               "float32 or bfloat16 weights packed [N/16, K, 16] expected");
-  return packed_linear(x, wp, bias, false);
+  return packed_linear(x, wp, bias);
 }
