@@ -52,7 +52,12 @@ def test_quick_bench_cli_on_a_tiny_model(tiny_model_dir, tmp_path):
         assert key in writing
     for key in ("new_tokens", "wall_time", "decoding_steps", "accept_lengths", "token_ids", "stats"):
         assert key in writing["choices"][0]
-    assert "| all | ar:bf16 |" in (out / "summary.md").read_text()
+    machine = summary["machine"]  # every figure beside the paths that ran it
+    assert f"int8 {machine['int8_path']}" in proc.stdout and f"float {machine['float_path']}" in proc.stdout
+    path = overall["ar:bf16"]["path"]
+    assert path == "torch" or path.startswith("kernels:")
+    assert f"| all | ar:bf16 | {path} |" in (out / "summary.md").read_text()
+    assert f"machine: {summary['config']['machine']}" in (out / "summary.md").read_text()
     for name in PLOTS:
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -25,9 +25,7 @@ from quasar.models.kernel_layers import (
     KernelRMSNorm,
     drop_plain_weights_,
 )
-from quasar.models.llama import Attention, Layers, Linear, RMSNorm, Transformer
-
-TORCH = "torch"
+from quasar.models.llama import TORCH, Attention, Layers, Linear, RMSNorm, Transformer
 
 
 def kernel_for(model: Transformer, cache_dir: str | Path | None = None) -> Any | None:

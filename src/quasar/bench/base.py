@@ -27,6 +27,7 @@ class Method(Protocol):
     token, prompt processing included."""
 
     name: str
+    path: str  # what runs it, printed beside its figures: quasar's kernel paths ('kernels:dpbusd'), or the peer's build
 
     def generate(self, messages: Messages, params: SamplingParams) -> RequestOutput: ...
 

@@ -38,6 +38,10 @@ class EngineMethod:
 
     name: str
     engine: Engine
+    path: str = ""  # by default the target's backend; engine_method names both levels of a cascade
+
+    def __post_init__(self) -> None:
+        self.path = self.path or self.engine.target.model.backend
 
     def generate(self, messages: Messages, params: SamplingParams) -> RequestOutput:
         conversation = list(messages)  # the caller goes on appending turns to its list
@@ -64,7 +68,8 @@ def engine_method(name: str, drafter: str, verifier: str, pool: Pool) -> Method:
     middle = None if middle_name is None else pool.verifier(middle_name)
     decode = DecodeConfig(drafter, pool.options.k)
     decoder = build_decoder(target, decode, pool.options.cache_dir, middle)
-    return EngineMethod(name, Engine(target, decoder=decoder, max_context=pool.options.max_context))
+    path = target.model.backend if middle is None else f"{middle.model.backend} > {target.model.backend}"
+    return EngineMethod(name, Engine(target, decoder=decoder, max_context=pool.options.max_context), path)
 
 
 def build_method(name: str, pool: Pool) -> Method:

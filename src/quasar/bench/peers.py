@@ -52,9 +52,11 @@ class HFMethod:
     """transformers' `generate` in bf16, plain or with prompt lookup decoding (`prompt_lookup_num_tokens`)."""
 
     def __init__(self, name: str, directory: Path, pld_tokens: int | None) -> None:
+        import transformers
         from transformers import AutoModelForCausalLM
 
         self.name, self.pld_tokens = name, pld_tokens
+        self.path = f"transformers {transformers.__version__} bf16, torch {torch.backends.cpu.get_cpu_capability()}"
         self.tokenizer = load_tokenizer(directory)
         self.model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.bfloat16).eval()
         eos = self.model.generation_config.eos_token_id
@@ -138,6 +140,7 @@ class LlamaCppMethod:
     def __init__(self, name: str, pool: Pool, precision: str, pld_tokens: int | None) -> None:
         if importlib.util.find_spec("llama_cpp") is None:
             raise PeerMissingError(self.INSTALL)
+        import llama_cpp
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -146,6 +149,7 @@ class LlamaCppMethod:
         if not resolve(pool.options.model, pool.options.cache_dir).is_file():
             raise PeerMissingError("the llama.cpp peers need a GGUF model (--model default or a .gguf file)")
         self.name = name
+        self.path = f"llama.cpp {llama_cpp.__version__} {precision.upper()}"
         self.tokenizer = load_tokenizer(pool.directory())
         draft = LlamaPromptLookupDecoding(num_pred_tokens=pld_tokens) if pld_tokens else None
         path = exported_gguf(pool.options.model, precision, pool.options.cache_dir)

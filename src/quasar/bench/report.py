@@ -15,6 +15,7 @@ from quasar.files import atomic_write_text
 COLUMNS = (  # (row key, header, format)
     ("category", "category", "{}"),
     ("method", "method", "{}"),
+    ("path", "path", "{}"),  # what ran the method: quasar's kernel paths, or the peer's build
     ("prompts", "prompts", "{}"),
     ("new_tokens", "tokens", "{}"),
     ("tokens_per_s", "tok/s", "{:.1f}"),
@@ -37,21 +38,24 @@ def rich_tables(rows: list[dict[str, Any]]) -> list[Table]:
     for temperature in temperatures(rows):
         table = Table(title=f"quasar bench, temperature {temperature:g}")
         for _, header, _ in COLUMNS:
-            table.add_column(header, justify="left" if header in ("category", "method") else "right")
+            table.add_column(header, justify="left" if header in ("category", "method", "path") else "right")
         previous = None
         for row in (r for r in rows if r["temperature"] == temperature):
             if previous is not None and row["category"] != previous:
                 table.add_section()
             previous = row["category"]
-            table.add_row(*(cell(row[key], fmt) for key, _, fmt in COLUMNS))
+            table.add_row(*(cell(row.get(key), fmt) for key, _, fmt in COLUMNS))
         tables.append(table)
     return tables
 
 
-def print_summary(rows: list[dict[str, Any]], divergent: list[dict[str, Any]], console: Console | None = None) -> None:
+def print_summary(rows: list[dict[str, Any]], divergent: list[dict[str, Any]], machine: str = "",
+                  console: Console | None = None) -> None:
     console = console or Console()
     if not console.is_terminal:
-        console.width = max(console.width, 140)  # a file or pipe: do not squeeze the columns
+        console.width = max(console.width, 160)  # a file or pipe: do not squeeze the columns
+    if machine:
+        console.print(f"machine: {machine}", highlight=False)
     for table in rich_tables(rows):
         console.print(table)
     for d in divergent:
@@ -64,7 +68,7 @@ def markdown(rows: list[dict[str, Any]], divergent: list[dict[str, Any]], header
     for temperature in temperatures(rows):
         lines += [f"## Temperature {temperature:g}", "", "| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
                   "|" + "---|" * len(COLUMNS)]
-        lines += ["| " + " | ".join(cell(r[k], f) for k, _, f in COLUMNS) + " |"
+        lines += ["| " + " | ".join(cell(r.get(k), f) for k, _, f in COLUMNS) + " |"
                   for r in rows if r["temperature"] == temperature]
         lines.append("")
     lines += ["## Greedy divergence (DRAFTER+V vs ar:V)", ""]

@@ -70,11 +70,27 @@ def draw(out: Path, rows: list[dict[str, Any]], records: list[Record], wall: dic
     return [p.name for p in made]
 
 
+def cpu_name() -> str:
+    """The CPU's model name as Linux reports it (platform.processor() elsewhere, often just the architecture)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    names = [line.partition(":")[2].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
+
+
 def machine() -> dict[str, Any]:
+    """Where the run ran: the CPU, threads, and the kernel paths quasar's int8 and float linears took there."""
     kernel = native.kernel()
-    return {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "int8_path": kernel.int8_paths()[0] if kernel else "torch",
-            "prefetch": kernel.prefetch() if kernel else None}
+    return {"platform": platform.platform(), "cpu": cpu_name(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "int8_path": kernel.int8_path() if kernel else "torch",
+            "float_path": kernel.float_path() if kernel else "torch", "prefetch": kernel.prefetch() if kernel else None}
+
+
+def machine_line(machine: dict[str, Any]) -> str:
+    return (f"{machine['cpu']}, {machine['threads']} threads; quasar kernels: int8 {machine['int8_path']} "
+            f"(prefetch {machine['prefetch']}), float {machine['float_path']}")
 
 
 def check_out(out: Path, overwrite: bool) -> None:
@@ -122,11 +138,14 @@ def measure(options: BenchOptions, items: list[BenchItem], pool: Pool, methods: 
         except KeyboardInterrupt:
             result.interrupted = True
     rows, divergent = summarize(result.records), divergences(result.records)
+    paths, where = {m.name: m.path for m in methods}, machine()
+    for row in rows:
+        row["path"] = paths[row["method"]]
     summary = {
         "config": {"suite": options.suite, "prompts": len(items), "methods": [m.name for m in methods],
                    "temperatures": list(options.run.temperatures), "max_new_tokens": options.run.max_new_tokens,
-                   "model": options.model.model, "interrupted": result.interrupted},
-        "options": asdict(options), "machine": machine(), "rows": rows, "divergences": divergent,
+                   "model": options.model.model, "machine": machine_line(where), "interrupted": result.interrupted},
+        "options": asdict(options), "machine": where, "rows": rows, "divergences": divergent,
         "skipped": result.skipped, "failed": result.failed, "memory_wall": wall,
     }
     if rows and options.plots:

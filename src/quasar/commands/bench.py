@@ -74,7 +74,7 @@ def options(args: argparse.Namespace) -> BenchOptions:
 
 def run(args: argparse.Namespace) -> int:
     result, summary = bench(options(args))
-    print_summary(summary["rows"], summary["divergences"])
+    print_summary(summary["rows"], summary["divergences"], summary["config"]["machine"])
     for method, error in summary["failed"].items():
         print(f"failed: {method} stopped at {error}", file=sys.stderr)
     print(f"wrote {args.out}/summary.md, summary.json, answers.jsonl" + (" and plots" if summary.get("plots") else ""))

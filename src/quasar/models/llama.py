@@ -28,6 +28,7 @@ from quasar.models.config import ModelConfig
 # quasar's CPU kernels (models/kernel_layers.py, swapped in at load by quasar.backends) compute every row
 # from its own input alone and need none of this.
 FIXED_ROWS = 8
+TORCH = "torch"  # Transformer.backend of a model on these torch modules
 
 
 def at_fixed_shape(op, x: torch.Tensor) -> torch.Tensor:
@@ -224,6 +225,7 @@ class Transformer(nn.Module):
         self.config = config
         self.model = Backbone(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.backend = TORCH  # what runs the forward: quasar.backends.prepare_ names the kernel paths it swaps in
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
