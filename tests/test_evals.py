@@ -186,6 +186,9 @@ def test_evaluate_puts_verifiers_side_by_side(tiny_model_dir):
     out = json.loads(json.dumps(report.to_dict()))
     assert len(out["items"]["bf16/mmlu"]) == 2 and out["items"]["bf16/mmlu"][0]["prediction"] in data.LETTERS
     assert "| mmlu | bf16 | 2 |" in markdown_table(report)
+    for row in rows:  # what computed each row is in the report and the table
+        assert row["path"] == "torch" or row["path"].startswith("kernels:")
+    assert markdown_table(report).splitlines()[-1].endswith(f"| {rows[-1]['path']} |")
     for row in rows:  # every verifier scored the same items: a paired interval around each delta
         low, high = row["delta_ci95_pp"]
         assert low <= row["delta_pp"] <= high
@@ -292,6 +295,20 @@ def test_a_killed_run_goes_on_where_it_stopped(tiny_model_dir, tmp_path, monkeyp
     other = EvalConfig(model=tiny_model_dir, verifiers=("fp32", "bf16"), tasks=("mmlu", "gsm8k"), limit=2)
     with pytest.raises(ValueError, match="other settings.*limit"):
         evaluate(other, resume=resumed)
+
+
+def test_a_row_resumed_on_other_kernel_paths_says_so(tiny_model_dir, caplog):
+    """bf16 sums on AMX tiles are other floats than on the other paths: a row continued on a machine whose paths
+    differ from those that scored its first items names both (and the run warns); a finished row keeps its own."""
+    config = EvalConfig(model=tiny_model_dir, verifiers=("fp32", "bf16"), tasks=("mmlu",), limit=2)
+    saved = json.loads(json.dumps(evaluate(config).to_dict()))
+    here = saved["rows"][1]["path"]
+    del saved["items"]["bf16/mmlu"][1:]
+    for row in saved["rows"]:
+        row["path"] = "kernels:elsewhere"
+    rows = evaluate(config, resume=saved).rows()
+    assert [r["path"] for r in rows] == ["kernels:elsewhere", f"kernels:elsewhere, then {here}"]
+    assert f"bf16/mmlu: its first 1 items ran on kernels:elsewhere, the rest run on {here} here" in caplog.text
 
 
 def test_a_resumed_run_may_add_verifiers_but_not_leave_one_out(tiny_model_dir, monkeypatch):

@@ -93,7 +93,7 @@ def print_table(report: EvalReport) -> None:
     table = Table(title=f"accuracy on {report.config.model} (Δ and agreement vs {base})")
     for name, justify in (("task", "left"), ("verifier", "left"), ("n", "right"), ("accuracy %", "right"),
                           ("95% CI", "right"), ("Δ pp", "right"), ("Δ 95% CI", "right"), ("agrees %", "right"),
-                          ("time s", "right")):
+                          ("time s", "right"), ("path", "left")):
         table.add_column(name, justify=justify)
     for row in report.rows():
         is_base = row["verifier"] == base
@@ -101,6 +101,6 @@ def print_table(report: EvalReport) -> None:
         table.add_row(
             row["task"], row["verifier"], str(row["n"]), f"{row['accuracy_pct']:.1f}", f"{low:.1f}-{high:.1f}",
             *(("", "") if is_base else delta_text(row)), "" if is_base else f"{row['agreement_pct']:.1f}",
-            f"{row['seconds']:.0f}",
+            f"{row['seconds']:.0f}", row["path"],
         )
     Console().print(table)

@@ -108,6 +108,7 @@ class TaskScore:
     verifier: str
     items: list[ItemResult]
     seconds: float
+    path: str = ""  # what computed the items (the verifier's backend, 'kernels:amx'); two if a resumed run changed it
 
     @property
     def n(self) -> int:
@@ -169,7 +170,7 @@ class EvalReport:
                     "delta_pp": self.delta(verifier, task),
                     "delta_ci95_pp": None if base is None else score.delta_interval(base),
                     "agreement_pct": None if base is None else 100 * score.agreement(base),
-                    "seconds": score.seconds,
+                    "seconds": score.seconds, "path": score.path,
                 })
         return rows
 
@@ -266,8 +267,15 @@ def score_task(engine: Engine, task_name: str, items: list[Any], verifier: str, 
     a generative task decodes up to `batch` items at once. checkpoint(partial score) at most every CHECKPOINT_S
     seconds."""
     task = get_task(task_name)
-    score = done or TaskScore(task_name, verifier, [], 0.0)
+    path = engine.target.model.backend
+    score = done or TaskScore(task_name, verifier, [], 0.0, path)
     todo = items[score.n :]
+    if todo and score.path != path:
+        # bf16 sums on AMX tiles are other floats than on the other float paths (the int8 paths all agree)
+        if score.path:
+            log.warning("%s/%s: its first %d items ran on %s, the rest run on %s here", verifier, task_name, score.n,
+                        score.path, path)
+        score.path = f"{score.path or 'not recorded'}, then {path}" if score.n else path
     if is_generative(task):
         results = generated(task, engine, todo, options, batch)  # type: ignore[arg-type]
     else:
@@ -297,13 +305,15 @@ def resume_scores(saved: dict[str, Any], config: EvalConfig, items: dict[str, li
         raise ValueError(f"the saved report was made with other settings ({', '.join(differ)}); run with those "
                          "settings (verifiers and tasks may be added, not left out), or start over with --overwrite")
     seconds = {(r["verifier"], r["task"]): r["seconds"] for r in saved.get("rows", [])}
+    paths = {(r["verifier"], r["task"]): r.get("path", "") for r in saved.get("rows", [])}
     scores = {}
     for key, results in saved.get("items", {}).items():
         verifier, _, task = key.partition("/")
         done = [ItemResult(**r) for r in results]
         if [r.id for r in done] != [item.id for item in items[task][: len(done)]]:
             raise ValueError(f"the saved {key} items are not this set's first {len(done)}; start over with --overwrite")
-        scores[(verifier, task)] = TaskScore(task, verifier, done, seconds.get((verifier, task), 0.0))
+        scores[(verifier, task)] = TaskScore(task, verifier, done, seconds.get((verifier, task), 0.0),
+                                             paths.get((verifier, task), ""))
     return scores
 
 
@@ -365,8 +375,8 @@ def markdown_table(report: EvalReport) -> str:
     """The accuracy table as Markdown: task, verifier, n, accuracy, delta vs baseline (paired interval), agreement."""
     base = report.baseline
     lines = [
-        f"| task | verifier | n | accuracy % | 95% CI (Wilson) | Δ vs {base} (pp) | Δ 95% CI (paired) | agrees with {base} % |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        f"| task | verifier | n | accuracy % | 95% CI (Wilson) | Δ vs {base} (pp) | Δ 95% CI (paired) | agrees with {base} % | path |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in report.rows():
         is_base = row["verifier"] == base
@@ -374,5 +384,5 @@ def markdown_table(report: EvalReport) -> str:
         agree = "" if is_base or row["agreement_pct"] is None else f"{row['agreement_pct']:.1f}"
         low, high = row["ci95_pct"]
         lines.append(f"| {row['task']} | {row['verifier']} | {row['n']} | {row['accuracy_pct']:.1f} | {low:.1f}-{high:.1f} "
-                     f"| {delta} | {interval} | {agree} |")
+                     f"| {delta} | {interval} | {agree} | {row['path']} |")
     return "\n".join(lines)
