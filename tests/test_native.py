@@ -82,3 +82,26 @@ def test_the_test_session_fails_when_the_kernels_do_not_build(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=TESTS)
     assert run.returncode == 1, run.stdout[-2000:]
     assert "failed to build" in run.stdout + run.stderr
+
+
+@pytest.mark.skipif(native.cannot_build() is not None, reason=f"cannot build here: {native.cannot_build()}")
+def test_the_environment_chooses_the_kernel_paths_and_a_missing_one_is_one_line(monkeypatch, tiny_model_dir):
+    """QUASAR_INT8_PATH / QUASAR_FLOAT_PATH put the kernels on a path of this CPU when they load (every CPU with
+    the kernels has avx2 and maddubs); a path the CPU lacks stops the program with one line, before any work."""
+    kernel = native.kernel()
+    assert str(native.build_dir()) == native.status().reason  # loading left the flags, hence the digest, as they were
+    monkeypatch.setattr(native, "_status", None)
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setenv("QUASAR_INT8_PATH", "maddubs")
+    monkeypatch.setenv("QUASAR_FLOAT_PATH", "avx2")
+    try:
+        assert native.kernel() is kernel and (kernel.int8_path(), kernel.float_path()) == ("maddubs", "avx2")
+    finally:
+        kernel.use_int8_path("auto")
+        kernel.use_float_path("auto")
+    env = dict(os.environ, QUASAR_FLOAT_PATH="avx9000")
+    run = subprocess.run([sys.executable, "-m", "quasar", "generate", "--model", str(tiny_model_dir), "--verifier",
+                          "fp32", "--max-new-tokens", "1", "hi"], capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 1 and run.stdout == ""
+    assert "QUASAR_FLOAT_PATH=avx9000: float path 'avx9000' is not available on this CPU; available: auto" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1

@@ -112,8 +112,8 @@ def build(directory: Path, sources: list[Path] = SOURCES) -> Any:
                 name=f"quasar_{directory.name.replace('-', '_')}",
                 sources=[str(p) for p in sources],
                 build_directory=str(directory),
-                extra_cflags=CFLAGS,
-                extra_ldflags=LDFLAGS,
+                extra_cflags=list(CFLAGS),  # copies: torch appends its libraries to the list it is given, which
+                extra_ldflags=list(LDFLAGS),  # changed build_dir()'s digest for the rest of the process
                 verbose=False,
             )
 
@@ -130,14 +130,37 @@ def try_build(cache_dir: str | Path | None = None, sources: list[Path] = SOURCES
         return None, KernelStatus("failed", f"{type(e).__name__}: {e}")
 
 
+# The kernel paths a process may be told to take instead of the fastest its CPU has (`int8_paths()`,
+# `float_paths()`): to run what another CPU kind runs, or to reproduce one path's floats on a CPU with several
+# (bf16 on AMX tiles sums to other floats than vdpbf16ps). Read once, when the kernels load.
+PATH_VARIABLES = {"QUASAR_INT8_PATH": "use_int8_path", "QUASAR_FLOAT_PATH": "use_float_path"}
+
+
+def take_forced_paths(module: Any) -> None:
+    """Put the module on the paths PATH_VARIABLES name; ValueError (one line) for a path this CPU lacks."""
+    for variable, use in PATH_VARIABLES.items():
+        name = os.environ.get(variable)
+        if not name:
+            continue
+        try:
+            getattr(module, use)(name)
+        except RuntimeError as e:
+            raise ValueError(f"{variable}={name}: {str(e).splitlines()[0]}") from None
+        log.info("%s=%s: quasar's kernels take that path", variable, name)
+
+
 def kernel(cache_dir: str | Path | None = None) -> Any | None:
     """The compiled extension module, or None where it cannot be used (see status()). Built on first call,
-    into cache_dir's kernels/ folder (the user cache by default); one build per process."""
+    into cache_dir's kernels/ folder (the user cache by default); one build per process. It runs on the fastest
+    paths the CPU has, or on those QUASAR_INT8_PATH / QUASAR_FLOAT_PATH name (ValueError if the CPU lacks one)."""
     global _status, _module
     if _status is None:
-        _module, _status = try_build(cache_dir)
-        if _status.state == "failed":
-            log.error("quasar's CPU kernels failed to build; running on plain torch (much slower): %s", _status.reason)
+        module, status = try_build(cache_dir)
+        if status.state == "failed":
+            log.error("quasar's CPU kernels failed to build; running on plain torch (much slower): %s", status.reason)
+        if module is not None:
+            take_forced_paths(module)
+        _module, _status = module, status
     return _module
 
 
