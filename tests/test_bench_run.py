@@ -134,6 +134,13 @@ def test_greedy_speculative_matches_plain_decoding_through_the_bench(tiny_model,
     assert divergences(result.records) == []
 
 
+def test_a_method_names_what_runs_it(tiny_model_dir):
+    pool = Pool(MethodOptions(model=str(tiny_model_dir)))
+    plain, cascade = build_method("ar:fp32", pool), build_method("ngram+fp32+bf16", pool)
+    fp32, bf16 = pool.verifier("fp32").model.backend, pool.verifier("bf16").model.backend
+    assert plain.path == fp32 and cascade.path == f"{fp32} > {bf16}"
+
+
 def test_unknown_and_incomplete_methods_fail_clearly():
     pool = Pool(MethodOptions())
     with pytest.raises(ValueError, match="unknown method"):

@@ -306,9 +306,15 @@ def test_a_row_resumed_on_other_kernel_paths_says_so(tiny_model_dir, caplog):
     del saved["items"]["bf16/mmlu"][1:]
     for row in saved["rows"]:
         row["path"] = "kernels:elsewhere"
-    rows = evaluate(config, resume=saved).rows()
-    assert [r["path"] for r in rows] == ["kernels:elsewhere", f"kernels:elsewhere, then {here}"]
+    report = evaluate(config, resume=saved)
+    assert [r["path"] for r in report.rows()] == ["kernels:elsewhere", f"kernels:elsewhere, then {here}"]
     assert f"bf16/mmlu: its first 1 items ran on kernels:elsewhere, the rest run on {here} here" in caplog.text
+    again = json.loads(json.dumps(report.to_dict()))  # continued once more on the same paths: nothing to add
+    del again["items"]["bf16/mmlu"][1:]
+    assert evaluate(config, resume=again).rows()[1]["path"] == f"kernels:elsewhere, then {here}"
+    for row in again["rows"]:  # a report from before paths were saved
+        del row["path"]
+    assert [r["path"] for r in evaluate(config, resume=again).rows()] == ["", f"not recorded, then {here}"]
 
 
 def test_a_resumed_run_may_add_verifiers_but_not_leave_one_out(tiny_model_dir, monkeypatch):

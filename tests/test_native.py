@@ -105,3 +105,12 @@ def test_the_environment_chooses_the_kernel_paths_and_a_missing_one_is_one_line(
     assert run.returncode == 1 and run.stdout == ""
     assert "QUASAR_FLOAT_PATH=avx9000: float path 'avx9000' is not available on this CPU; available: auto" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
+
+
+def test_a_kernel_path_asked_for_where_the_kernels_cannot_load_is_said(monkeypatch, caplog):
+    monkeypatch.setattr(native, "_status", None)
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "try_build", lambda cache_dir: (None, native.KernelStatus("cannot", "this CPU has no AVX2")))
+    monkeypatch.setenv("QUASAR_FLOAT_PATH", "avx2")
+    assert native.kernel() is None
+    assert "QUASAR_FLOAT_PATH=avx2: no effect, quasar's kernels are not loaded (cannot: this CPU has no AVX2)" in caplog.text

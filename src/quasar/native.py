@@ -20,6 +20,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import platform
 import shutil
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -59,6 +60,16 @@ def cpu_has_avx2() -> bool:
         return "avx2" in Path("/proc/cpuinfo").read_text().split()
     except OSError:
         return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def cpu_name() -> str:
+    """The CPU's model name as Linux reports it (platform.processor() elsewhere, often just the architecture)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    names = [line.partition(":")[2].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 def compiler() -> str | None:
@@ -160,6 +171,8 @@ def kernel(cache_dir: str | Path | None = None) -> Any | None:
             log.error("quasar's CPU kernels failed to build; running on plain torch (much slower): %s", status.reason)
         if module is not None:
             take_forced_paths(module)
+        elif forced := [f"{v}={os.environ[v]}" for v in PATH_VARIABLES if os.environ.get(v)]:
+            log.warning("%s: no effect, quasar's kernels are not loaded (%s)", ", ".join(forced), status)
         _module, _status = module, status
     return _module
 

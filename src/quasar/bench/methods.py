@@ -68,7 +68,7 @@ def engine_method(name: str, drafter: str, verifier: str, pool: Pool) -> Method:
     middle = None if middle_name is None else pool.verifier(middle_name)
     decode = DecodeConfig(drafter, pool.options.k)
     decoder = build_decoder(target, decode, pool.options.cache_dir, middle)
-    path = target.model.backend if middle is None else f"{middle.model.backend} > {target.model.backend}"
+    path = "" if middle is None else f"{middle.model.backend} > {target.model.backend}"
     return EngineMethod(name, Engine(target, decoder=decoder, max_context=pool.options.max_context), path)
 
 

@@ -70,27 +70,22 @@ def draw(out: Path, rows: list[dict[str, Any]], records: list[Record], wall: dic
     return [p.name for p in made]
 
 
-def cpu_name() -> str:
-    """The CPU's model name as Linux reports it (platform.processor() elsewhere, often just the architecture)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    names = [line.partition(":")[2].strip() for line in lines if line.startswith("model name")]
-    return names[0] if names else platform.processor() or platform.machine()
-
-
 def machine() -> dict[str, Any]:
-    """Where the run ran: the CPU, threads, and the kernel paths quasar's int8 and float linears took there."""
-    kernel = native.kernel()
-    return {"platform": platform.platform(), "cpu": cpu_name(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "int8_path": kernel.int8_path() if kernel else "torch",
-            "float_path": kernel.float_path() if kernel else "torch", "prefetch": kernel.prefetch() if kernel else None}
+    """Where the run ran: the CPU, threads, and the kernel paths of quasar's linears (None where no method loaded
+    the kernels: a run of peers only does not build them for this)."""
+    kernel = native.loaded()
+    paths = {"int8_path": kernel.int8_path(), "prefetch": kernel.prefetch(), "bf16_path": kernel.float_path_for(True),
+             "float_path": kernel.float_path_for(False)} if kernel else {}
+    return {"platform": platform.platform(), "cpu": native.cpu_name(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), **paths}
 
 
 def machine_line(machine: dict[str, Any]) -> str:
-    return (f"{machine['cpu']}, {machine['threads']} threads; quasar kernels: int8 {machine['int8_path']} "
-            f"(prefetch {machine['prefetch']}), float {machine['float_path']}")
+    where = f"{machine['cpu']}, {machine['threads']} threads; quasar kernels: "
+    if "int8_path" not in machine:
+        return where + "not loaded"
+    return where + (f"int8 {machine['int8_path']} (prefetch {machine['prefetch']}), bf16 x bf16 {machine['bf16_path']}, "
+                    f"other float {machine['float_path']}")
 
 
 def check_out(out: Path, overwrite: bool) -> None:

@@ -102,6 +102,9 @@ class EvalConfig:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
 
 
+THEN = ", then "  # between the paths of a row whose items were scored on several (a resumed run)
+
+
 @dataclass
 class TaskScore:
     task: str
@@ -270,12 +273,12 @@ def score_task(engine: Engine, task_name: str, items: list[Any], verifier: str, 
     path = engine.target.model.backend
     score = done or TaskScore(task_name, verifier, [], 0.0, path)
     todo = items[score.n :]
-    if todo and score.path != path:
+    if todo and score.path.rpartition(THEN)[2] != path:
         # bf16 sums on AMX tiles are other floats than on the other float paths (the int8 paths all agree)
         if score.path:
             log.warning("%s/%s: its first %d items ran on %s, the rest run on %s here", verifier, task_name, score.n,
                         score.path, path)
-        score.path = f"{score.path or 'not recorded'}, then {path}" if score.n else path
+        score.path = f"{score.path or 'not recorded'}{THEN}{path}" if score.n else path
     if is_generative(task):
         results = generated(task, engine, todo, options, batch)  # type: ignore[arg-type]
     else:
@@ -375,7 +378,8 @@ def markdown_table(report: EvalReport) -> str:
     """The accuracy table as Markdown: task, verifier, n, accuracy, delta vs baseline (paired interval), agreement."""
     base = report.baseline
     lines = [
-        f"| task | verifier | n | accuracy % | 95% CI (Wilson) | Δ vs {base} (pp) | Δ 95% CI (paired) | agrees with {base} % | path |",
+        f"| task | verifier | n | accuracy % | 95% CI (Wilson) | Δ vs {base} (pp) | Δ 95% CI (paired) "
+        f"| agrees with {base} % | path |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in report.rows():
