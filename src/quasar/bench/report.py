@@ -44,7 +44,7 @@ def rich_tables(rows: list[dict[str, Any]]) -> list[Table]:
             if previous is not None and row["category"] != previous:
                 table.add_section()
             previous = row["category"]
-            table.add_row(*(cell(row.get(key), fmt) for key, _, fmt in COLUMNS))
+            table.add_row(*(cell(row[key], fmt) for key, _, fmt in COLUMNS))
         tables.append(table)
     return tables
 
@@ -68,7 +68,7 @@ def markdown(rows: list[dict[str, Any]], divergent: list[dict[str, Any]], header
     for temperature in temperatures(rows):
         lines += [f"## Temperature {temperature:g}", "", "| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
                   "|" + "---|" * len(COLUMNS)]
-        lines += ["| " + " | ".join(cell(r.get(k), f) for k, _, f in COLUMNS) + " |"
+        lines += ["| " + " | ".join(cell(r[k], f) for k, _, f in COLUMNS) + " |"
                   for r in rows if r["temperature"] == temperature]
         lines.append("")
     lines += ["## Greedy divergence (DRAFTER+V vs ar:V)", ""]

@@ -307,16 +307,15 @@ def resume_scores(saved: dict[str, Any], config: EvalConfig, items: dict[str, li
     if differ:
         raise ValueError(f"the saved report was made with other settings ({', '.join(differ)}); run with those "
                          "settings (verifiers and tasks may be added, not left out), or start over with --overwrite")
-    seconds = {(r["verifier"], r["task"]): r["seconds"] for r in saved.get("rows", [])}
-    paths = {(r["verifier"], r["task"]): r.get("path", "") for r in saved.get("rows", [])}
+    rows = {(r["verifier"], r["task"]): r for r in saved.get("rows", [])}
     scores = {}
     for key, results in saved.get("items", {}).items():
         verifier, _, task = key.partition("/")
         done = [ItemResult(**r) for r in results]
         if [r.id for r in done] != [item.id for item in items[task][: len(done)]]:
             raise ValueError(f"the saved {key} items are not this set's first {len(done)}; start over with --overwrite")
-        scores[(verifier, task)] = TaskScore(task, verifier, done, seconds.get((verifier, task), 0.0),
-                                             paths.get((verifier, task), ""))
+        row = rows.get((verifier, task), {})
+        scores[(verifier, task)] = TaskScore(task, verifier, done, row.get("seconds", 0.0), row.get("path", ""))
     return scores
 
 
