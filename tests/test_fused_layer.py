@@ -4,7 +4,7 @@ It must equal, bitwise, the same kernels called layer by layer from Python (the 
 steps of up to 32 rows the fused path runs every layer in one parallel region), stay
 close to the plain float path, and give a token the same logits alone and inside a verify block, on
 llama, qwen2 (q/k/v biases) and qwen3 (qk-norm) shapes and on W8A8, W8A16, bf16 (float32 or bf16 inputs)
-and float32 linears.
+and float32 linears; the bf16 verifier's attention on AMX tiles (bf16 inputs, head_dim 64) too.
 """
 
 from __future__ import annotations
@@ -152,6 +152,87 @@ def test_attention_is_the_same_on_every_float_path(D, H, H_kv, T, start):
     finally:
         kernel.use_float_path("auto")
     assert all(torch.equal(out, outs[0]) for out in outs)
+
+
+def attention_inputs(D: int, H: int, H_kv: int, T: int, start: int):
+    torch.manual_seed(D + T)
+    cache = torch.randn(2, H_kv, start + T + 40, D)  # keys past the step's own: stale values a step must not read
+    return [torch.randn(T, H * D), torch.randn(T, H_kv * D), torch.randn(T, H_kv * D), torch.randn(T, D),
+            torch.randn(T, D)], cache
+
+
+@pytest.mark.parametrize("D,H,H_kv", [(64, 9, 3), (128, 12, 2)])
+def test_bf16_attention_on_amx_is_row_by_row_and_close_to_float32(D, H, H_kv):
+    """The bf16 verifier's attention on AMX tiles (csrc/attention_amx.cpp): a row gets the same floats alone, in a
+    verify block and in any piece of a prefill (rows over 0 .. 100 keys, 70 rows: tiles of 16 and 32 rows, whole and
+    not), and stays close to the float32 attention (bf16 q, k, v and weights: about 5e-3 relative)."""
+    kernel = native.kernel()
+    if not kernel.bf16_attention(True, D):
+        pytest.skip(f"attention runs on bf16 products only on the amx float path (here: {kernel.float_path_for(True)})")
+    (q, k, v, cos, sin), cache = attention_inputs(D, H, H_kv, 70, 30)
+
+    def attend(t0: int, t1: int, caches, bf16: bool = True) -> torch.Tensor:
+        rows = [x[t0:t1].contiguous() for x in (q, k, v, cos, sin)]
+        return kernel.decode_attention(*rows, caches[0], caches[1], 30 + t0, bf16)
+
+    whole = attend(0, 70, cache.clone())
+    for parts in ([(0, 37), (37, 70)], [(0, 1), (1, 17), (17, 70)], [(t, t + 1) for t in range(70)]):
+        pieces = cache.clone()
+        assert torch.equal(torch.cat([attend(a, b, pieces) for a, b in parts]), whole), parts
+    float32 = attend(0, 70, cache.clone(), bf16=False)
+    assert not torch.equal(whole, float32)
+    assert (whole - float32).norm() < 0.02 * float32.norm()
+
+
+def test_bf16_attention_runs_for_bf16_inputs_on_the_amx_path_only():
+    """kernel.bf16_attention decides for every forward: bf16 inputs, the amx float path, head_dim % 64 == 0. Anywhere
+    else decode_attention's bf16_products changes nothing: the float32 attention's floats."""
+    kernel = native.kernel()
+    (q, k, v, cos, sin), cache = attention_inputs(64, 4, 2, 5, 20)
+    try:
+        for path in kernel.float_paths():
+            kernel.use_float_path(path)
+            assert kernel.bf16_attention(True, 64) == kernel.bf16_attention(True, 128) == (path == "amx")
+            assert not kernel.bf16_attention(False, 64) and not kernel.bf16_attention(True, 72)
+            if path != "amx":
+                outs = [kernel.decode_attention(q, k, v, cos, sin, *cache.clone(), 20, bf16) for bf16 in (False, True)]
+                assert torch.equal(outs[0], outs[1])
+    finally:
+        kernel.use_float_path("auto")
+
+
+@pytest.fixture(scope="module")
+def wide_heads_dir(tmp_path_factory, tokenizer_dir):
+    """head_dim 64, as the default model's: the bf16 attention's tiles run (they take head_dim % 64 == 0)."""
+    model = tiny_hf_model("llama", seed=7, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    return write_hf_dir(model, tmp_path_factory.mktemp("wide"), tokenizer_dir)
+
+
+def test_a_bf16_verifier_with_bf16_attention_keeps_every_row_independent(wide_heads_dir):
+    """Where the bf16 verifier's attention runs on AMX (its backend then says bf16-attention): fused and unfused
+    forwards agree bitwise, a token gets the same logits alone and in a verify block, and the logits stay close to
+    the float32 model's."""
+    from quasar.loading import load
+
+    model = make("bf16-inputs", "", wide_heads_dir)
+    amx = native.kernel().bf16_attention(True, 64)
+    assert model.backend.endswith("+bf16-attention") == amx
+    assert all(layer.self_attn.bf16_products for layer in model.model.layers)
+    fused = steps(model, True)
+    assert all(torch.equal(a, b) for a, b in zip(fused, steps(model, False)))
+    reference = steps(load(wide_heads_dir, "fp32").model, None)
+    for ours, ref in zip(fused, reference):
+        assert (ours - ref).abs().max() < 0.02 * ref.abs().max()
+    backends.prepare_(model)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 1000, (1, 26))
+    plain, verify = model.new_cache(64), model.new_cache(64)
+    with torch.inference_mode():
+        model(ids[:, :20], plain)
+        model(ids[:, :20], verify)
+        alone = torch.cat([model(ids[:, i : i + 1], plain)[0] for i in range(20, 26)])
+        together = model(ids[:, 20:26], verify)[0]
+    assert torch.equal(alone, together)
 
 
 @pytest.fixture(scope="module")

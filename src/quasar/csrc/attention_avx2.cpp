@@ -11,8 +11,11 @@
 // blocks that stay in the L1 cache (attend_rows): that changes the cache traffic, not a single result.
 // Where the float path is AVX-512 (float_path_avx512), the same arithmetic runs on 512-bit registers: two
 // rows' partial sums per register for the scores, 16 dims per register for the values, the same floats.
-#include "kernels.h"
+// The bf16 verifier on the float path amx attends on AMX tiles instead (bf16 products: attention_amx.cpp), from
+// keys and values AttentionSteps packs for it once per layer.
+#include "attention_amx.h"
 #include "float_lanes.h"
+#include "kernels.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
@@ -113,12 +116,7 @@ using WeighFn = void (*)(const float*, const float*, int64_t, int64_t, int64_t, 
 constexpr WeighFn kWeigh[8] = {weigh_values<8>, weigh_values<16>, weigh_values<24>, weigh_values<32>,
                                weigh_values<40>, weigh_values<48>, weigh_values<56>, weigh_values<64>};
 
-// One query row of a kv head: its query, its last visible key, where its output goes.
-struct Row {
-  const float* q;
-  int64_t last;
-  float* out;
-};
+using Row = AttentionRow;
 
 // Rows sharing one kv head against keys 0..last of each, D dims. Keys and values are read in blocks of
 // 16 KB, and each block serves every row while it sits in the L1 cache: per row, the same operations in
@@ -216,23 +214,6 @@ void score_pairs(const float* const* qq, const float* keys, int64_t j0, int64_t 
       _mm256_mask_storeu_ps(s[2 * p + 1] + j, keep, _mm512_extractf32x8_ps(sums, 1));
     }
   }
-}
-
-// exp8 on 16 floats: the same constants and operations lane by lane (floor as a round toward -inf), so the same
-// floats.
-inline __m512 exp16(__m512 x) {
-  using namespace cephes_exp;
-  x = _mm512_max_ps(x, _mm512_set1_ps(kLowest));
-  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
-                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2High), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2Low), x);
-  const __m512 z = _mm512_mul_ps(x, x);
-  __m512 y = _mm512_set1_ps(kPoly[0]);
-  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kPoly[i]));
-  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.f));
-  const __m512i n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(n));
 }
 
 // softmax_numerators on 16 lanes: the same floats (the maximum is exact in any order; each e_j is exp8's; the
@@ -350,7 +331,8 @@ void attend_rows(const std::vector<Row>& rows, const float* keys, const float* v
 }  // namespace avx512
 #pragma GCC pop_options
 
-AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, int64_t H, int64_t threads)
+AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, int64_t H, int64_t threads,
+                               bool bf16_products)
     : row_view_(T, -1), H_(H) {
   const auto& first = segments.at(0).cache_k;
   H_kv_ = first.size(1);
@@ -397,6 +379,34 @@ AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, 
   // its last: which thread runs an item never changes its result.
   std::stable_sort(items_.begin(), items_.end(), [](const Item& a, const Item& b) { return a.keys > b.keys; });
   wide_ = D_ % 64 == 0 && float_path_avx512();
+  amx_ = bf16_attention(bf16_products, D_);
+  if (!amx_) return;
+  // The keys and values a view's rows read, rounded and packed once per layer for all of them: by the pack phase
+  // (packs(), into one buffer of the thread that built the steps) where a kv head's rows make several items (a
+  // prefill), else by the item itself before it attends (decode, verify: no parallel phase more per layer).
+  int64_t size = 0;
+  for (size_t v = 0; v < views_.size(); ++v) {
+    const int64_t padded = (views_[v].start + views_[v].rows + 31) / 32 * 32;
+    const bool shared = std::count_if(items_.begin(), items_.end(), [&](const Item& i) {
+      return i.view == static_cast<int64_t>(v) && i.kv == 0; }) > 1;
+    packed_.push_back(Packed{padded * D_, shared ? size : -1});
+    if (!shared) continue;
+    for (int64_t kv = 0; kv < H_kv_; ++kv)
+      for (int64_t b = 0; b < padded / 32; ++b) packs_.push_back(Pack{static_cast<int64_t>(v), kv, b});
+    size += 2 * H_kv_ * padded * D_;
+  }
+  thread_local std::vector<uint16_t> buffer;  // grows to the largest step's, never given back: no page faults per layer
+  buffer.resize(std::max<size_t>(buffer.size(), size));
+  shared_ = buffer.data();
+}
+
+void AttentionSteps::pack(int64_t layer, int64_t i) const {
+  const Pack& p = packs_[i];
+  const View& view = views_[p.view];
+  const Packed& into = packed_[p.view];
+  const int64_t at = layer * view.layer_size + p.kv * view.S * D_;
+  uint16_t* k = shared_ + into.at + 2 * p.kv * into.size;
+  amx_pack_block(view.k + at, view.v + at, view.start + view.rows, p.block, D_, k, k + into.size);
 }
 
 void AttentionSteps::rope(int64_t layer, const float* q, const float* k, const float* v, const float* cos,
@@ -425,10 +435,21 @@ void AttentionSteps::attend(int64_t layer, int64_t i, const float* q_rot, float*
   }
   const int64_t at = layer * view.layer_size + item.kv * view.S * D_;
   const float scale = 1.f / std::sqrt(static_cast<float>(D_));
-  if (wide_)
+  if (amx_) {
+    const Packed& from = packed_[item.view];
+    thread_local std::vector<uint16_t> own;
+    if (from.at < 0) {  // this item is all of its kv head's rows: it packs their keys and values itself
+      own.resize(std::max<size_t>(own.size(), 2 * from.size));
+      for (int64_t b = 0; b < from.size / D_ / 32; ++b)
+        amx_pack_block(view.k + at, view.v + at, view.start + view.rows, b, D_, own.data(), own.data() + from.size);
+    }
+    const uint16_t* k = from.at < 0 ? own.data() : shared_ + from.at + 2 * item.kv * from.size;
+    amx_attend_rows(rows, k, k + from.size, D_, scale);
+  } else if (wide_) {
     avx512::attend_rows(rows, view.k + at, view.v + at, D_, scale, scores);
-  else
+  } else {
     attend_rows(rows, view.k + at, view.v + at, D_, scale, scores);
+  }
 }
 
 namespace {
@@ -449,6 +470,9 @@ void attend_steps(const AttentionSteps& steps, int64_t layer, const torch::Tenso
     steps.rope(layer, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), cos.data_ptr<float>(),
                sin.data_ptr<float>(), qr, t0, t1);
   });
+  at::parallel_for(0, steps.packs(), 1, [&](int64_t i0, int64_t i1) {  // none unless the attention runs on AMX
+    for (int64_t i = i0; i < i1; ++i) steps.pack(layer, i);
+  });
   std::atomic<int64_t> next{0};
   const int64_t n_items = steps.items();
   float* op = out.data_ptr<float>();
@@ -463,7 +487,8 @@ void attend_steps(const AttentionSteps& steps, int64_t layer, const torch::Tenso
 // q [T, H*D], k and v [T, H_kv*D], cos and sin [T, D], cache_k and cache_v [H_kv, S, D] (one layer, batch
 // 0), all float32 -> out [T, H*D]. Writes the rotated k and v at cache positions [start, start + T).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
-                               torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v, int64_t start) {
+                               torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v, int64_t start,
+                               bool bf16_products) {
   TORCH_CHECK(cache_k.dtype() == torch::kFloat32 && cache_v.dtype() == torch::kFloat32 && cache_k.is_contiguous() &&
               cache_v.is_contiguous() && cache_k.device().is_cpu() && cache_k.dim() == 3 && cache_k.sizes() == cache_v.sizes(),
               "contiguous float32 CPU caches [H_kv, S, D] expected");
@@ -471,17 +496,18 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   const int64_t D = cache_k.size(2);
   TORCH_CHECK(q.dim() == 2 && q.size(1) % D == 0, "q [T, H*D] expected");
   const std::vector<Segment> one{Segment{cache_k.unsqueeze(0), cache_v.unsqueeze(0), start, q.size(0)}};
-  attend_steps(AttentionSteps(one, q.size(0), q.size(1) / D, at::get_num_threads()), 0, q, k, v, cos, sin, out);
+  attend_steps(AttentionSteps(one, q.size(0), q.size(1) / D, at::get_num_threads(), bf16_products), 0, q, k, v, cos, sin, out);
   return out;
 }
 
 // The rows of several sequences one after another (q, k, v, cos, sin as decode_attention's, over all rows),
 // segment i attending over layer `layer` of its own cache [L, H_kv, S, D] (checked by FusedLayers::forward_segments).
 torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
-                                const std::vector<Segment>& segments, int64_t layer) {
+                                const std::vector<Segment>& segments, int64_t layer, bool bf16_products) {
   const int64_t D = segments.at(0).cache_k.size(3);
   TORCH_CHECK(q.dim() == 2 && q.size(1) % D == 0, "q [T, H*D] expected");
   auto out = kernel_result(q.sizes(), q.options());
-  attend_steps(AttentionSteps(segments, q.size(0), q.size(1) / D, at::get_num_threads()), layer, q, k, v, cos, sin, out);
+  attend_steps(AttentionSteps(segments, q.size(0), q.size(1) / D, at::get_num_threads(), bf16_products), layer, q, k, v,
+               cos, sin, out);
   return out;
 }

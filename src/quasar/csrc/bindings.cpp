@@ -1,5 +1,6 @@
-// The Python module of quasar's CPU kernels (linear_avx2.cpp, float_dot.cpp, int8_dot.cpp, int8_group.cpp, attention_avx2.cpp, decoder_layer.cpp,
-// region_forward.cpp, logits.cpp).
+// The Python module of quasar's CPU kernels (linear_avx2.cpp, float_dot.cpp, int8_dot.cpp, int8_group.cpp, attention_avx2.cpp,
+// attention_amx.cpp, decoder_layer.cpp, region_forward.cpp, logits.cpp).
+#include "attention_amx.h"
 #include "int8_dot.h"
 #include "kernels.h"
 
@@ -39,7 +40,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "by a selection in the row's head (or in one octave of its weights), no sort", NoGil());
   m.def("keep_weights", &keep_weights, "zero the weights whose logit is below the row's threshold; the rows' sums", NoGil());
   m.def("draw_index", &draw_index, "the index where the running float64 sum of weights passes u * total (-1: all 0)", NoGil());
-  m.def("decode_attention", &decode_attention, "rope, cache write and causal attention for a few new tokens", NoGil());
+  m.def("decode_attention", &decode_attention, "rope, cache write and causal attention for a few new tokens",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("cos"), pybind11::arg("sin"),
+        pybind11::arg("cache_k"), pybind11::arg("cache_v"), pybind11::arg("start"), pybind11::arg("bf16_products") = false,
+        NoGil());
+  m.def("bf16_attention", &bf16_attention, "whether attention runs on bfloat16 products (AMX tiles) for a model whose "
+        "linears take bfloat16 inputs (True: the bf16 verifier), at this head_dim, on the current float path");
   pybind11::class_<FusedLayers>(m, "FusedLayers", "all decoder layers of a model, tensors handed over once")
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, double,
                           std::vector<torch::Tensor>, int64_t>())

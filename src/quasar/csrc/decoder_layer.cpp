@@ -96,7 +96,7 @@ torch::Tensor decoder_layer(torch::Tensor x, const std::vector<torch::Tensor>& t
     q = rms_norm(q.view({-1, D}), t[2], eps).view({T, -1});
     k = rms_norm(k.view({-1, D}), t[3], eps).view({T, -1});
   }
-  auto attended = segment_attention(q, k, qkv[2], cos, sin, segments, layer);
+  auto attended = segment_attention(q, k, qkv[2], cos, sin, segments, layer, all_of_kind(kinds, {0, 1, 2, 3, 4, 5, 6}, 2));
   // In place on the fresh results (a + b == b + a bit for bit): no new tensors between the kernels.
   x = linear(kinds[3], attended, t, 3).add_(x);
   auto gate_up = linears(rms_norm(x, t[1], eps), t, kinds, {4, 5});

@@ -1,4 +1,5 @@
-// Float lane helpers shared by the kernels (linear_avx2.cpp, float_dot.cpp, attention_avx2.cpp, logits.cpp).
+// Float lane helpers shared by the kernels (linear_avx2.cpp, float_dot.cpp, attention_avx2.cpp, attention_amx.cpp,
+// logits.cpp).
 #pragma once
 #include <immintrin.h>
 
@@ -35,4 +36,21 @@ inline __m256 exp8(__m256 x) {
   y = _mm256_add_ps(_mm256_fmadd_ps(y, z, x), _mm256_set1_ps(1.f));
   const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+// exp8 on 16 floats (AVX-512, for the attentions' softmax): the same constants and operations lane by lane (floor as a
+// round toward -inf), so the same floats.
+__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
+  using namespace cephes_exp;
+  x = _mm512_max_ps(x, _mm512_set1_ps(kLowest));
+  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
+                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2High), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2Low), x);
+  const __m512 z = _mm512_mul_ps(x, x);
+  __m512 y = _mm512_set1_ps(kPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kPoly[i]));
+  y = _mm512_add_ps(_mm512_fmadd_ps(y, z, x), _mm512_set1_ps(1.f));
+  const __m512i n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(n));
 }

@@ -56,8 +56,11 @@ std::vector<double> sampling_weights(torch::Tensor logits, torch::Tensor out, do
 torch::Tensor filter_cuts(torch::Tensor logits, torch::Tensor weights, int64_t top_k, double top_p);
 std::vector<double> keep_weights(torch::Tensor logits, torch::Tensor weights, torch::Tensor keep_from);
 int64_t draw_index(torch::Tensor weights, double u);
+// bf16_products: the step's linears take bfloat16 inputs (the bf16 verifier): then attention too runs on bfloat16
+// products where bf16_attention says so (attention_amx.cpp).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
-                               torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v, int64_t start);
+                               torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v, int64_t start,
+                               bool bf16_products);
 // One sequence's rows inside a call over several: its cache [L, H_kv, S, D], positions filled, row count.
 struct Segment {
   torch::Tensor cache_k, cache_v;
@@ -68,8 +71,9 @@ struct Segment {
 // on any thread (the results never depend on which runs what). Built once per step, for every layer.
 class AttentionSteps {
  public:
-  // segments' caches [L, H_kv, S, D] (contiguous float32), T rows of H query heads; threads: how many share the items.
-  AttentionSteps(const std::vector<Segment>& segments, int64_t T, int64_t H, int64_t threads);
+  // segments' caches [L, H_kv, S, D] (contiguous float32), T rows of H query heads; threads: how many share the items;
+  // bf16_products as decode_attention's.
+  AttentionSteps(const std::vector<Segment>& segments, int64_t T, int64_t H, int64_t threads, bool bf16_products = false);
   int64_t items() const { return static_cast<int64_t>(items_.size()); }
   int64_t heads() const { return H_; }
   int64_t kv_heads() const { return H_kv_; }
@@ -80,6 +84,11 @@ class AttentionSteps {
             float* q_rot, int64_t t0, int64_t t1) const;
   // Work item i of layer `layer`: its rows of out [T, H*D] from q_rot and the caches (scores: the caller's scratch).
   void attend(int64_t layer, int64_t i, const float* q_rot, float* out, std::vector<float>& scores) const;
+  // Where the attention runs on AMX: part i < packs() of layer `layer`'s keys and values packed into the bfloat16
+  // tiles attend reads, each part once, after rope and before attend (packs() is 0 otherwise). The steps of one
+  // thread share its pack buffer: one AttentionSteps at a time per thread.
+  int64_t packs() const { return static_cast<int64_t>(packs_.size()); }
+  void pack(int64_t layer, int64_t i) const;
 
  private:
   struct View {  // one sequence: its caches, a layer's size in them, its rows [row0, row0 + rows) at positions start..
@@ -94,11 +103,21 @@ class AttentionSteps {
   std::vector<Item> items_;
   int64_t H_, H_kv_ = 0, D_ = 0;
   bool wide_ = false;  // AVX-512 attention (float_path_avx512, D % 64 == 0)
+  bool amx_ = false;   // bfloat16 attention on AMX tiles (bf16_attention)
+  struct Pack {        // 32 keys and values of one kv head of one view
+    int64_t view, kv, block;
+  };
+  struct Packed {  // one view's packed keys and values: per kv head `size` of each, from shared_ + at (-1: by its items)
+    int64_t size, at;
+  };
+  std::vector<Pack> packs_;
+  std::vector<Packed> packed_;
+  uint16_t* shared_ = nullptr;
 };
 // decode_attention for the rows of several sequences, each over layer `layer` of its own cache (caches checked
 // by the caller: contiguous float32 [L, H_kv, S, D], one H_kv and D).
 torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
-                                const std::vector<Segment>& segments, int64_t layer);
+                                const std::vector<Segment>& segments, int64_t layer, bool bf16_products);
 // One decoder layer (decoder_layer.cpp) over the rows of the segments, layer `layer` of each one's cache.
 torch::Tensor decoder_layer(torch::Tensor x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& kinds,
                             double eps, const torch::Tensor& cos, const torch::Tensor& sin,

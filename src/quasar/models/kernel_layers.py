@@ -105,7 +105,11 @@ class KernelRMSNorm(KernelModule, RMSNorm):
 
 
 class KernelAttention(KernelModule, Attention):
-    """Rope, cache write and attention of a step (batch 1) in one kernel call; batches > 1 as torch."""
+    """Rope, cache write and attention of a step (batch 1) in one kernel call; batches > 1 as torch. bf16_products:
+    the model's linears take bfloat16 inputs (the bf16 verifier), so the kernel may run attention on bfloat16 products
+    too (`kernel.bf16_attention`), as the fused layers do for the same model."""
+
+    bf16_products = False
 
     def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
         B, T, _ = x.shape
@@ -113,7 +117,8 @@ class KernelAttention(KernelModule, Attention):
             return super().forward(x, rope, mask, cache)
         q, k, v = self.qkv(x)
         cache_k, cache_v = cache.k[self.layer, 0], cache.v[self.layer, 0]  # [H_kv, S, D]
-        out = self.kernel.decode_attention(q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), *rope, cache_k, cache_v, cache.length)
+        out = self.kernel.decode_attention(q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), *rope, cache_k, cache_v,
+                                           cache.length, self.bf16_products)
         return self.o_proj(out.view(B, T, self.n_heads * self.head_dim))
 
 

@@ -1,0 +1,31 @@
+// The bf16 verifier's attention on Intel AMX tiles (attention_amx.cpp), beside the float32 attention of
+// attention_avx2.cpp, which every other verifier and CPU runs.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+// One query row of a kv head: its query (float32, D values), its last visible key, where its output goes.
+struct AttentionRow {
+  const float* q;
+  int64_t last;
+  float* out;
+};
+
+// Whether a step's attention runs on the tiles: its linears take bfloat16 inputs (bf16_products: the bf16 verifier),
+// the bf16 products run on AMX now (the float path "amx") and head_dim % 64 == 0. Every forward of a model asks
+// this the same way, so its decode, verify and prefill steps agree.
+bool bf16_attention(bool bf16_products, int64_t head_dim);
+
+// Keys and values [32 b, 32 b + 32) of one kv head (float32 [n, D], rows past n_valid read as 0) rounded to
+// bfloat16 into the tiles amx_attend_rows reads: kp [n/16][D/32][16 pairs][16 keys][2] (keys as B tiles of
+// Q K^T), vp [n/32][D/16][16 key pairs][16 dims][2] (values as B tiles of P V).
+void amx_pack_block(const float* keys, const float* values, int64_t n_valid, int64_t b, int64_t D, uint16_t* kp,
+                    uint16_t* vp);
+
+// Rows sharing one kv head (at most 32) against keys 0..last of each, from the packed tiles, with bf16 products
+// and float32 sums: s = bf16(q) . bf16(k_j), e_j = exp(s_j / sqrt(D) - max), out = sum_j bf16(e_j) bf16(v_j) /
+// sum_j e_j. Every output is the tile unit's function of its own row and the keys, dims and keys always walked
+// from 0 in whole tiles (a row's keys past its last count 0 exactly), so a row gets the same floats alone (decode),
+// in a verify step or in a prefill.
+void amx_attend_rows(const std::vector<AttentionRow>& rows, const uint16_t* kp, const uint16_t* vp, int64_t D,
+                     float scale);
