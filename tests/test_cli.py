@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -61,7 +62,11 @@ def test_streamed_text_equals_json_text_and_stdin_prompt(tiny_model_dir):
     streamed = quasar("generate", "-", *args, stdin="Once upon a time")
     as_json = quasar("generate", "Once upon a time", *args, "--json")
     assert streamed.returncode == 0 and as_json.returncode == 0, streamed.stderr + as_json.stderr
-    assert streamed.stdout == json.loads(as_json.stdout)["text"] + "\n"
+    out = json.loads(as_json.stdout)
+    assert streamed.stdout == out["text"] + "\n"
+    assert out["path"].startswith(("kernels:", "torch"))  # what computed it, as the bench and eval name it
+    line = r"^16 tokens in [\d.]+ s, [\d.]+ tokens/s \(prompt: \d+ tokens in [\d.]+ s(; [\d.]+ tokens a verify step)?\) on "
+    assert re.search(line + re.escape(out["path"]) + "$", streamed.stderr, re.MULTILINE), streamed.stderr  # on stderr
 
 
 def test_same_seed_same_sample(tiny_model_dir):

@@ -90,7 +90,14 @@ def build_engine(
         guard = guard_model(model, verifier, cache_dir)
     target = load_verifier(model, top, cache_dir)
     middle = None if middle_name is None else load_verifier(model, middle_name, cache_dir)
-    return Engine(target, build_decoder(target, decode, cache_dir, middle, guard), max_context=max_context)
+    decoder = build_decoder(target, decode, cache_dir, middle, guard)
+    return Engine(target, decoder, max_context=max_context, path=verifier_path(target, middle))
+
+
+def verifier_path(target: LoadedModel, middle: LoadedModel | None = None) -> str:
+    """The kernel paths that compute a verifier's outputs, as reports print them beside their figures: the model's
+    backend ('kernels:dpbusd', 'torch', ...), or a cascade's 'MIDDLE > TOP'."""
+    return target.model.backend if middle is None else f"{middle.model.backend} > {target.model.backend}"
 
 
 class LLM:

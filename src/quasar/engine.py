@@ -143,9 +143,11 @@ class Engine:
         decoder: Decoder = autoregressive,
         max_context: int | None = None,
         cache_slack: int = 16,
+        path: str | None = None,
     ) -> None:
         self.target = target
         self.decoder = decoder
+        self.path = path or target.model.backend  # what computes the outputs (api.verifier_path: a cascade's two levels)
         limit = target.model.config.max_position_embeddings
         if max_context is not None and max_context < 1:
             raise ValueError(f"max_context must be a positive number of tokens, got {max_context}")

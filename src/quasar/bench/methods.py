@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from quasar.api import DecodeConfig, build_decoder, cascade_levels
+from quasar.api import DecodeConfig, build_decoder, cascade_levels, verifier_path
 from quasar.bench.base import Method, PeerMissingError, Pool
 from quasar.engine import Engine
 from quasar.outputs import RequestOutput
@@ -38,10 +38,10 @@ class EngineMethod:
 
     name: str
     engine: Engine
-    path: str = ""  # by default the target's backend; engine_method names both levels of a cascade
+    path: str = ""  # the engine's path (both levels of a cascade)
 
     def __post_init__(self) -> None:
-        self.path = self.path or self.engine.target.model.backend
+        self.path = self.path or self.engine.path
 
     def generate(self, messages: Messages, params: SamplingParams) -> RequestOutput:
         conversation = list(messages)  # the caller goes on appending turns to its list
@@ -68,8 +68,8 @@ def engine_method(name: str, drafter: str, verifier: str, pool: Pool) -> Method:
     middle = None if middle_name is None else pool.verifier(middle_name)
     decode = DecodeConfig(drafter, pool.options.k)
     decoder = build_decoder(target, decode, pool.options.cache_dir, middle)
-    path = "" if middle is None else f"{middle.model.backend} > {target.model.backend}"
-    return EngineMethod(name, Engine(target, decoder=decoder, max_context=pool.options.max_context), path)
+    engine = Engine(target, decoder=decoder, max_context=pool.options.max_context, path=verifier_path(target, middle))
+    return EngineMethod(name, engine)
 
 
 def build_method(name: str, pool: Pool) -> Method:
