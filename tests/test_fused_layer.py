@@ -101,17 +101,21 @@ def test_bf16_mlp_pieces_of_a_long_prefill_equal_the_unfused_kernels(tmp_path, t
     assert torch.equal(whole, prefill(True, [(0, 37), (37, 100)]))
 
 
-@pytest.mark.parametrize("kind", ["w8a8", "w8a8-g32-head", "bf16", "bf16-inputs", "fp32"])
-def test_token_alone_equals_token_in_verify_block(kind, model_dir):
-    model = make(kind, "", model_dir)
+def alone_and_in_a_verify_block(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """After a prefill of 20 tokens: the logits [6, V] of 6 more tokens scored one by one, and scored in one block."""
     torch.manual_seed(1)
     ids = torch.randint(0, 1000, (1, 26))
     plain, verify = model.new_cache(64), model.new_cache(64)
     with torch.inference_mode():
         model(ids[:, :20], plain)
         model(ids[:, :20], verify)
-        alone = torch.cat([model(ids[:, i : i + 1], plain)[0] for i in range(20, 26)])  # [6, V]
-        together = model(ids[:, 20:26], verify)[0]  # [6, V]
+        alone = torch.cat([model(ids[:, i : i + 1], plain)[0] for i in range(20, 26)])
+        return alone, model(ids[:, 20:26], verify)[0]
+
+
+@pytest.mark.parametrize("kind", ["w8a8", "w8a8-g32-head", "bf16", "bf16-inputs", "fp32"])
+def test_token_alone_equals_token_in_verify_block(kind, model_dir):
+    alone, together = alone_and_in_a_verify_block(make(kind, "", model_dir))
     assert torch.equal(alone, together)
 
 
@@ -224,14 +228,7 @@ def test_a_bf16_verifier_with_bf16_attention_keeps_every_row_independent(wide_he
     for ours, ref in zip(fused, reference):
         assert (ours - ref).abs().max() < 0.02 * ref.abs().max()
     backends.prepare_(model)
-    torch.manual_seed(1)
-    ids = torch.randint(0, 1000, (1, 26))
-    plain, verify = model.new_cache(64), model.new_cache(64)
-    with torch.inference_mode():
-        model(ids[:, :20], plain)
-        model(ids[:, :20], verify)
-        alone = torch.cat([model(ids[:, i : i + 1], plain)[0] for i in range(20, 26)])
-        together = model(ids[:, 20:26], verify)[0]
+    alone, together = alone_and_in_a_verify_block(model)
     assert torch.equal(alone, together)
 
 
