@@ -11,6 +11,9 @@
 // (adding 0 products changes no sum) and the keys past a step's own are packed as 0: so a token scored alone
 // (decode), in a verify step or in a prefill gets the same floats, and greedy speculative decoding still equals
 // plain decoding bit for bit. The floats are not the float32 attention's (about 5e-3 relative on random inputs).
+// One exception: a row multiplies the values of the step's later tokens by exactly 0, so a value that is NaN, or
+// beyond bfloat16's range (Inf once rounded), in a later token of the same verify block or prefill makes the row NaN
+// where scored alone it is not (float32 attention never reads them); a model whose values overflow has no output left.
 #include "attention_amx.h"
 #include "float_amx.h"
 #include "float_lanes.h"
@@ -76,7 +79,7 @@ inline void transpose16(__m512i* r) {
 // and sums [32][D] in float32.
 struct Scratch {
   std::vector<uint16_t> q, p;
-  std::vector<float> s, o;
+  std::vector<float> s, o, norm;
 };
 
 // The largest `last` of rows [first, first + 16) (fewer at the end).
@@ -96,8 +99,11 @@ void amx_pack_block(const float* keys, const float* values, int64_t n_valid, int
       __m512i r[16];
       for (int n = 0; n < 16; ++n) {
         const int64_t key = 16 * block + n;
-        const float* k = keys + key * D + 32 * c;
-        r[n] = key < n_valid ? (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(k + 16), _mm512_loadu_ps(k)) : _mm512_setzero_si512();
+        r[n] = _mm512_setzero_si512();
+        if (key < n_valid) {
+          const float* k = keys + key * D + 32 * c;
+          r[n] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(k + 16), _mm512_loadu_ps(k));
+        }
       }
       transpose16(r);
       auto* out = reinterpret_cast<__m512i*>(kp + (block * chunks + c) * 512);
@@ -124,6 +130,7 @@ void amx_attend_rows(const std::vector<AttentionRow>& rows, const uint16_t* kp, 
   w.s.resize(M * n16);
   w.p.resize(M * n32);
   w.o.resize(M * D);
+  w.norm.resize(count);  // every allocation before the tiles are configured
   for (int64_t m = 0; m < count; ++m)
     for (int64_t d = 0; d < D; d += 16)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.q.data() + m * D + d), round16(_mm512_loadu_ps(rows[m].q + d)));
@@ -147,7 +154,7 @@ void amx_attend_rows(const std::vector<AttentionRow>& rows, const uint16_t* kp, 
     if (first) _tile_stored(0, w.s.data() + 16 * b, n16 * 4);
     if (second) _tile_stored(1, w.s.data() + 16 * n16 + 16 * b, n16 * 4);
   }
-  std::vector<float> norm(count);
+  float* norm = w.norm.data();
   const __m512 scale16 = _mm512_set1_ps(scale);
   for (int64_t m = 0; m < count; ++m) {  // e_j over the row's keys in float32; P = bf16(e), 0 to its tile's last key
     const float* s = w.s.data() + m * n16;

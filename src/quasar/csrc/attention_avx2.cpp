@@ -396,8 +396,19 @@ AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, 
     size += 2 * H_kv_ * padded * D_;
   }
   thread_local std::vector<uint16_t> buffer;  // grows to the largest step's, never given back: no page faults per layer
+  TORCH_CHECK(live_on_thread() == 0, "one AttentionSteps on AMX at a time per thread: they share its pack buffer");
   buffer.resize(std::max<size_t>(buffer.size(), size));
   shared_ = buffer.data();
+  ++live_on_thread();  // last: a constructor that throws has no destructor to undo it
+}
+
+int& AttentionSteps::live_on_thread() {
+  thread_local int live = 0;
+  return live;
+}
+
+AttentionSteps::~AttentionSteps() {
+  if (amx_) --live_on_thread();
 }
 
 void AttentionSteps::pack(int64_t layer, int64_t i) const {

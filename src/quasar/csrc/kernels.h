@@ -74,6 +74,9 @@ class AttentionSteps {
   // segments' caches [L, H_kv, S, D] (contiguous float32), T rows of H query heads; threads: how many share the items;
   // bf16_products as decode_attention's.
   AttentionSteps(const std::vector<Segment>& segments, int64_t T, int64_t H, int64_t threads, bool bf16_products = false);
+  ~AttentionSteps();
+  AttentionSteps(const AttentionSteps&) = delete;
+  AttentionSteps& operator=(const AttentionSteps&) = delete;
   int64_t items() const { return static_cast<int64_t>(items_.size()); }
   int64_t heads() const { return H_; }
   int64_t kv_heads() const { return H_kv_; }
@@ -86,7 +89,7 @@ class AttentionSteps {
   void attend(int64_t layer, int64_t i, const float* q_rot, float* out, std::vector<float>& scores) const;
   // Where the attention runs on AMX: part i < packs() of layer `layer`'s keys and values packed into the bfloat16
   // tiles attend reads, each part once, after rope and before attend (packs() is 0 otherwise). The steps of one
-  // thread share its pack buffer: one AttentionSteps at a time per thread.
+  // thread share its pack buffer: one AttentionSteps on AMX at a time per thread (checked).
   int64_t packs() const { return static_cast<int64_t>(packs_.size()); }
   void pack(int64_t layer, int64_t i) const;
 
@@ -113,6 +116,7 @@ class AttentionSteps {
   std::vector<Pack> packs_;
   std::vector<Packed> packed_;
   uint16_t* shared_ = nullptr;
+  static int& live_on_thread();  // AttentionSteps on AMX alive on this thread (at most one: they share shared_)
 };
 // decode_attention for the rows of several sequences, each over layer `layer` of its own cache (caches checked
 // by the caller: contiguous float32 [L, H_kv, S, D], one H_kv and D).
