@@ -32,12 +32,6 @@ bool bf16_attention(bool bf16_products, int64_t head_dim) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 namespace {
 
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Every tile 16 rows of 64 bytes. Scores: 0, 1 the sums of two row tiles, 2 the keys, 4, 5 the rows' queries.
 // P V: 0-3 the sums of four groups of 16 dims, 4 the rows' P, 6, 7 the values.
 void configure_tiles() {
@@ -81,6 +75,9 @@ struct Scratch {
   std::vector<uint16_t> q, p;
   std::vector<float> s, o, norm;
 };
+
+// The lanes of 16 holding the first n (of a row's remaining keys).
+inline __mmask16 first_lanes(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
 
 // The largest `last` of rows [first, first + 16) (fewer at the end).
 int64_t tile_last(const std::vector<AttentionRow>& rows, int64_t first) {
@@ -158,17 +155,17 @@ void amx_attend_rows(const std::vector<AttentionRow>& rows, const uint16_t* kp, 
   const __m512 scale16 = _mm512_set1_ps(scale);
   for (int64_t m = 0; m < count; ++m) {  // e_j over the row's keys in float32; P = bf16(e), 0 to its tile's last key
     const float* s = w.s.data() + m * n16;
-    const int64_t keys = rows[m].last + 1, walked = (tile_last(rows, m / 16 * 16) + 32) / 32 * 32;
+    const int64_t keys = rows[m].last + 1, walked = ((m < 16 ? last0 : last1) + 32) / 32 * 32;
     __m512 top16 = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < keys; j += 16) {
-      const __mmask16 in = keys - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (keys - j)) - 1);
+      const __mmask16 in = first_lanes(keys - j);
       top16 = _mm512_mask_max_ps(top16, in, top16, _mm512_maskz_loadu_ps(in, s + j));
     }
     const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(top16) * scale);  // the largest scaled score
     __m512 total = _mm512_setzero_ps();
     uint16_t* p = w.p.data() + m * n32;
     for (int64_t j = 0; j < keys; j += 16) {
-      const __mmask16 in = keys - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (keys - j)) - 1);
+      const __mmask16 in = first_lanes(keys - j);
       const __m512 e = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(in, s + j), scale16), top)));
       total = _mm512_add_ps(total, e);
       _mm256_mask_storeu_epi16(p + j, in, round16(e));

@@ -31,12 +31,6 @@ bool cpu_has_amx_bf16() {
 // Linux keeps the 8 KB tile state off until a process asks for it (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
 bool tiles_granted() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
 
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 }  // namespace
 
 bool amx_bf16_usable() {
