@@ -2,6 +2,7 @@
 
     python bench/bench_verify.py [--model default] [--w8a8 DIR] [--no-float] [--context 256] [--rounds 30]
                                  [--also w8a8:pc,w8a8:g64] [--int8-path auto|dpbusd|maddubs] [--prefetch l1,l2]
+                                 [--warm]
 
 `w8a8` is the default scheme (w8a8:g32); `--also` adds other quantized verifiers as rows. `--int8-path
 maddubs` runs every W8A8 linear on the AVX2 path, to measure on a VNNI CPU what an AVX2-only CPU runs.
@@ -12,7 +13,9 @@ For each verifier: the median time of one forward scoring T = 1 (a decode step) 
 step, k = 5) tokens after `context` cached tokens, in a cache of the size the engine would allocate;
 the weight bytes one forward reads; the achieved bytes/s against the read bandwidth measured here; and
 the W8A8 T=6 time over the bf16 T=1 time against the ideal byte ratio. Verifiers alternate forward by
-forward, so slow phases of the machine hit all of them alike.
+forward, so slow phases of the machine hit all of them alike. Each forward starts cold, after a read of
+512 MiB (`cache_sweep`), as the floor assumes: back to back, a forward finds part of the weights the one before
+it read still in a large L3 and its time depends on what ran before it; `--warm` times them that way.
 
 It also measures the compute roof: the multiply-adds per second of the int8 and the bf16 linear kernels
 on a weight that stays in the last-level cache, at T rows. A forward cannot beat max(bytes / bandwidth, its
@@ -30,7 +33,7 @@ import time
 import torch
 
 from quasar import native
-from quasar.bench.bandwidth import bytes_per_forward, read_bandwidth
+from quasar.bench.bandwidth import bytes_per_forward, cache_sweep, read_bandwidth
 from quasar.engine import CACHE_BUCKET
 from quasar.loading import load
 from quasar.quant.bf16 import pack_panels
@@ -50,9 +53,11 @@ def load_all(model: str, w8a8: str | None, floats: bool, also: list[str]) -> dic
 
 @torch.inference_mode()
 def measure(models: dict[str, torch.nn.Module], context: int, rounds: int,
-            prefetch: dict[str, str] | None = None) -> dict[str, dict[int, float]]:
-    """prefetch: the policy each named verifier runs under (the kernels' own choice for the others)."""
+            prefetch: dict[str, str] | None = None, warm: bool = False) -> dict[str, dict[int, float]]:
+    """prefetch: the policy each named verifier runs under (the kernels' own choice for the others); warm: no
+    cache sweep before each forward."""
     kernel, prefetch = native.kernel(), prefetch or {}
+    sweep = (lambda: None) if warm else cache_sweep()
     default = kernel.prefetch() if kernel else None
     max_len = -(-(context + max(SIZES) + 1) // CACHE_BUCKET) * CACHE_BUCKET
     state = {}
@@ -67,6 +72,7 @@ def measure(models: dict[str, torch.nn.Module], context: int, rounds: int,
                 ids = torch.randint(0, model.config.vocab_size, (1, n))  # [1, T]
                 if kernel:
                     kernel.use_prefetch(prefetch.get(name, default))
+                sweep()
                 start = time.perf_counter()
                 model(ids, state[name])
                 times[name][n].append(time.perf_counter() - start)
@@ -122,6 +128,8 @@ def main() -> None:
                         "this CPU has), dpbusd, maddubs or dpbusd-emulated")
     parser.add_argument("--prefetch", default="auto", help="comma-separated prefetch policies of the dpbusd "
                         "loops (auto, l1, l2): the first for every row, each other one adds a row per quantized verifier")
+    parser.add_argument("--warm", action="store_true", help="time the forwards back to back, without the cache "
+                        "sweep before each (part of the weights may come from the last-level cache)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     kernel = native.kernel()
@@ -136,10 +144,10 @@ def main() -> None:
             extra[f"{name} (prefetch {policy})"] = (models[name], policy)
     models.update({row: model for row, (model, _) in extra.items()})
     bandwidth = read_bandwidth()
-    medians = measure(models, args.context, args.rounds, {row: policy for row, (_, policy) in extra.items()})
+    medians = measure(models, args.context, args.rounds, {row: policy for row, (_, policy) in extra.items()}, args.warm)
     nbytes = {name: bytes_per_forward(m) for name, m in models.items()}
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; {torch.get_num_threads()} threads; int8 {int8_path} "
-          f"(prefetch {prefetch}); context {args.context}")
+          f"(prefetch {prefetch}); context {args.context}; weights {'warm' if args.warm else 'cold'}")
     print(f"{'verifier':24} {'MB read':>8} {'T=1 ms':>8} {'T=6 ms':>8} {'T=1 GB/s':>9} {'T=6 GB/s':>9} {'T=6 % bw':>9}")
     for name, per in medians.items():
         gbs = {n: nbytes[name] / per[n] / 1e9 for n in SIZES}
@@ -163,8 +171,9 @@ def main() -> None:
         print(f"so w8a8 T=6 / bf16 T=1 can reach {best:.3f} at best here: ratio / ideal >= {best / ideal:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"bandwidth": bandwidth, "int8_path": int8_path, "prefetch": prefetch, "bytes": nbytes, "medians": medians,
-                       "ratio": ratio, "ideal": ideal, "floors": floors}, f, indent=2)
+            json.dump({"bandwidth": bandwidth, "int8_path": int8_path, "prefetch": prefetch, "warm": args.warm,
+                       "bytes": nbytes, "medians": medians, "ratio": ratio, "ideal": ideal, "floors": floors},
+                      f, indent=2)
 
 
 if __name__ == "__main__":

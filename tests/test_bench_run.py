@@ -169,6 +169,17 @@ def test_memory_wall_measurements(tiny_model):
     assert bandwidth.read_bandwidth(8 << 20, repeats=2) > 1e6
 
 
+def test_memory_wall_forwards_start_cold(tiny_model, monkeypatch):
+    assert bandwidth.cache_sweep(1 << 20)() is None
+    sweeps = []
+    monkeypatch.setattr(bandwidth, "cache_sweep", lambda: lambda: sweeps.append(1))
+    bandwidth.verify_forward_times(tiny_model.model, context=16, scored=(1, 4), repeats=2)
+    assert len(sweeps) == 2 * 3  # before every forward, the warm-up ones too
+    sweeps.clear()
+    bandwidth.verify_forward_times(tiny_model.model, context=16, scored=(1, 4), repeats=2, cold=False)
+    assert not sweeps
+
+
 @pytest.mark.parametrize("mode", ["ar", "pld"])
 def test_transformers_peer_counts_its_steps(tiny_model_dir, mode):
     from quasar.bench.peers import HFMethod

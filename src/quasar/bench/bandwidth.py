@@ -2,13 +2,14 @@
 
 At batch 1 a verify forward reads every weight once, so its time is about bytes_read / bandwidth
 whatever the number of scored tokens k+1 (SPEC.md). The probe reads a buffer far larger than the
-last-level cache (a plain sum), so it measures memory, not cache.
+last-level cache (a plain sum), so it measures memory, not cache. For the same reason each timed forward
+starts cold: a sweep of the probe's size first pushes the last forward's weights out of the caches.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -31,6 +32,20 @@ def read_bandwidth(nbytes: int = PROBE_BYTES, repeats: int = 5) -> float:
     return nbytes / best
 
 
+def cache_sweep(nbytes: int = PROBE_BYTES) -> Callable[[], None]:
+    """A call that reads nbytes of its own buffer, so that the forward timed after it reads its weights from
+    memory, as bytes / bandwidth assumes, whatever ran before it. Without it a forward that follows another of
+    the same model finds part of its weights in the last-level cache: on an Intel Xeon VM with a large shared L3
+    (reads of 100 MB at ~50 GB/s, of 500 MB at 23 GB/s) one row of the default model's w8a8 forward took 4.8 ms
+    back to back, 7.1 ms after a 5 ms pause and 8.2 ms after 20 ms, so a figure depended on what ran before it."""
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32)  # [nbytes / 4]
+
+    def sweep() -> None:
+        buffer.sum()
+
+    return sweep
+
+
 def bytes_per_forward(model: torch.nn.Module) -> int:
     """Bytes of weights a decode forward reads: every parameter and buffer once (shared ones once),
     except an untied input embedding, of which it reads only the rows of the input tokens."""
@@ -47,10 +62,12 @@ def bytes_per_forward(model: torch.nn.Module) -> int:
 
 @torch.inference_mode()
 def verify_forward_times(
-    model: Transformer, context: int = 256, scored: Iterable[int] = SCORED_TOKENS, repeats: int = 3
+    model: Transformer, context: int = 256, scored: Iterable[int] = SCORED_TOKENS, repeats: int = 3, cold: bool = True
 ) -> dict[int, float]:
-    """Median seconds of one forward scoring n tokens after `context` cached tokens, for each n."""
+    """Median seconds of one forward scoring n tokens after `context` cached tokens, for each n; cold: each
+    forward after a cache_sweep(), False: back to back."""
     sizes = list(scored)
+    sweep = cache_sweep() if cold else lambda: None
     cache = model.new_cache(context + max(sizes) + 1)
     prompt = torch.randint(0, model.config.vocab_size, (1, context), device=model.device)  # [1, S]
     model(prompt, cache, last_only=True)
@@ -59,6 +76,7 @@ def verify_forward_times(
         ids = torch.randint(0, model.config.vocab_size, (1, n), device=model.device)  # [1, k+1]
         times = []
         for _ in range(repeats + 1):  # the first one warms up
+            sweep()
             start = time.perf_counter()
             model(ids, cache)
             times.append(time.perf_counter() - start)
