@@ -38,10 +38,11 @@ class EngineMethod:
 
     name: str
     engine: Engine
-    path: str = ""  # the engine's path (both levels of a cascade)
 
-    def __post_init__(self) -> None:
-        self.path = self.path or self.engine.path
+    @property
+    def path(self) -> str:
+        """The engine's kernel paths (both levels of a cascade)."""
+        return self.engine.path
 
     def generate(self, messages: Messages, params: SamplingParams) -> RequestOutput:
         conversation = list(messages)  # the caller goes on appending turns to its list
