@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quasar.loading import LoadedModel, load
+from quasar.model.loading import LoadedModel, load
 
 TINY = {
     "vocab_size": 49152,  # the default model's tokenizer, so tiny models can run the whole engine
@@ -90,7 +90,7 @@ def tiny_model(tiny_model_dir) -> LoadedModel:
 
 # ---- quasar's CPU kernels: skip where this machine cannot build them, fail where the build broke ---------
 
-from quasar import native  # noqa: E402
+from quasar.kernels import native  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(native.kernel() is None, reason=f"quasar's CPU kernels: {native.status()}")
 
@@ -122,13 +122,13 @@ def share_kernels(cache: Path) -> Path:
 
 @pytest.fixture(params=["torch", "kernel"])
 def sampling_path(request, monkeypatch):
-    """Run a sampling test on torch and on quasar's sampling kernel (backends.cpu_kernel decides which runs)."""
-    from quasar import backends
+    """Run a sampling test on torch and on quasar's sampling kernel (plan.cpu_kernel decides which runs)."""
+    from quasar.kernels import plan
 
     if request.param == "kernel":
         if native.kernel() is None:
             pytest.skip(f"quasar's CPU kernels: {native.status()}")
-        monkeypatch.setattr(backends, "cpu_kernel", lambda t: native.kernel() if t.device.type == "cpu" and t.dtype == torch.float32 else None)
+        monkeypatch.setattr(plan, "cpu_kernel", lambda t: native.kernel() if t.device.type == "cpu" and t.dtype == torch.float32 else None)
     else:
-        monkeypatch.setattr(backends, "cpu_kernel", lambda t: None)
+        monkeypatch.setattr(plan, "cpu_kernel", lambda t: None)
     return request.param

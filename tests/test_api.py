@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from quasar import LLM, SamplingParams
-from quasar.engine import Engine
+from quasar.decoding.engine import Engine
 
 GREEDY = SamplingParams(max_new_tokens=10)
 
@@ -71,7 +71,7 @@ def test_ngram_drafter_on_the_default_model_is_lossless_and_accepts_drafts():
 
 
 def test_a_context_window_of_zero_is_refused(tiny_model):
-    from quasar.engine import Engine
+    from quasar.decoding.engine import Engine
 
     with pytest.raises(ValueError, match="max_context must be a positive"):
         Engine(tiny_model, max_context=0)

@@ -1,4 +1,4 @@
-"""Continuous batching (quasar.batching): every request gets what it gets alone, whatever else is in the batch;
+"""Continuous batching (quasar.decoding.batch): every request gets what it gets alone, whatever else is in the batch;
 requests join and leave between steps; a cancelled or failing request leaves alone; the KV budget holds."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 from conftest import needs_kernels
 
 from quasar.api import DecodeConfig, build_decoder, build_engine
-from quasar.batching import Batch
-from quasar.engine import Engine
-from quasar.models.llama import Step
-from quasar.sampling import SamplingParams
+from quasar.decoding.batch import Batch
+from quasar.decoding.engine import Engine
+from quasar.model.llama import Step
+from quasar.decoding.sampling import SamplingParams
 
 TEXTS = ["def fib(n):", "The capital of France is", "Write a story about a cat. " * 12, "import numpy as np\n" * 4,
          "Hello", "1, 2, 3, 4, 5,", "Once upon a time", "SELECT name FROM users WHERE"]
@@ -54,7 +54,7 @@ def assert_same(alone, batched) -> None:
 @pytest.mark.parametrize("verifier", ["w8a8", "bf16"])
 def test_forward_steps_give_each_sequence_its_logits_alone(verifier):
     """Several sequences' rows in one forward (prompt chunks among them) get bitwise their logits alone."""
-    from quasar.verifiers import load_verifier
+    from quasar.verifiers.registry import load_verifier
 
     model = load_verifier("default", verifier).model
     assert model.batches_rows
@@ -163,7 +163,7 @@ def test_requests_wait_until_their_cache_fits_the_kv_budget(tiny_model):
 
 def failing_on(marker: int):
     """A decoder that fails a request whose prompt holds `marker` after its prompt's forward, plain otherwise."""
-    from quasar.generate import autoregressive
+    from quasar.decoding.autoregressive import autoregressive
 
     def decoder(model, cache, prompt_ids, params, stop, stats):
         if marker in prompt_ids:
@@ -196,9 +196,9 @@ def test_a_request_that_fails_inside_a_batch_fails_alone(tiny_model):
 
 def test_a_seeded_request_keeps_its_drafts_uncut_and_an_unseeded_one_may_lose_them(tiny_model):
     """Cutting a draft changes which random numbers a sampled request draws: never for a seeded one."""
-    from quasar.generate import StopRule
-    from quasar.speculative import Speculative
-    from quasar.stats import GenerationStats
+    from quasar.decoding.autoregressive import StopRule
+    from quasar.decoding.speculative import Speculative
+    from quasar.decoding.stats import GenerationStats
 
     decoder = build_decoder(tiny_model, DecodeConfig(drafter="ngram", k=3))
     assert isinstance(decoder, Speculative)

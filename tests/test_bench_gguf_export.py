@@ -9,8 +9,8 @@ import gguf  # noqa: E402  (a core dependency)
 
 from gguf.quants import dequantize
 
-from quasar.bench.gguf_export import encode, exported_gguf, write_copy
-from quasar.loading import open_gguf
+from quasar.tools.bench.gguf_export import encode, exported_gguf, write_copy
+from quasar.model.loading import open_gguf
 
 Q = gguf.GGMLQuantizationType
 
@@ -69,7 +69,7 @@ def test_llamacpp_peers_need_a_gguf(tmp_path):
 def test_a_llama_cpp_that_crashes_in_its_probe_is_skipped_with_the_reason(monkeypatch, tmp_path):
     """llama.cpp runs in the bench's process, so it is tried in a child first: a crash there (ggml's AMX path
     segfaults on some CPUs) becomes one line that says why and how to rebuild, not the end of the run."""
-    from quasar.bench import peers
+    from quasar.tools.bench import peers
 
     crash = "import os, signal\nprint('CPU : AVX512 = 1 | AMX_INT8 = 1 |', flush=True)\nos.kill(os.getpid(), signal.SIGSEGV)\n"
     monkeypatch.setattr(peers, "LLAMA_PROBE", crash)

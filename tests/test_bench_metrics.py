@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from quasar.bench.metrics import (
+from quasar.tools.bench.metrics import (
     acceptance_rate,
     divergences,
     first_difference,

@@ -10,17 +10,17 @@ import sys
 
 import pytest
 
-from quasar.bench import bandwidth
-from quasar.bench.base import MethodOptions, Pool
-from quasar.bench.methods import EngineMethod, build_method
-from quasar.bench.metrics import divergences
-from quasar.bench.peers import step_lengths
-from quasar.bench.runner import RunConfig, run
-from quasar.bench.suites import BenchItem
+from quasar.tools.bench import bandwidth
+from quasar.tools.bench.base import MethodOptions, Pool
+from quasar.tools.bench.methods import EngineMethod, build_method
+from quasar.tools.bench.metrics import divergences
+from quasar.tools.bench.peers import step_lengths
+from quasar.tools.bench.runner import RunConfig, run
+from quasar.tools.bench.suites import BenchItem
 from quasar.cli import main
-from quasar.engine import Engine
-from quasar.outputs import RequestOutput
-from quasar.stats import GenerationStats
+from quasar.decoding.engine import Engine
+from quasar.decoding.outputs import RequestOutput
+from quasar.decoding.stats import GenerationStats
 
 PLOTS = ("accept_lengths.png", "speedup_by_category.png", "speedup_vs_temperature.png", "verify_forward.png")
 
@@ -123,8 +123,8 @@ def test_ctrl_c_keeps_finished_prompts(tmp_path, caplog):
 
 
 def test_greedy_speculative_matches_plain_decoding_through_the_bench(tiny_model, tmp_path):
-    from quasar.drafters import build_drafter
-    from quasar.speculative import Speculative
+    from quasar.decoding.drafters import build_drafter
+    from quasar.decoding.speculative import Speculative
 
     plain = EngineMethod("ar:fp32", Engine(tiny_model))
     spec = EngineMethod("ngram+fp32", Engine(tiny_model, decoder=Speculative(build_drafter("ngram", tiny_model), 5)))
@@ -182,8 +182,8 @@ def test_memory_wall_forwards_start_cold(tiny_model, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["ar", "pld"])
 def test_transformers_peer_counts_its_steps(tiny_model_dir, mode):
-    from quasar.bench.peers import HFMethod
-    from quasar.sampling import SamplingParams
+    from quasar.tools.bench.peers import HFMethod
+    from quasar.decoding.sampling import SamplingParams
 
     method = HFMethod(f"hf:{mode}", tiny_model_dir, 10 if mode == "pld" else None)
     messages = [{"role": "user", "content": "one two three one two three one two three"}]
@@ -198,7 +198,7 @@ def test_transformers_peer_counts_its_steps(tiny_model_dir, mode):
 
 
 def test_quantized_checkpoint_serves_the_int8_verifiers_only(monkeypatch):
-    from quasar.bench import base
+    from quasar.tools.bench import base
 
     calls = []
     monkeypatch.setattr(base, "load_verifier", lambda model, name, cache_dir: calls.append((model, name)) or name)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from quasar.bench import suites
+from quasar.tools.bench import suites
 
 
 def test_mtbench_has_80_questions_of_two_turns_in_8_categories():

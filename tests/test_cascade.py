@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from quasar.api import DecodeConfig, build_decoder, build_engine, cascade_levels
-from quasar.drafters.cascade import CascadeDrafter
-from quasar.drafters.ngram import NgramDrafter
-from quasar.engine import Engine
-from quasar.sampling import SamplingParams
-from quasar.speculative import Speculative
+from quasar.decoding.cascade import CascadeDrafter
+from quasar.decoding.drafters.ngram import NgramDrafter
+from quasar.decoding.engine import Engine
+from quasar.decoding.sampling import SamplingParams
+from quasar.decoding.speculative import Speculative
 from test_speculative import PROMPT, PROMPTS, exact_joint, one_thread, run, small_model  # noqa: F401
 from test_verify import chi_square_p
 
@@ -26,7 +26,7 @@ def test_cascade_names():
 
 @pytest.fixture(scope="module")
 def float_answers():
-    from quasar.verifiers import load_verifier
+    from quasar.verifiers.registry import load_verifier
 
     target, middle = load_verifier("default", "bf16"), load_verifier("default", "w8a8")
     engine = Engine(target)
@@ -72,8 +72,8 @@ def test_sampled_cascade_is_lossless(temperature, top_p, one_thread):
 
 
 def test_metrics_count_the_middle_level():
-    from quasar.server.metrics import Metrics
-    from quasar.stats import GenerationStats
+    from quasar.serve.metrics import Metrics
+    from quasar.decoding.stats import GenerationStats
 
     stats, middle = GenerationStats(new_tokens=9), GenerationStats()
     middle.record_step(proposed=4, accepted=3, emitted=4)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-HEAVY = ("matplotlib", "quasar.evals", "quasar.bench", "fastapi", "uvicorn", "starlette", "quasar.server")
+HEAVY = ("matplotlib", "quasar.tools.evals", "quasar.tools.bench", "fastapi", "uvicorn", "starlette", "quasar.serve")
 
 PROBE = """
 import json, sys

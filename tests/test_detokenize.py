@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from quasar.detokenize import IncrementalDetokenizer
+from quasar.decoding.detokenize import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,12 @@ import shutil
 import pytest
 import torch
 
-from quasar.drafters import DrafterOptions, build_drafter
-from quasar.drafters.model_drafter import ModelDrafter
-from quasar.drafters.ngram import NgramDrafter
-from quasar.drafters.suffix import SuffixDrafter
-from quasar.pruning import dropped_layers, keep_layers
-from quasar.sampling import SamplingParams
+from quasar.decoding.drafters import DrafterOptions, build_drafter
+from quasar.decoding.drafters.model_drafter import ModelDrafter
+from quasar.decoding.drafters.ngram import NgramDrafter
+from quasar.decoding.drafters.suffix import SuffixDrafter
+from quasar.verifiers.pruned import dropped_layers, keep_layers
+from quasar.decoding.sampling import SamplingParams
 
 GREEDY, GEN = SamplingParams(), torch.Generator()
 
@@ -168,7 +168,7 @@ def test_pruned_drops_the_layers_before_the_last(tiny_model):
     assert dropped_layers(30, 4) == [25, 26, 27, 28]
     with pytest.raises(ValueError):
         dropped_layers(4, 3)
-    from quasar.loading import load
+    from quasar.model.loading import load
 
     own = load(tiny_model.directory, "fp32").model
     small = keep_layers(own, [1])

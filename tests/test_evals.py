@@ -11,10 +11,10 @@ import torch
 from conftest import needs_kernels
 
 from quasar.cli import main
-from quasar.engine import Engine
-from quasar.evals import data, gsm8k, humaneval, mmlu
-from quasar.evals.runner import EvalConfig, evaluate, get_task, markdown_table, paired_delta_interval, wilson
-from quasar.evals.task import TaskOptions
+from quasar.decoding.engine import Engine
+from quasar.tools.evals import data, gsm8k, humaneval, mmlu
+from quasar.tools.evals.runner import EvalConfig, evaluate, get_task, markdown_table, paired_delta_interval, wilson
+from quasar.tools.evals.task import TaskOptions
 
 # ---- loaders -------------------------------------------------------------------------------------
 
@@ -127,8 +127,8 @@ def test_mmlu_prompts_that_share_a_start_reuse_its_cache_with_the_same_logits(ve
     """Consecutive MMLU prompts run only what follows their common prefix (a subject's items, the template);
     each item's logits equal a fresh prefill's bitwise, including a prompt that repeats the previous one and
     one that outgrows the cache."""
-    from quasar.kv_cache import StreamCache
-    from quasar.verifiers import load_verifier
+    from quasar.model.kv_cache import StreamCache
+    from quasar.verifiers.registry import load_verifier
 
     engine = Engine(load_verifier("default", verifier))
     task = mmlu.MMLU()
@@ -214,9 +214,9 @@ def test_generated_answers_come_in_item_order_and_stopping_frees_the_caches(tiny
     gives the engine's cache pool back as it was."""
     from types import SimpleNamespace
 
-    from quasar.evals.runner import TOO_LONG, generated
-    from quasar.evals.task import ItemResult
-    from quasar.sampling import SamplingParams
+    from quasar.tools.evals.runner import TOO_LONG, generated
+    from quasar.tools.evals.task import ItemResult
+    from quasar.decoding.sampling import SamplingParams
 
     class Echo:  # a generative task whose items say their prompt and token budget
         name = "echo"
@@ -267,7 +267,7 @@ def test_paired_delta_interval():
 def test_a_killed_run_goes_on_where_it_stopped(tiny_model_dir, tmp_path, monkeypatch):
     """A report saved midway (every item here) is resumed: its items are kept, the rest scored, and the result
     equals an uninterrupted run's; a verifier whose tasks are all done is not even loaded."""
-    from quasar.evals import runner
+    from quasar.tools.evals import runner
 
     config = EvalConfig(model=tiny_model_dir, verifiers=("fp32", "bf16"), tasks=("mmlu", "gsm8k"), limit=3,
                         options=TaskOptions(max_new_tokens=4))
@@ -320,7 +320,7 @@ def test_a_row_resumed_on_other_kernel_paths_says_so(tiny_model_dir, caplog):
 def test_a_resumed_run_may_add_verifiers_but_not_leave_one_out(tiny_model_dir, monkeypatch):
     """A verifier added to a finished report is the only one scored (the saved items kept as they are);
     leaving a saved verifier out is refused, since its items would be dropped from the report."""
-    from quasar.evals import runner
+    from quasar.tools.evals import runner
 
     first = EvalConfig(model=tiny_model_dir, verifiers=("fp32",), tasks=("mmlu",), limit=2)
     saved = json.loads(json.dumps(evaluate(first).to_dict()))
@@ -414,8 +414,8 @@ def test_an_existing_report_is_refused_without_overwrite(tiny_model_dir, tmp_pat
 SAVE_UNDER_A_SIZE_LIMIT = """
 import resource, signal, sys
 from quasar.commands.eval import save
-from quasar.evals.runner import EvalConfig, EvalReport, TaskScore
-from quasar.evals.task import ItemResult
+from quasar.tools.evals.runner import EvalConfig, EvalReport, TaskScore
+from quasar.tools.evals.task import ItemResult
 
 report = EvalReport(EvalConfig(tasks=("mmlu",)))
 items = [ItemResult(f"mmlu/{i}", True, "A", "x" * 100) for i in range(1000)]  # about 150 kB of JSON

@@ -23,8 +23,8 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from quasar.loading import LoadedModel
-from quasar.verifiers import load_verifier
+from quasar.model.loading import LoadedModel
+from quasar.verifiers.registry import load_verifier
 
 pytest.importorskip("compressed_tensors")  # a test extra, not installable on Python 3.10
 from compressed_tensors.compressors import IntQuantizationCompressor
@@ -44,7 +44,7 @@ def w8a8(tiny_model_dir, tmp_path_factory) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def exported(w8a8, tmp_path_factory) -> Path:
-    from quasar.export import export
+    from quasar.tools.export import export
 
     return export(w8a8, tmp_path_factory.mktemp("export") / "ct")
 
@@ -132,7 +132,7 @@ def test_export_command_writes_the_directory_atomically(tiny_model_dir, w8a8, tm
 
 
 def test_export_refuses_a_float_model(tiny_model, tmp_path):
-    from quasar.export import export
+    from quasar.tools.export import export
 
     with pytest.raises(ValueError, match="no quantized linears"):
         export(tiny_model, tmp_path / "out")
@@ -143,7 +143,7 @@ def test_export_refuses_group_scales_vllm_cannot_run(tiny_model_dir, tmp_path):
     """A group-wise model is never written as if it were per channel: the writer refuses it, and a quantized
     g32 directory (no float weights to re-quantize from) is refused by the command with the reason."""
     from quasar.cli import main
-    from quasar.export import export
+    from quasar.tools.export import export
 
     grouped = load_verifier(tiny_model_dir, "w8a8:g32", cache_dir=tmp_path / "cache")
     with pytest.raises(ValueError, match="per group of 32 inputs"):
@@ -159,7 +159,7 @@ def test_export_refuses_group_scales_vllm_cannot_run(tiny_model_dir, tmp_path):
 def test_the_int8_lm_head_is_never_exported_as_float(tiny_model_dir, tmp_path):
     """quasar's w8a8 quantizes the lm_head too; vLLM's hand-off keeps it in float: the nearest scheme says so,
     and the writer refuses a model whose lm_head is int8 rather than drop it."""
-    from quasar.export import export, vllm_scheme
+    from quasar.tools.export import export, vllm_scheme
 
     nearest, why = vllm_scheme("w8a8:pc")
     assert nearest == "w8a8:pc:lmbf16" and "keeps its lm_head in W8A8" in why and "per group" not in why
@@ -171,7 +171,7 @@ def test_the_int8_lm_head_is_never_exported_as_float(tiny_model_dir, tmp_path):
 
 
 def test_a_verifier_loaded_to_run_is_refused_with_the_way_out(tiny_model_dir, tmp_path):
-    from quasar.export import export
+    from quasar.tools.export import export
 
     running = load_verifier(tiny_model_dir, "w8a8:pc:lmbf16", cache_dir=tmp_path / "cache")  # tied: packed once
     with pytest.raises(ValueError, match="packed copy: load the verifier with load_verifier"):

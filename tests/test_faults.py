@@ -23,7 +23,7 @@ import pytest
 from gguf import GGUFWriter
 
 from quasar.files import cache_root
-from quasar.loading import load
+from quasar.model.loading import load
 from quasar.quant.checkpoint import load_quantized
 
 KILL_WAIT_S = 120  # the longest a child may take to reach the moment it is killed

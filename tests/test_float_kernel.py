@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import needs_kernels
 
-from quasar import backends, native
-from quasar.models.kernel_layers import pack_channels
+from quasar.kernels import native, plan
+from quasar.kernels.layers import pack_channels
 from quasar.quant.bf16 import BF16Linear, KernelBF16Linear, pack_panels
 
 pytestmark = needs_kernels
@@ -203,7 +203,7 @@ def test_bf16_input_layer_on_torch_and_on_the_kernel_agree():
     layer = BF16Linear.from_linear(linear, bf16_inputs=True)
     x = torch.randn(3, 4, 576)
     on_torch = layer(x)
-    on_kernel = backends.on_kernel(layer)(x)
+    on_kernel = plan.on_kernel(layer)(x)
     assert isinstance(layer, KernelBF16Linear) and layer.kernel_args()[0] == 2
     assert torch.allclose(on_kernel, on_torch, rtol=1e-4, atol=1e-4)
     assert BF16Linear.from_linear(torch.nn.Linear(48, 8), bf16_inputs=True).kernel_form() is None  # N % 16
@@ -215,15 +215,15 @@ def test_float32_input_layer_reads_packed_bf16_weights_where_n_allows():
         layer = BF16Linear.from_linear(torch.nn.Linear(576, n))
         x = torch.randn(2, 5, 576)
         on_torch = layer(x)
-        on_kernel = backends.on_kernel(layer)(x)
+        on_kernel = plan.on_kernel(layer)(x)
         assert layer.kernel_args()[0] == kind
         assert torch.allclose(on_kernel, on_torch, rtol=1e-5, atol=1e-5)
         assert torch.equal(torch.cat([layer(x[:, t : t + 1]) for t in range(5)], 1), on_kernel)  # rows independent
 
 
 def test_fp32_and_bf16_verifiers_run_on_the_float_kernels(tiny_model_dir):
-    from quasar.loading import load
-    from quasar.verifiers import load_verifier
+    from quasar.model.loading import load
+    from quasar.verifiers.registry import load_verifier
 
     kernel = native.kernel()
     reference = load(tiny_model_dir, "fp32").model  # on torch: never prepared
@@ -245,9 +245,9 @@ def test_fp32_and_bf16_verifiers_run_on_the_float_kernels(tiny_model_dir):
 
 @pytest.mark.parametrize("name", ["bf16", "w8a8:lmbf16"])
 def test_a_tied_lm_head_is_packed_once_and_the_embedding_looks_rows_up_in_it(name):
-    from quasar.loading import load
-    from quasar.models.kernel_layers import PanelEmbedding
-    from quasar.verifiers import load_verifier
+    from quasar.model.loading import load
+    from quasar.kernels.layers import PanelEmbedding
+    from quasar.verifiers.registry import load_verifier
 
     model = load_verifier("default", name).model  # SmolLM2 ties lm_head and embedding
     table = load("default", "bf16").model.model.embed_tokens.weight  # the plain [V, D] bf16 rows
@@ -264,8 +264,8 @@ def test_a_tied_lm_head_is_packed_once_and_the_embedding_looks_rows_up_in_it(nam
 
 
 def test_an_int8_lm_head_leaves_a_tied_embedding_its_float_rows():
-    from quasar.loading import load
-    from quasar.verifiers import load_verifier
+    from quasar.model.loading import load
+    from quasar.verifiers.registry import load_verifier
 
     model = load_verifier("default", "w8a8").model  # the default scheme quantizes the tied lm_head too
     table = load("default", "fp32").model.model.embed_tokens.weight

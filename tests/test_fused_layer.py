@@ -1,4 +1,4 @@
-"""The fused CPU path (quasar.native): one kernel call per decoder layer for decode and verify steps.
+"""The fused CPU path (quasar.kernels.native): one kernel call per decoder layer for decode and verify steps.
 
 It must equal, bitwise, the same kernels called layer by layer from Python (the unfused path; for packed W8A8
 steps of up to 32 rows the fused path runs every layer in one parallel region), stay
@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import needs_kernels, tiny_hf_model, write_hf_dir
 
-from quasar import backends, native
+from quasar.kernels import native, plan
 from quasar.quant.bf16 import use_bf16_linears_
 from quasar.quant.schemes import W8A8Config, W8A16Config, quantize_
 
@@ -21,7 +21,7 @@ pytestmark = needs_kernels
 
 
 def make(kind: str, model_type: str, directory):
-    from quasar.loading import load
+    from quasar.model.loading import load
 
     model = load(directory, "fp32").model
     if kind in ("bf16", "bf16-inputs"):
@@ -33,7 +33,7 @@ def make(kind: str, model_type: str, directory):
     elif kind != "fp32":
         quantize_(model, W8A8Config() if kind == "w8a8" else W8A16Config())
         use_bf16_linears_(model, ["lm_head"])
-    assert backends.prepare_(model).startswith("kernels:")
+    assert plan.prepare_(model).startswith("kernels:")
     return model
 
 
@@ -46,7 +46,7 @@ def steps(model, fused: bool | None) -> list[torch.Tensor]:
     """Prefill 20 tokens, then a verify block of 5 and two single-token steps; logits of each step. fused None:
     the model stays on torch."""
     if fused is not None:
-        backends.prepare_(model, fuse=fused)  # unfused: every layer through the Python modules, same kernels
+        plan.prepare_(model, fuse=fused)  # unfused: every layer through the Python modules, same kernels
     torch.manual_seed(0)
     ids = torch.randint(0, 1000, (1, 27))
     cache = model.new_cache(64)
@@ -74,7 +74,7 @@ def test_small_steps_of_packed_w8a8_run_in_one_region(kind, model_dir):
 
 @pytest.mark.parametrize("kind", ["w8a8", "bf16", "bf16-inputs", "fp32"])
 def test_fused_path_is_close_to_the_float_path(kind, model_dir):
-    from quasar.loading import load
+    from quasar.model.loading import load
 
     reference = steps(load(model_dir, "fp32").model, None)  # plain torch
     got = steps(make(kind, "", model_dir), True)
@@ -91,7 +91,7 @@ def test_bf16_mlp_pieces_of_a_long_prefill_equal_the_unfused_kernels(tmp_path, t
     ids = torch.randint(0, 1000, (1, 100))
 
     def prefill(fused: bool, parts: list[tuple[int, int]]) -> torch.Tensor:
-        backends.prepare_(model, fuse=fused)
+        plan.prepare_(model, fuse=fused)
         cache = model.new_cache(128)
         with torch.inference_mode():
             return torch.cat([model(ids[:, a:b], cache)[0] for a, b in parts])
@@ -216,7 +216,7 @@ def test_a_bf16_verifier_with_bf16_attention_keeps_every_row_independent(wide_he
     """Where the bf16 verifier's attention runs on AMX (its backend then says bf16-attention): fused and unfused
     forwards agree bitwise, a token gets the same logits alone and in a verify block, and the logits stay close to
     the float32 model's."""
-    from quasar.loading import load
+    from quasar.model.loading import load
 
     model = make("bf16-inputs", "", wide_heads_dir)
     amx = native.kernel().bf16_attention(True, 64)
@@ -227,7 +227,7 @@ def test_a_bf16_verifier_with_bf16_attention_keeps_every_row_independent(wide_he
     reference = steps(load(wide_heads_dir, "fp32").model, None)
     for ours, ref in zip(fused, reference):
         assert (ours - ref).abs().max() < 0.02 * ref.abs().max()
-    backends.prepare_(model)
+    plan.prepare_(model)
     alone, together = alone_and_in_a_verify_block(model)
     assert torch.equal(alone, together)
 
@@ -244,14 +244,14 @@ def test_one_call_forward_equals_the_modules_one_by_one(kind, layout, tied_dir):
     """A kernel model runs a whole forward in one call (embedding lookup, rope rows, layers, final norm, lm_head):
     bitwise the logits of the modules called one by one, prefill, verify and decode alike, for the layouts a tied
     embedding table takes when it shares the lm_head's packed panels (the plain tables of untied models: above)."""
-    from quasar.loading import load
+    from quasar.model.loading import load
 
     model = load(tied_dir, "fp32").model
     if kind.startswith("bf16"):
         use_bf16_linears_(model, bf16_inputs=kind == "bf16-inputs")
     elif kind == "w8a8":
         quantize_(model, W8A8Config())
-    backends.prepare_(model, owned=True)
+    plan.prepare_(model, owned=True)
     table = model.model.embed_tokens.weight
     assert (table.dim(), table.dtype) == layout, "the layout this case is for"
     assert model.fused_tail

@@ -12,7 +12,7 @@ from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
-from quasar.loading import ModelLoadError, default_model_path, gguf_directory, load, sha256_file, unpermute_rope
+from quasar.model.loading import ModelLoadError, default_model_path, gguf_directory, load, sha256_file, unpermute_rope
 
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 K_BLOCKS = {Q.Q4_K: (144, [0, 2]), Q.Q5_K: (176, [0, 2]), Q.Q6_K: (210, [208])}  # bytes/256 values, fp16 scale offsets
@@ -98,7 +98,7 @@ def test_cached_tensors_equal_the_gguf_package_dequantization(tiny_gguf, cache_d
     assert {qtype for _, qtype in raw.values()} >= set(TYPES)
     directory = gguf_directory(path, sha256_file(path), cache_dir)
     ours = load_file(str(directory / "model.safetensors"))
-    from quasar.loading import hf_name
+    from quasar.model.loading import hf_name
 
     for name, (data, qtype) in raw.items():
         expected = torch.from_numpy(dequantize(data, qtype).copy()).float()
@@ -130,7 +130,7 @@ def test_truncated_gguf_is_refused(tiny_gguf, tmp_path):
 
 
 def test_default_model_sha256_is_pinned():
-    from quasar.loading import DEFAULT_MODEL_SHA256
+    from quasar.model.loading import DEFAULT_MODEL_SHA256
 
     assert sha256_file(default_model_path()) == DEFAULT_MODEL_SHA256
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from quasar.api import DecodeConfig, build_engine
-from quasar.guard import fold_value_scales_, guard_model, value_scales
-from quasar.models.llama import FIXED_ROWS
-from quasar.sampling import SamplingParams
+from quasar.decoding.confidence_guard import fold_value_scales_, guard_model, value_scales
+from quasar.model.llama import FIXED_ROWS
+from quasar.decoding.sampling import SamplingParams
 from test_speculative import PROMPTS
 
 PARAMS = SamplingParams(max_new_tokens=24)
@@ -93,7 +93,7 @@ def test_value_scales_come_back_from_a_quantized_o_proj_and_folding_them_keeps_t
 
 @torch.inference_mode()
 def test_the_guard_model_is_the_float_model_with_the_verifiers_value_basis(answers):
-    from quasar.verifiers import load_verifier
+    from quasar.verifiers.registry import load_verifier
 
     prompts, guard, _, _ = answers
     float_ = load_verifier("default", "bf16").model

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import needs_kernels
 
-from quasar import backends, native
+from quasar.kernels import native, plan
 from quasar.quant.int8 import Int8Linear, KernelInt8Linear, pack_int8_panels, quantize_groups
 
 pytestmark = needs_kernels
@@ -58,7 +58,7 @@ def test_grouped_linear_matches_the_torch_reference(G, M, K, N, bias):
     the same layer: the same int8 activations and scales, sums that differ only in float rounding order."""
     torch.manual_seed(M + G)
     linear = torch.nn.Linear(K, N, bias=bias)
-    fused = backends.on_kernel(Int8Linear.from_float(linear, backend="avx2", group_size=G))
+    fused = plan.on_kernel(Int8Linear.from_float(linear, backend="avx2", group_size=G))
     reference_layer = Int8Linear.from_float(linear, backend="reference", group_size=G)
     assert fused.weight_scale.shape == (N, K // G)
     x = torch.randn(M, K) * 3
@@ -73,7 +73,7 @@ def test_grouped_linear_matches_the_torch_reference(G, M, K, N, bias):
 
 def test_grouped_rows_do_not_depend_on_the_other_rows():
     torch.manual_seed(0)
-    layer = backends.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, 1536), backend="avx2", group_size=64))
+    layer = plan.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, 1536), backend="avx2", group_size=64))
     x = torch.randn(8, 576)
     together = layer(x)
     for m in range(1, 8):
@@ -83,7 +83,7 @@ def test_grouped_rows_do_not_depend_on_the_other_rows():
 
 def test_grouped_forward_many_equals_one_call_per_layer():
     torch.manual_seed(2)
-    layers = [backends.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, n, bias=b), group_size=64))
+    layers = [plan.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, n, bias=b), group_size=64))
               for n, b in ((576, True), (192, False))]
     x = torch.randn(1, 6, 576)
     for got, layer in zip(KernelInt8Linear.forward_many(layers, x), layers):
@@ -98,7 +98,7 @@ def test_kernel_quantization_matches_quantize_groups():
     layer = Int8Linear(K, K, bias=False, backend="avx2", group_size=G)
     layer.weight = torch.eye(K, dtype=torch.int8)
     layer.weight_scale = torch.ones(K, K // G)
-    backends.on_kernel(layer)
+    plan.on_kernel(layer)
     x = torch.randn(5, K) * 7
     q, x_scale = quantize_groups(x, G)
     assert torch.equal(layer(x), q.float() * x_scale.repeat_interleave(G, dim=1))
@@ -126,7 +126,7 @@ def test_grouped_linear_is_exact_with_dyadic_scales(G, N, M, K=192):
     q.view(M, K // G, G)[:, :, 0] = 127  # every group's absmax is 127
     x_scale = 2.0 ** -torch.randint(0, 3, (M, K // G), generator=gen).float()
     x = (q.float().view(M, K // G, G) * x_scale[..., None]).view(M, K)
-    backends.on_kernel(layer)
+    plan.on_kernel(layer)
     y = layer(x)
     assert torch.equal(y.double(), reference(q, x_scale, layer.weight, layer.weight_scale))
     for m in range(M):
@@ -141,7 +141,7 @@ def test_grouped_linear_is_exact_across_chunks_of_k(M):
 
 def test_weights_are_packed_once_at_load():
     kernel = native.kernel()
-    layer = backends.on_kernel(Int8Linear.from_float(torch.nn.Linear(64, 32), backend="avx2", group_size=32))
+    layer = plan.on_kernel(Int8Linear.from_float(torch.nn.Linear(64, 32), backend="avx2", group_size=32))
     w, scale = layer.kernel_weight
     path = kernel.int8_path()
     if path in ("dpbusd", "maddubs"):  # panels of 16 channels x 4 inputs: unsigned bytes w + 128, or signed w
@@ -206,7 +206,7 @@ def test_every_prefetch_policy_gives_the_same_results(group_size):
     never of values."""
     kernel = native.kernel()
     torch.manual_seed(group_size)
-    layer = backends.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, 320), backend="avx2", group_size=group_size))
+    layer = plan.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, 320), backend="avx2", group_size=group_size))
     x = torch.randn(7, 576) * 3
     before = kernel.prefetch()
     try:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import needs_kernels
 
-from quasar import backends, native
+from quasar.kernels import native, plan
 from quasar.quant.bf16 import BF16Linear, KernelBF16Linear
 from quasar.quant.int8 import INT_MM, Int8Linear, Int8WeightOnlyLinear, KernelInt8Linear, quantize_tokens
 
@@ -19,7 +19,7 @@ def test_fused_kernel_is_bit_identical_to_the_reference(M, K, N, bias):
     torch.manual_seed(M)
     linear = torch.nn.Linear(K, N, bias=bias)
     reference = Int8Linear.from_float(linear, backend="reference")
-    fused = backends.on_kernel(Int8Linear.from_float(linear, backend="avx2"))
+    fused = plan.on_kernel(Int8Linear.from_float(linear, backend="avx2"))
     x = torch.randn(M, K) * 3
     x[0] = 0  # an all-zero row gives the bias (or zeros), not NaN
     y = fused(x)
@@ -59,7 +59,7 @@ def test_int32_product_is_exact_over_the_whole_int8_range(path, M, K):
 
 def test_rows_do_not_depend_on_the_other_rows():
     torch.manual_seed(0)
-    layer = backends.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, 1536), backend="avx2"))
+    layer = plan.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, 1536), backend="avx2"))
     x = torch.randn(6, 576)
     together = layer(x)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(6)])
@@ -79,7 +79,7 @@ def test_weight_only_int8_kernel_matches_float_math(M, K, N, bias):
     expected = (x.double() @ layer.weight.double().t()) * layer.weight_scale.double()  # [M, N]
     if bias:
         expected = expected + layer.bias.double()
-    y = backends.on_kernel(layer)(x)
+    y = plan.on_kernel(layer)(x)
     assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5)
 
 
@@ -101,7 +101,7 @@ def test_float_activation_rows_do_not_depend_on_the_other_rows(weight):
     torch.manual_seed(1)
     linear = torch.nn.Linear(576, 1536)
     layer = Int8WeightOnlyLinear.from_float(linear) if weight == "int8" else BF16Linear.from_linear(linear)
-    backends.on_kernel(layer)
+    plan.on_kernel(layer)
     x = torch.randn(8, 576)
     together = layer(x)
     for m in range(1, 8):
@@ -110,7 +110,7 @@ def test_float_activation_rows_do_not_depend_on_the_other_rows(weight):
 
 
 def test_bf16_swap_is_what_the_bf16_verifier_uses(tiny_model_dir):
-    from quasar.verifiers import load_verifier
+    from quasar.verifiers.registry import load_verifier
 
     model = load_verifier(tiny_model_dir, "bf16").model
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
@@ -120,7 +120,7 @@ def test_bf16_swap_is_what_the_bf16_verifier_uses(tiny_model_dir):
 
 def test_forward_many_equals_one_call_per_layer():
     torch.manual_seed(2)
-    layers = [backends.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, n, bias=b)))
+    layers = [plan.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, n, bias=b)))
               for n, b in ((576, True), (192, False), (192, True))]
     x = torch.randn(1, 6, 576)
     for got, layer in zip(KernelInt8Linear.forward_many(layers, x), layers):
@@ -128,14 +128,14 @@ def test_forward_many_equals_one_call_per_layer():
 
 
 def test_rms_norm_kernel_matches_torch_and_is_row_independent():
-    from quasar.models.llama import RMSNorm
+    from quasar.model.llama import RMSNorm
 
     torch.manual_seed(3)
     norm = RMSNorm(576, 1e-5)
     norm.weight.data = torch.randn(576)
     x = torch.randn(1, 7, 576) * 4
     expected = norm(x)
-    backends.on_kernel(norm)
+    plan.on_kernel(norm)
     got = norm(x)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(norm(x[:, 2:3]), got[:, 2:3])

@@ -7,7 +7,7 @@ import torch
 
 from conftest import needs_kernels
 
-from quasar.kv_cache import ContextOverflowError
+from quasar.model.kv_cache import ContextOverflowError
 
 
 def token_ids(n: int, seed: int = 0) -> torch.Tensor:
@@ -54,7 +54,7 @@ def test_cache_bounds(tiny_model):
 
 @pytest.fixture(scope="module", params=["fp32", "bf16", "w8a8"])
 def verifier_model(request, default_model):
-    from quasar.verifiers import load_verifier
+    from quasar.verifiers.registry import load_verifier
 
     return default_model.model if request.param == "fp32" else load_verifier("default", request.param).model
 
@@ -95,15 +95,15 @@ def test_a_pool_hands_a_prompt_the_positions_a_kept_cache_shares_with_it(backend
     """On the kernels (every row computed alone) the longest start of a new prompt that a kept cache holds is
     reused, in that cache when its size fits or copied into a new one, and the logits of the prompt's last token
     are bitwise a fresh prefill's. On the torch path nothing is reused (a prefill and decode steps round apart)."""
-    from quasar import backends
-    from quasar.kv_cache import CachePool
-    from quasar.loading import load
+    from quasar.kernels import plan
+    from quasar.model.kv_cache import CachePool
+    from quasar.model.loading import load
     from quasar.quant.schemes import W8A8Config, quantize_
 
     model = load(tiny_model_dir, "fp32").model
     if backend == "kernels":
         quantize_(model, W8A8Config(group_size=32))
-        assert backends.prepare_(model).startswith("kernels:")
+        assert plan.prepare_(model).startswith("kernels:")
     pool, ids = CachePool(model, spare=2), token_ids(40)[0].tolist()
     first = pool.take(64, ids[:20])
     with torch.inference_mode():

@@ -6,9 +6,9 @@ import pytest
 import torch
 from conftest import tiny_hf_model, write_hf_dir
 
-from quasar.loading import load
-from quasar.models.config import ModelConfig, UnsupportedModelError
-from quasar.models.llama import Transformer
+from quasar.model.loading import load
+from quasar.model.config import ModelConfig, UnsupportedModelError
+from quasar.model.llama import Transformer
 
 REAL_TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
@@ -56,7 +56,7 @@ def test_unsupported_model_type_names_the_supported_ones():
 def hf_default():
     from transformers import AutoModelForCausalLM
 
-    from quasar.loading import default_model_path
+    from quasar.model.loading import default_model_path
 
     path = default_model_path()
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
@@ -83,8 +83,8 @@ def test_default_model_logits_match_transformers(default_model, hf_default):
     ],
 )
 def test_default_model_greedy_matches_transformers_generate(default_model, hf_default, prompt):
-    from quasar.engine import Engine
-    from quasar.sampling import SamplingParams
+    from quasar.decoding.engine import Engine
+    from quasar.decoding.sampling import SamplingParams
 
     engine = Engine(default_model)
     ids = engine.encode(prompt)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from quasar import models_registry as reg
+from quasar.tools import model_store as reg
 from quasar.cli import main
-from quasar.loading import ModelLoadError, resolve
+from quasar.model.loading import ModelLoadError, resolve
 
 CHUNKS = (b"GGUF" + b"a" * 1000, b"b" * 3, b"c" * 70_000)  # the parts of one fake model file, in order
 

@@ -1,4 +1,4 @@
-"""quasar.native tells 'this machine cannot build the kernels' (normal: skip) from 'the build failed' (a
+"""quasar.kernels.native tells 'this machine cannot build the kernels' (normal: skip) from 'the build failed' (a
 defect: shown, and the test session fails), recovers from a compile that was killed, and builds into the
 cache directory it is given."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from quasar import native
+from quasar.kernels import native
 
 TESTS = Path(__file__).parent
 
@@ -46,12 +46,12 @@ def test_a_stale_torch_lock_left_by_a_killed_compile_is_removed(tmp_path):
 def test_the_lock_is_held_while_one_process_builds(tmp_path):
     """A second process waits for the first one's compile instead of removing a live torch lock."""
     build = tmp_path / "b"
-    code = ("import sys, time; from pathlib import Path; from quasar import native\n"
+    code = ("import sys, time; from pathlib import Path; from quasar.kernels import native\n"
             "with native.build_lock(Path(sys.argv[1])):\n    print('held', flush=True); time.sleep(3)\n")
     holder = subprocess.Popen([sys.executable, "-c", code, str(build)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     (build / "lock").touch()  # the live compile's torch lock
-    waiter = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from quasar import native\n"
+    waiter = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; from quasar.kernels import native\n"
                              "with native.build_lock(Path(sys.argv[1])): print(Path(sys.argv[1], 'lock').exists())",
                              str(build)], capture_output=True, text=True, timeout=60)
     holder.wait(timeout=30)
@@ -74,7 +74,7 @@ def test_the_test_session_fails_when_the_kernels_do_not_build(tmp_path):
     broken = tmp_path / "src" / "broken.cpp"
     broken.parent.mkdir()
     broken.write_text("int broken( {\n")
-    code = ("import sys, pytest; from pathlib import Path; from quasar import native\n"
+    code = ("import sys, pytest; from pathlib import Path; from quasar.kernels import native\n"
             f"native.SOURCES = [Path({str(broken)!r})]\n"
             "native.try_build.__defaults__ = (None, native.SOURCES)\n"
             f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {str(TESTS / 'test_kv_cache.py')!r}]))")

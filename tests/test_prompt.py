@@ -1,4 +1,4 @@
-"""One rule from prompts to token ids (`quasar.prompt.encode`), shared by the engine and the bench's methods."""
+"""One rule from prompts to token ids (`quasar.decoding.prompt.encode`), shared by the engine and the bench's methods."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from quasar.bench.methods import EngineMethod
-from quasar.bench.peers import HFMethod
-from quasar.engine import Engine
-from quasar.loading import load_tokenizer
-from quasar.prompt import encode
-from quasar.sampling import SamplingParams
+from quasar.tools.bench.methods import EngineMethod
+from quasar.tools.bench.peers import HFMethod
+from quasar.decoding.engine import Engine
+from quasar.model.loading import load_tokenizer
+from quasar.decoding.prompt import encode
+from quasar.decoding.sampling import SamplingParams
 
 ONE_TOKEN = SamplingParams(max_new_tokens=1)
 TEXT = "Name three rivers in Europe."

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from quasar.cli import main
-from quasar.loading import ModelLoadError, load
-from quasar.models.llama import Linear
+from quasar.model.loading import ModelLoadError, load
+from quasar.model.llama import Linear
 from quasar.quant.calibration import CalibrationSpec
 from quasar.quant.bf16 import BF16Linear
 from quasar.quant.checkpoint import load_quantized, save_quantized
@@ -167,7 +167,7 @@ def test_cli_quantize_calibration_file_without_text_writes_nothing(tiny_model_di
 
 
 def test_verifier_names_pick_the_scheme(tiny_model_dir, tmp_path):
-    from quasar.verifiers import load_verifier
+    from quasar.verifiers.registry import load_verifier
 
     cache = tmp_path / "cache"
     default = load_verifier(tiny_model_dir, "w8a8", cache)
@@ -182,8 +182,8 @@ def test_verifier_names_pick_the_scheme(tiny_model_dir, tmp_path):
 def test_w8a8_puts_the_lm_head_in_w8a8_too_and_lmbf16_keeps_it_in_bf16(tiny_model_dir, tmp_path, capsys):
     from quasar.quant.int8 import Int8Linear
     from quasar.quant.recipe import parse_scheme
-    from quasar.quant.verifiers import checkpoint_name
-    from quasar.verifiers import load_verifier
+    from quasar.verifiers.quantized import checkpoint_name
+    from quasar.verifiers.registry import load_verifier
 
     assert parse_scheme("w8a8").name == parse_scheme("w8a8:lm8").name == "w8a8:g32"
     assert parse_scheme("w8a8:pc:0.5:lmbf16").name == "w8a8:pc:0.5:lmbf16" and parse_scheme("w8a8:pc:0.5").lm_head
@@ -204,7 +204,7 @@ def test_w8a8_puts_the_lm_head_in_w8a8_too_and_lmbf16_keeps_it_in_bf16(tiny_mode
 
 
 def test_a_name_loads_one_model_and_a_quantized_directory_is_no_float_model(tiny_model_dir, tmp_path, capsys):
-    from quasar.verifiers import load_verifier
+    from quasar.verifiers.registry import load_verifier
 
     out = tmp_path / "q"
     assert main(["quantize", "--model", str(tiny_model_dir), "--out", str(out), "--scheme", "w8a16",
@@ -221,9 +221,9 @@ def test_a_name_loads_one_model_and_a_quantized_directory_is_no_float_model(tiny
 def test_a_warm_cache_loads_no_float_model_and_the_quantizer_code_keys_it(tiny_model_dir, tmp_path, monkeypatch):
     """The cached checkpoint is found from the source's memoised sha256 alone; a change in the quantization
     code (its hash) makes a new checkpoint instead of reusing a stale one."""
-    from quasar import loading
-    from quasar.quant import verifiers as quant_verifiers
-    from quasar.verifiers import load_verifier
+    from quasar.model import loading
+    from quasar.verifiers import quantized as quant_verifiers
+    from quasar.verifiers.registry import load_verifier
 
     cache = tmp_path / "cache"
     first = load_verifier(tiny_model_dir, "w8a8", cache)

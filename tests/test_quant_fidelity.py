@@ -35,12 +35,12 @@ def test_quantized_tiny_model_has_small_positive_error(tiny_model):
 @needs_kernels
 def test_a_model_on_the_fused_kernels_reports_every_layer(tiny_model):
     """FusedLayers runs the whole stack in one call; the per-layer errors still come from every layer."""
-    from quasar import backends
+    from quasar.kernels import plan
 
     quantized = copy.deepcopy(tiny_model)
     quantize_model(quantized, QuantRecipe("w8a16", None))
     on_torch = compare(tiny_model.model, {"w8a16": quantized.model}, _windows())[0]
-    assert backends.prepare_(quantized.model).startswith("kernels:")
+    assert plan.prepare_(quantized.model).startswith("kernels:")
     fused = compare(tiny_model.model, {"w8a16": quantized.model}, _windows())[0]
     assert 0 < min(fused.layer_errors) and fused.layer_errors == pytest.approx(on_torch.layer_errors, rel=0.05)
     assert type(quantized.model.model.layers).__name__ == "FusedLayers"
@@ -62,7 +62,7 @@ Q8_0_KL, Q8_0_TOP1 = 0.0036, 0.97
 def default_w8a8(default_model):
     """The default `w8a8` verifier exactly as `generate` and `serve` load it (its cached quantization, the
     lm_head in W8A8 too), judged on 3 x 512 held-out GSM8K tokens that calibration never saw."""
-    from quasar.verifiers import load_verifier
+    from quasar.verifiers.registry import load_verifier
 
     verifier = load_verifier("default", "w8a8").model
     windows = held_out_windows(default_model.tokenizer, None, 3, 512)
@@ -121,7 +121,7 @@ def test_cli_fidelity_bad_input_is_one_line(tiny_model_dir, capsys):
 
 def test_cli_fidelity_without_llama_cpp_says_how_to_install_it(tiny_model_dir, capsys, monkeypatch):
     from quasar.cli import main
-    from quasar.quant import llamacpp_peer
+    from quasar.tools.bench import llamacpp_peer
 
     monkeypatch.setattr(llamacpp_peer, "available", lambda: False)
     args = ["fidelity", "--model", str(tiny_model_dir), "--samples", "1", "--eval-seq-len", "32", "--calib-samples", "1",

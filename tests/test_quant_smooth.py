@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import tiny_hf_model, write_hf_dir
 
-from quasar.loading import load
+from quasar.model.loading import load
 from quasar.quant.calibration import calibrate
 from quasar.quant.smoothquant import SmoothConfig, group_error, parse_alpha, row_sites, smooth_, smooth_scales
 

@@ -8,10 +8,10 @@ import torch
 
 from conftest import needs_kernels
 
-from quasar import native
-from quasar.backends import argmax_rows
-from quasar.sampling import Sampler, SamplingParams, draw, filtered_weights, logits_to_probs, weights_and_sums
-from quasar.verify import SparseDraft, rejection_sample
+from quasar.kernels import native
+from quasar.kernels.plan import argmax_rows
+from quasar.decoding.sampling import Sampler, SamplingParams, draw, filtered_weights, logits_to_probs, weights_and_sums
+from quasar.decoding.rejection import SparseDraft, rejection_sample
 from test_verify import chi_square_p
 
 COMBINATIONS = {
@@ -131,7 +131,7 @@ def test_sparse_draft_distribution_is_lossless():
 
 @needs_kernels
 def test_the_greedy_token_on_the_kernel_is_torch_argmax():
-    """backends.argmax_rows: torch.argmax's index on every row, including ties (the first), a NaN (the first NaN),
+    """plan.argmax_rows: torch.argmax's index on every row, including ties (the first), a NaN (the first NaN),
     rows of -inf, and vocabularies that are not a multiple of the kernel's 8 lanes."""
     native.kernel()  # loaded, so argmax_rows takes the kernel
     g = torch.Generator().manual_seed(0)

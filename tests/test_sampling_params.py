@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from quasar.sampling import SamplingParams
+from quasar.decoding.sampling import SamplingParams
 
 
 def torch_takes(seed: object) -> bool:

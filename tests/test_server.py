@@ -131,7 +131,7 @@ def test_a_repeated_prompt_starts_from_the_kept_cache(server):
     """Prefix caching: a prompt sent again starts from the cache its first run left (all its tokens but the last,
     on quasar's kernels), says so in usage.prompt_tokens_details.cached_tokens and in /metrics, and answers the
     same."""
-    from quasar import native
+    from quasar.kernels import native
 
     client = server.client()
     prompt = "Rivers, mountains and seas: a prompt sent twice"
@@ -331,7 +331,7 @@ def test_sixty_four_clients_with_disconnects_get_their_own_answers(model_dir, tm
     hanging up early: every other answer is exactly its answer alone (nothing lost, repeated or crossed), the
     server frees every slot, and it answers correctly afterwards."""
     from quasar import LLM, SamplingParams
-    from quasar.native import kernel
+    from quasar.kernels.native import kernel
 
     if kernel() is None:
         pytest.skip("quasar's CPU kernels are not available here")

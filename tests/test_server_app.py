@@ -10,9 +10,9 @@ import threading
 import time
 from typing import Any
 
-from quasar.engine import Engine
-from quasar.server.app import create_app
-from quasar.server.metrics import Metrics
+from quasar.decoding.engine import Engine
+from quasar.serve.app import create_app
+from quasar.serve.metrics import Metrics
 
 TIMEOUT_S = 60.0  # a request that hangs fails the test instead
 

@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quasar.drafters import build_drafter
-from quasar.models.llama import FIXED_ROWS
-from quasar.drafters.model_drafter import ModelDrafter
-from quasar.engine import Engine
-from quasar.drafters.ngram import NgramDrafter
-from quasar.generate import StopRule, drive
-from quasar.models.config import ModelConfig
-from quasar.models.llama import Transformer
-from quasar.sampling import SamplingParams, logits_to_probs
-from quasar.speculative import DraftLength, Speculative, parse_k
-from quasar.stats import GenerationStats
+from quasar.decoding.drafters import build_drafter
+from quasar.model.llama import FIXED_ROWS
+from quasar.decoding.drafters.model_drafter import ModelDrafter
+from quasar.decoding.engine import Engine
+from quasar.decoding.drafters.ngram import NgramDrafter
+from quasar.decoding.autoregressive import StopRule, drive
+from quasar.model.config import ModelConfig
+from quasar.model.llama import Transformer
+from quasar.decoding.sampling import SamplingParams, logits_to_probs
+from quasar.decoding.speculative import DraftLength, Speculative, parse_k
+from quasar.decoding.stats import GenerationStats
 from test_verify import chi_square_p
 
 V = 8  # a small vocabulary so the distribution of whole token sequences can be computed exactly
@@ -165,7 +165,7 @@ VERIFIERS = ("fp32", "w8a8")
 
 @pytest.fixture(scope="module", params=VERIFIERS)
 def verifier(request):
-    from quasar import verifiers
+    from quasar.verifiers import registry as verifiers
 
     target = verifiers.load_verifier("default", request.param)
     engine = Engine(target)

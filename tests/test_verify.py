@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quasar.sampling import Sampler, SamplingParams, TargetRows
-from quasar.verify import DenseDraft, greedy_verdict, rejection_sample, SparseDraft
+from quasar.decoding.sampling import Sampler, SamplingParams, TargetRows
+from quasar.decoding.rejection import DenseDraft, greedy_verdict, rejection_sample, SparseDraft
 
 pytestmark = pytest.mark.usefixtures("sampling_path")  # every test on torch and on the kernel
 

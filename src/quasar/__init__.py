@@ -12,7 +12,7 @@ from typing import Any
 
 from quasar.version import __version__
 
-EXPORTS = {"LLM": "quasar.api", "RequestOutput": "quasar.outputs", "SamplingParams": "quasar.sampling"}
+EXPORTS = {"LLM": "quasar.api", "RequestOutput": "quasar.decoding.outputs", "SamplingParams": "quasar.decoding.sampling"}
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
 
 

@@ -5,7 +5,7 @@
     outputs = llm.generate(["The capital of France is"], SamplingParams(max_new_tokens=32))
     print(outputs[0].text, outputs[0].stats.mean_accepted_tokens)
 
-`generate` runs its prompts together in continuous batches (quasar.batching): up to `max_batch` of them share
+`generate` runs its prompts together in continuous batches (quasar.decoding.batch): up to `max_batch` of them share
 each forward, and each gets the tokens it would get alone. One LLM is not thread-safe: for concurrent callers,
 serve it (`quasar serve`).
 """
@@ -17,15 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quasar.batching import Batch
-from quasar.engine import Decoder, Engine
-from quasar.generate import autoregressive
-from quasar.loading import LoadedModel
-from quasar.models.llama import Transformer
-from quasar.outputs import RequestOutput
-from quasar.prompt import Messages
-from quasar.sampling import SamplingParams
-from quasar.verifiers import load_verifier
+from quasar.decoding.batch import Batch
+from quasar.decoding.engine import Decoder, Engine
+from quasar.decoding.autoregressive import autoregressive
+from quasar.model.loading import LoadedModel
+from quasar.model.llama import Transformer
+from quasar.decoding.outputs import RequestOutput
+from quasar.decoding.prompt import Messages
+from quasar.decoding.sampling import SamplingParams
+from quasar.verifiers.registry import load_verifier
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class DecodeConfig:
     k: int | str = "auto"  # draft length, or 'auto' (adapts to recent acceptance; measured faster than 5 here)
     ngram_min: int = 1
     ngram_max: int = 3
-    guard: float | None = None  # re-score positions whose top-1 logit margin is below this with bf16 (quasar.guard)
+    guard: float | None = None  # re-score positions whose top-1 logit margin is below this with bf16 (quasar.decoding.confidence_guard)
 
 
 def cascade_levels(verifier: str) -> tuple[str | None, str]:
@@ -59,16 +59,16 @@ def build_decoder(target: LoadedModel, config: DecodeConfig, cache_dir: str | Pa
         if config.guard is not None:
             raise ValueError("--guard re-scores speculative decoding's verify steps: it needs a drafter")
         return autoregressive
-    from quasar.drafters import DrafterOptions, build_drafter
-    from quasar.speculative import AUTO, Speculative
+    from quasar.decoding.drafters import DrafterOptions, build_drafter
+    from quasar.decoding.speculative import AUTO, Speculative
 
     options = DrafterOptions(ngram_min=config.ngram_min, ngram_max=config.ngram_max, cache_dir=cache_dir)
     if middle is None:
-        from quasar.guard import Guard
+        from quasar.decoding.confidence_guard import Guard
 
         checker = None if guard is None else Guard(guard, config.guard)
         return Speculative(build_drafter(config.drafter, target, options), config.k, checker)
-    from quasar.drafters.cascade import CascadeDrafter
+    from quasar.decoding.cascade import CascadeDrafter
 
     inner = build_drafter(config.drafter, middle, options)
     return Speculative(CascadeDrafter(middle.model, inner, config.k), AUTO)
@@ -81,11 +81,11 @@ def build_engine(
     max_context: int | None = None,
     cache_dir: str | Path | None = None,
 ) -> Engine:
-    """verifier: a name from quasar.verifiers, or a cascade MIDDLE+TOP such as 'w8a8+bf16' (the output is TOP's)."""
+    """verifier: a name from quasar.verifiers.registry, or a cascade MIDDLE+TOP such as 'w8a8+bf16' (the output is TOP's)."""
     middle_name, top = cascade_levels(verifier)
     guard = None
     if decode.guard is not None:  # first: it refuses the verifiers it cannot guard
-        from quasar.guard import guard_model
+        from quasar.decoding.confidence_guard import guard_model
 
         guard = guard_model(model, verifier, cache_dir)
     target = load_verifier(model, top, cache_dir)
@@ -146,7 +146,7 @@ class LLM:
 
     def stream(self, prompt: str | Messages, params: SamplingParams | None = None, chat: bool = False) -> Iterator[str]:
         """Text pieces as they are generated; stopping the iteration early stops the generation.
-        A string prompt is raw text unless chat=True; a list of messages is a conversation (quasar.prompt.encode)."""
+        A string prompt is raw text unless chat=True; a list of messages is a conversation (quasar.decoding.prompt.encode)."""
         run = self.engine.run(self.engine.encode(prompt, chat), params or SamplingParams(), prompt)
         try:
             yield from run

@@ -1,6 +1,6 @@
 """The one registry idiom: a table from a name to "module:function", imported on first use.
 
-    VERIFIERS = {"w8a8": "quasar.quant.verifiers:load_w8a8", ...}
+    VERIFIERS = {"w8a8": "quasar.verifiers.quantized:load_w8a8", ...}
     load = lookup(VERIFIERS, "w8a8", "verifier")
 
 A new kind is a new module and one line in its table; nothing is imported until it is asked for, and the

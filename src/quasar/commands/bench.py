@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from quasar.bench.base import MethodOptions
-from quasar.bench.report import print_summary
-from quasar.bench.runner import RunConfig
-from quasar.bench.session import BenchOptions, bench
-from quasar.bench.suites import CATEGORIES, SUITE_SIZES
+from quasar.tools.bench.base import MethodOptions
+from quasar.tools.bench.report import print_summary
+from quasar.tools.bench.runner import RunConfig
+from quasar.tools.bench.session import BenchOptions, bench
+from quasar.tools.bench.suites import CATEGORIES, SUITE_SIZES
 from quasar.commands.common import positive_int, seed, temperature
 
 SUITE_TOKENS = {"quick": 32, "spec": 256, "full": 256}  # default --max-new-tokens per suite

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
-    from quasar.sampling import SamplingParams
+    from quasar.decoding.sampling import SamplingParams
 
 N = TypeVar("N", int, float)
 
@@ -38,7 +38,7 @@ temperature = checked(float, lambda t: 0 <= t < math.inf, "a finite temperature 
 
 def seed(text: str) -> int:
     """An argparse type: a seed in the range SamplingParams (torch) accepts."""
-    from quasar.sampling import check_seed
+    from quasar.decoding.sampling import check_seed
 
     value = checked(int, lambda n: True, "an integer")(text)
     try:
@@ -94,7 +94,7 @@ def add_decode_args(parser: argparse.ArgumentParser, drafter_default: str = "ngr
 
 def decode_config(args: argparse.Namespace):  # -> quasar.api.DecodeConfig
     from quasar.api import DecodeConfig
-    from quasar.speculative import parse_k
+    from quasar.decoding.speculative import parse_k
 
     if args.guard is not None and not args.guard >= 0:
         raise ValueError(f"--guard must be a margin >= 0 in logits, got {args.guard}")
@@ -115,7 +115,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    from quasar.sampling import SamplingParams
+    from quasar.decoding.sampling import SamplingParams
 
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,

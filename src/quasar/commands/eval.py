@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from quasar.commands.common import positive_float, positive_int
-from quasar.evals.runner import BATCH, DRAFTER, EvalConfig, EvalReport, delta_text, evaluate
-from quasar.evals.task import TaskOptions
+from quasar.tools.evals.runner import BATCH, DRAFTER, EvalConfig, EvalReport, delta_text, evaluate
+from quasar.tools.evals.task import TaskOptions
 from quasar.files import atomic_write_text
 
 

@@ -25,8 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quasar.export import export, vllm_scheme
-    from quasar.verifiers import load_verifier
+    from quasar.tools.export import export, vllm_scheme
+    from quasar.verifiers.registry import load_verifier
 
     verifier, note = vllm_scheme(verifier_name(args))
     if note:

@@ -8,7 +8,7 @@ import json
 import math
 
 from quasar.commands.quantize import add_calibration_args, calibration_spec
-from quasar.loading import load
+from quasar.model.loading import load
 
 DEFAULT_VARIANTS = ("w8a8:pc", "w8a8:g64", "w8a8:g32", "w8a8:g32:lmbf16", "w8a16")
 
@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def build_variants(loaded, names: list[str], spec) -> dict:
     """name -> quantized Transformer, all from copies of `loaded` and one shared calibration run."""
     from quasar.quant.recipe import calibrate_model, parse_scheme, quantize_model
-    from quasar.backends import prepare_
+    from quasar.kernels.plan import prepare_
     from quasar.quant.smoothquant import SmoothConfig
 
     recipes = {name: parse_scheme(name, spec) for name in names}
@@ -59,10 +59,10 @@ def build_variants(loaded, names: list[str], spec) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from quasar.quant.fidelity import compare, held_out_windows
-    from quasar.loading import quantized_block, resolve
-    from quasar.quant.llamacpp_peer import peers
-    from quasar.quant.verifiers import checkpoint_name
-    from quasar.verifiers import load_verifier
+    from quasar.model.loading import quantized_block, resolve
+    from quasar.tools.bench.llamacpp_peer import peers
+    from quasar.verifiers.quantized import checkpoint_name
+    from quasar.verifiers.registry import load_verifier
 
     if args.samples < 1 or args.eval_seq_len < 2:
         raise ValueError("--samples must be >= 1 and --eval-seq-len >= 2")

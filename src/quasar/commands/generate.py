@@ -9,7 +9,7 @@ import sys
 from quasar.commands.common import (
     add_decode_args, add_model_args, add_sampling_args, decode_config, read_prompt, sampling_params, verifier_name,
 )
-from quasar.stats import GenerationStats
+from quasar.decoding.stats import GenerationStats
 
 
 DEFAULT_VERIFIER = "w8a8"  # the paper's setup: --drafter ngram --verifier w8a8

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from quasar import models_registry
+from quasar.tools import model_store
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -15,8 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     install = actions.add_parser("install", help="download, check and assemble a model")
-    install.add_argument("name", choices=sorted(models_registry.RECIPES), metavar="NAME",
-                         help=f"one of: {', '.join(sorted(models_registry.RECIPES))}")
+    install.add_argument("name", choices=sorted(model_store.RECIPES), metavar="NAME",
+                         help=f"one of: {', '.join(sorted(model_store.RECIPES))}")
     install.add_argument("--force", action="store_true", help="download and assemble again even if installed")
     install.add_argument("--cache-dir", help="where models are installed (default: $XDG_CACHE_HOME/quasar or ~/.cache/quasar)")
     install.set_defaults(run=run_install)
@@ -26,14 +26,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_install(args: argparse.Namespace) -> int:
-    path = models_registry.install(args.name, args.cache_dir, force=args.force)
+    path = model_store.install(args.name, args.cache_dir, force=args.force)
     print(f"installed {args.name}: {path}")
     return 0
 
 
 def run_list(args: argparse.Namespace) -> int:
-    for recipe in models_registry.RECIPES.values():
-        path = models_registry.model_path(recipe, args.cache_dir)
+    for recipe in model_store.RECIPES.values():
+        path = model_store.model_path(recipe, args.cache_dir)
         status = f"installed at {path}" if path.exists() else "not installed"
         print(f"{recipe.name:<22} {status:<40}  {recipe.description}")
     return 0

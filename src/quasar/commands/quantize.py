@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quasar.loading import load
+    from quasar.model.loading import load
     from quasar.quant.checkpoint import save_quantized
     from quasar.quant.recipe import parse_scheme, quantize_model
 

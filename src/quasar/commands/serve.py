@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from quasar.api import build_engine
-    from quasar.server.app import create_app
+    from quasar.serve.app import create_app
 
     engine = build_engine(args.model, verifier_name(args), decode_config(args), args.max_context, args.cache_dir)
     app = create_app(engine, name, api_key=args.api_key, max_queue=args.max_queue, max_batch=args.max_batch,
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
 def hand_off(args: argparse.Namespace, name: str) -> int:
     """Build the `vllm serve` command for the same model; print it (--dry-run) or replace this process by it."""
-    from quasar.server.vllm import VllmServe, vllm_command
+    from quasar.serve.vllm import VllmServe, vllm_command
 
     verifier = verifier_name(args)
     decode = decode_config(args)
@@ -116,15 +116,15 @@ def vllm_model(model: str, verifier: str, cache_dir: str | None, export_dir: str
     """The directory vLLM should load and the dtype of its float parts."""
     if "+" in verifier:
         raise ValueError(f"the vLLM hand-off serves one model; the cascade {verifier!r} (--exact) runs on quasar's engine")
-    from quasar.loading import float_directory
-    from quasar.verifiers import load_verifier
+    from quasar.model.loading import float_directory
+    from quasar.verifiers.registry import load_verifier
 
     if verifier in ("fp32", "bf16"):  # the float Hugging Face directory, without loading the weights
         return float_directory(model, cache_dir), {"fp32": "float32", "bf16": "bfloat16"}[verifier]
     if not verifier.startswith("w8a8"):
         raise ValueError(f"the vLLM hand-off supports --verifier fp32, bf16 or w8a8, not {verifier!r}")
-    from quasar.export import export, vllm_scheme
-    from quasar.loading import cache_root
+    from quasar.tools.export import export, vllm_scheme
+    from quasar.model.loading import cache_root
 
     verifier, note = vllm_scheme(verifier)
     if note:

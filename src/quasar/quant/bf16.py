@@ -8,7 +8,7 @@ Two kinds, fixed when the layer is made:
   same two FMAs per pair elsewhere (`bf16_linear`): the same floats on every x86 host.
 Either way half the bytes of fp32, and every row of the result depends on its own input row only.
 Elsewhere (CUDA, no kernel) it is F.linear on the weight cast to the activations' dtype (inputs rounded
-through bfloat16 first for the second kind), at the fixed shape of models/llama.py. quasar.backends picks
+through bfloat16 first for the second kind), at the fixed shape of model/llama.py. quasar.kernels.plan picks
 the kernel at load (KernelBF16Linear).
 """
 
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quasar.models.kernel_layers import KernelModule, pack_channels
-from quasar.models.llama import Linear, at_fixed_shape
+from quasar.kernels.layers import KernelModule, pack_channels
+from quasar.model.llama import Linear, at_fixed_shape
 from quasar.quant.schemes import swap_module_
 
 NO_TENSOR = torch.empty(0)
@@ -59,7 +59,7 @@ class BF16Linear(Linear):
 class KernelBF16Linear(KernelModule, BF16Linear):
     """The kernel reads the weight packed in panels of 16 channels, made at load: [N/16, K/2, 16, 2] with bf16
     inputs, [N/16, K, 16] with float32 ones (plain [N, K] where N is not a multiple of 16); a loaded verifier
-    then drops the plain weight unless a tied embedding reads it (models/kernel_layers.drop_plain_weights_)."""
+    then drops the plain weight unless a tied embedding reads it (kernels/layers.drop_plain_weights_)."""
 
     packed: torch.Tensor | None
 

@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from quasar.files import ModelLoadError, atomic_directory, sha256_file, sha256_memo
-from quasar.loading import LoadedModel, load_tokenizer, read_config, read_safetensors
-from quasar.models.config import ModelConfig
-from quasar.models.llama import Transformer, rope_inv_freq
+from quasar.model.loading import LoadedModel, load_tokenizer, read_config, read_safetensors
+from quasar.model.config import ModelConfig
+from quasar.model.llama import Transformer, rope_inv_freq
 from quasar.quant.bf16 import use_bf16_linears_
 from quasar.quant.schemes import prepare_empty_, scheme_config
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quasar.models.llama import Layers
+from quasar.model.llama import Layers
 from quasar.quant.calibration import fixture_texts, read_texts, token_windows
 
 HELD_OUT_FIXTURE = "fixtures/gsm8k/cases.jsonl"

@@ -18,7 +18,7 @@ Int32 products of the torch path (table `INT_MM`): `int_mm` (torch._int_mm; weig
 as `.t()`; rows padded above 16 on CUDA), `blocked_float` (float32 GEMMs over K blocks of <= 1024, where every
 partial sum is an integer below 2^24 and therefore exact), `avx2` (quasar's kernel as a plain product) and
 `reference` (int64, for tests); `auto` is `int_mm` on CUDA, else `blocked_float`. All give the same integers.
-On a CPU where quasar's kernels run, quasar.backends moves `auto`/`avx2` layers onto KernelInt8Linear at load:
+On a CPU where quasar's kernels run, quasar.kernels.plan moves `auto`/`avx2` layers onto KernelInt8Linear at load:
 activation quantization, exact int32 dot products (AVX-512 VNNI's vpdpbusd where the CPU has it, else AVX2),
 rescale and bias in one call per linear.
 """
@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quasar import native
-from quasar.models.kernel_layers import KernelModule
-from quasar.models.llama import at_fixed_shape
+from quasar.kernels import native
+from quasar.kernels.layers import KernelModule
+from quasar.model.llama import at_fixed_shape
 
 QMAX = 127
 NO_BIAS = torch.empty(0)
@@ -140,7 +140,7 @@ INT_MM: dict[str, IntMM] = {
     "avx2": avx2_mm,
     "reference": reference_mm,
 }
-KERNEL_BACKENDS = ("auto", "avx2")  # Int8Linear backends that quasar.backends may move onto the fused kernel
+KERNEL_BACKENDS = ("auto", "avx2")  # Int8Linear backends that quasar.kernels.plan may move onto the fused kernel
 
 
 # ---- layers ----------------------------------------------------------------------------------------
@@ -183,7 +183,7 @@ class Int8Linear(nn.Module):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def kernel_form(self) -> type | None:
-        """The class this layer takes on quasar's CPU kernel (quasar.backends), None where it cannot run there."""
+        """The class this layer takes on quasar's CPU kernel (quasar.kernels.plan), None where it cannot run there."""
         if self.backend not in KERNEL_BACKENDS or self.weight.device.type != "cpu" or self.in_features % 16:
             return None
         return KernelInt8Linear
@@ -224,7 +224,7 @@ class KernelInt8Linear(KernelModule, Int8Linear):
 
     def drop_plain_(self) -> bool:
         """Keep only the packed copy (the weight and scale buffers become it): for a model nobody reads in the
-        plain layout afterwards (models/kernel_layers.drop_plain_weights_); whether there was a second copy."""
+        plain layout afterwards (kernels/layers.drop_plain_weights_); whether there was a second copy."""
         if self.kernel_weight[0] is self.weight:
             return False
         self.weight, self.weight_scale = self.kernel_weight
@@ -256,7 +256,7 @@ class KernelInt8Linear(KernelModule, Int8Linear):
 
 class Int8WeightOnlyLinear(nn.Module):
     """W8A16 linear: int8 per-channel weights, float activations (dequantized for F.linear on the torch
-    path, at the fixed shape of models/llama.py; KernelInt8WeightOnlyLinear on quasar's kernel)."""
+    path, at the fixed shape of model/llama.py; KernelInt8WeightOnlyLinear on quasar's kernel)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from quasar.loading import LoadedModel
+from quasar.model.loading import LoadedModel
 from quasar.quant.bf16 import use_bf16_linears_
 from quasar.quant.calibration import Calibration, CalibrationSpec, calibrate, calibration_texts, token_windows
 from quasar.quant.schemes import check_targets, config_dict, quantize_, scheme_config, target_linears

@@ -1,0 +1,228 @@
+"""Continuous batching: the requests in flight share each forward of the target model.
+
+Every step, each active request contributes the forward its decoder waits for (a verify step's
+[last, *draft] rows, a decode row, or the next chunk of its prompt); one forward runs all those rows, each
+request attending over its own KV cache; then each request's decoder judges its rows, trims its cache and
+emits its tokens. Requests join between steps while the batch has room (`max_batch` requests, KV
+positions within the cache pool's budget) and leave as soon as they finish or are cancelled.
+
+Same answers as alone: on quasar's kernels every row is computed from its own input only, so a request's
+logits are bitwise those it gets alone, whatever else is in the batch, and prompts can be prefilled in
+chunks.
+
+Rows: a forward holds at most `max_rows`. Each request's first row always runs. Draft rows are added in order
+of their chance of acceptance (from each decoder's recent acceptance at each draft position) while they
+pay for themselves: past ~8 rows a CPU forward costs about linearly more per row, so a row is added only if
+its expected tokens raise the forward's tokens per second under a cost model fitted on the recent forwards
+(CostModel). Alone, nearly every draft pays; in a full batch only the likely ones do. A cut draft is still a
+valid draft (output unchanged at temperature 0, its distribution unchanged otherwise), but it changes which
+random numbers a sampled request draws, so a seeded sampled request keeps its whole draft. Prompt chunks
+come before drafts (they are certain work), at least MIN_CHUNK tokens a step. On the torch path (CUDA, fp32) rows are not independent of their
+neighbours, so each request gets a forward of its own, prompts whole: the same answers, without the gain.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import torch
+
+from quasar.decoding.engine import Engine, Request
+from quasar.model.llama import Step
+
+log = logging.getLogger("quasar")
+
+MIN_CHUNK = 32  # prompt tokens a waiting prefill gets per step even when the decoding rows fill the budget
+
+
+def worth(step: Step) -> tuple[float, ...]:
+    """The chance that each row after a step's first is of use, non-increasing (a prefix is what gets cut)."""
+    chances = list(step.chances[: len(step.tokens) - 1]) + [1.0] * (len(step.tokens) - 1 - len(step.chances))
+    for i in range(1, len(chances)):
+        chances[i] = min(chances[i], chances[i - 1])
+    return tuple(chances)
+
+
+class CostModel:
+    """What a forward costs as a function of its rows, fitted on the recent ones: seconds ~ a + b * rows by
+    least squares with exponentially decaying weights, so it follows the batch and the machine as they change.
+    (Default model, W8A8, kernels:dpbusd: a ~ 5 ms, the weights' read; b ~ 0.5-1 ms, a row's compute.)"""
+
+    DECAY, MIN_WEIGHT, MIN_SPREAD, PRIOR = 0.97, 4.0, 0.5, 0.125
+
+    def __init__(self) -> None:
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+        self.last: tuple[float, float] | None = None
+
+    def add(self, rows: int, seconds: float) -> None:
+        d = self.DECAY
+        self.w, self.x, self.y = d * self.w + 1, d * self.x + rows, d * self.y + seconds
+        self.xx, self.xy = d * self.xx + rows * rows, d * self.xy + rows * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) from the recent forwards; while they hardly vary in rows, the last fit that could tell them
+        apart (None before there is one)."""
+        if self.w >= self.MIN_WEIGHT:
+            mx, my = self.x / self.w, self.y / self.w
+            spread = self.xx / self.w - mx * mx
+            if spread >= self.MIN_SPREAD:
+                b = max(0.0, (self.xy / self.w - mx * my) / spread)
+                self.last = (max(0.0, my - b * mx), b)
+        return self.last
+
+    def pays(self, value: float, tokens: float, rows: int) -> bool:
+        """Whether one more row worth `value` expected tokens raises the tokens per second of a forward that
+        now holds `rows` rows worth `tokens`: value / b > tokens / (a + b * rows). Before the first fit, a row
+        is taken to cost PRIOR of the weights' read (about what it does on the default model)."""
+        a, b = self.fit() or (1.0, self.PRIOR)
+        return value * (a + b * rows) > b * tokens
+
+
+class Batch:
+    """Requests served together by one engine: `add` them, call `step` until `idle`."""
+
+    def __init__(self, engine: Engine, max_batch: int = 16, max_rows: int = 64, kv_budget: int | None = None) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        if kv_budget is not None and kv_budget < 1:
+            raise ValueError(f"the KV budget must be a positive number of tokens, got {kv_budget}")
+        self.engine, self.max_batch, self.max_rows = engine, max_batch, max_rows
+        self.cost = CostModel()
+        self.pool_settings = engine.caches.configure(kv_budget, max_batch)  # the engine's own, for close()
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []
+        self.failures: dict[int, BaseException] = {}  # id(request) -> what made it fail
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.active
+
+    def add(self, request: Request) -> None:
+        """Queue a request (from Engine.request); it starts at a step with room for it."""
+        budget = self.engine.caches.budget
+        if budget is not None and request.cache_len > budget:
+            raise ValueError(f"the request needs {request.cache_len} KV positions; the KV budget is {budget}")
+        self.waiting.append(request)
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request (its client went away): it leaves the batch now and its cache is freed."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        request.finish()
+        self.retire([request])
+
+    def step(self) -> list[Request]:
+        """Admit what fits, run one forward over every active request's rows, advance each request; returns
+        the requests that finished in this step (done, failed or cancelled; see `failures`)."""
+        self.admit()
+        steps = self.plan()
+        if steps:
+            requests = list(steps)
+            for request, logits in zip(requests, self.forward(requests, list(steps.values()))):
+                if logits is None:
+                    continue
+                whole = request.step
+                if whole is not None and len(steps[request].tokens) < len(whole.tokens) and whole.last_only:
+                    request.step = whole._replace(tokens=whole.tokens[len(steps[request].tokens):])  # prompt left
+                    continue
+                self.guarded(request, request.advance, logits)
+        done = [r for r in self.active if r.finished]
+        self.retire(done)
+        return done
+
+    def admit(self) -> None:
+        caches = self.engine.caches
+        while self.waiting and len(self.active) < self.max_batch and caches.fits(self.waiting[0].cache_len):
+            request = self.waiting.popleft()
+            self.active.append(request)
+            self.guarded(request, request.begin, caches.take(request.cache_len, request.output.prompt_token_ids))
+
+    def plan(self) -> dict[Request, Step]:
+        """The rows each request runs in this step: every decode step's first row and the uncut steps whole, then
+        prompt chunks, then draft rows in order of their chance of acceptance while they pay for themselves."""
+        decoding = [r for r in self.active if r.step is not None and not r.step.last_only]
+        prefilling = [r for r in self.active if r.step is not None and r.step.last_only]
+        if not self.engine.target.model.batches_rows:  # one forward per request anyway: nothing to share or cut
+            return {r: r.step for r in decoding + prefilling}  # type: ignore[misc]
+        rows = {r: (1 if r.step.cut else len(r.step.tokens)) for r in decoding}  # type: ignore[union-attr]
+        drafts = sorted(((chance, depth, i, r) for i, r in enumerate(decoding) if r.step.cut  # type: ignore[union-attr]
+                         for depth, chance in enumerate(worth(r.step), 1)), key=lambda d: (-d[0], d[1], d[2]))
+        plan: dict[Request, Step] = {}
+        used = sum(rows.values())
+        for i, request in enumerate(prefilling):  # prompt rows are certain work: before uncertain drafts
+            chunk = max(self.max_rows - used, MIN_CHUNK) if i == 0 else self.max_rows - used
+            if chunk <= 0:
+                break
+            plan[request] = request.step._replace(tokens=request.step.tokens[:chunk])  # type: ignore[union-attr]
+            used += len(plan[request].tokens)
+        tokens = float(len(decoding) + len(plan))
+        for value, _, _, request in drafts:
+            if used >= self.max_rows or not self.cost.pays(value, tokens, used):
+                break
+            rows[request] += 1
+            used, tokens = used + 1, tokens + value
+        plan.update({r: r.step._replace(tokens=r.step.tokens[: rows[r]]) for r in decoding})  # type: ignore[union-attr]
+        return plan
+
+    def forward(self, requests: list[Request], steps: list[Step]) -> list[torch.Tensor | None]:
+        """Logits for each step: one forward over all; if that fails, each alone (from the same cache
+        lengths), so that only the request at fault fails."""
+        model = self.engine.target.model
+        lengths = [step.cache.length for step in steps]
+        with torch.inference_mode():
+            try:
+                start = time.perf_counter()
+                logits = list(model.forward_steps(steps))
+                self.cost.add(sum(len(step.tokens) for step in steps), time.perf_counter() - start)
+                return logits
+            except Exception as e:  # noqa: BLE001 (whatever failed, retried one by one below)
+                if len(steps) == 1:
+                    self.fail(requests[0], e)
+                    return [None]
+                log.warning("a batched forward failed (%s); running its %d requests one by one", e, len(steps))
+            out: list[torch.Tensor | None] = []
+            for request, step, length in zip(requests, steps, lengths):
+                step.cache.trim(step.cache.length - length)
+                try:
+                    out.append(model.forward_steps([step])[0])
+                except Exception as e:  # noqa: BLE001 (fails this request alone)
+                    self.fail(request, e)
+                    out.append(None)
+            return out
+
+    def guarded(self, request: Request, action, *args) -> None:
+        """request.begin or .advance; what it raises fails that request alone."""
+        try:
+            action(*args)
+        except Exception as e:  # noqa: BLE001 (fails this request alone)
+            self.fail(request, e)
+
+    def fail(self, request: Request, error: BaseException) -> None:
+        log.error("a request failed: %s: %s", type(error).__name__, error)
+        self.failures[id(request)] = error
+        request.finish()
+
+    def retire(self, done: list[Request]) -> None:
+        for request in done:
+            if request in self.active:
+                self.active.remove(request)
+                if request.cache is not None:
+                    self.engine.caches.give(request.cache)
+
+    def close(self) -> None:
+        """Give the engine's cache pool back its settings from before this batch (its spare caches beyond go)."""
+        self.engine.caches.configure(*self.pool_settings)
+
+    def run_all(self, requests: list[Request]) -> None:
+        """Serve these requests to the end (the Python API's batched generate); re-raises the first failure."""
+        for request in requests:
+            self.add(request)
+        while not self.idle:
+            self.step()
+        for request in requests:
+            if id(request) in self.failures:
+                raise self.failures.pop(id(request))

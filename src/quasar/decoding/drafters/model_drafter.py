@@ -1,0 +1,86 @@
+"""'model:PATH': a smaller model with the same tokenizer drafts k tokens autoregressively, with its own
+KV cache and its real probabilities (so rejection sampling stays exact when sampling).
+
+Its cache follows the committed stream lazily (kv_cache.StreamCache): before each proposal the cache is trimmed
+to the longest prefix it shares with the committed tokens, and only the tokens after that prefix are fed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from quasar.decoding.drafters.base import Draft, DrafterOptions
+from quasar.model.kv_cache import KVCache, StreamCache
+from quasar.model.loading import LoadedModel
+from quasar.model.llama import Transformer
+from quasar.decoding.sampling import SamplingParams, logits_to_probs, sample
+from quasar.decoding.rejection import DenseDraft
+from quasar.verifiers.registry import load_verifier
+
+
+class ModelDrafter:
+    def __init__(self, model: Transformer, vocab_size: int, initial_len: int = 1024) -> None:
+        self.model = model
+        self.vocab_size = vocab_size  # the verifier's V: draft probs are padded / cut to it
+        self.stream = StreamCache(model, initial_len)
+        self.tokens: list[int] = []  # the committed stream
+
+    @property
+    def cache(self) -> KVCache | None:
+        return self.stream.cache
+
+    def spawn(self) -> ModelDrafter:
+        return ModelDrafter(self.model, self.vocab_size, self.stream.initial_len)
+
+    def reset(self) -> None:
+        self.tokens = []
+
+    def commit(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def rewind(self, n: int) -> None:
+        del self.tokens[len(self.tokens) - n :]  # the cache follows at the next proposal
+
+    @torch.inference_mode()
+    def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+        if k <= 0:
+            return Draft([])
+        cache = self.stream.ready(len(self.tokens) + k)
+        feed = self.stream.follow(self.tokens)
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        for _ in range(k):
+            logits = self.model(torch.tensor([feed], device=self.model.device), cache, last_only=True)[0, -1]  # [V_d]
+            self.stream.fed(feed)
+            probs = logits_to_probs(self.fit_vocab(logits), params)  # [V]
+            token = int(probs.argmax()) if params.greedy else int(sample(probs, generator))
+            tokens.append(token)
+            rows.append(probs)
+            feed = [token]
+        return Draft(tokens, DenseDraft(torch.stack(rows)))  # probs [k, V]
+
+    def fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V_d] -> [V]: cut padding rows, or pad with -inf when the drafter's vocab is smaller."""
+        extra = self.vocab_size - logits.shape[-1]
+        return logits[: self.vocab_size] if extra <= 0 else F.pad(logits, (0, extra), value=float("-inf"))
+
+
+def check_same_tokenizer(draft: LoadedModel, target: LoadedModel) -> None:
+    """Refuse a drafter whose token ids mean different strings than the verifier's."""
+    draft_vocab, target_vocab = draft.tokenizer.get_vocab(), target.tokenizer.get_vocab()
+    if draft_vocab != target_vocab:
+        differing = len(set(draft_vocab.items()) ^ set(target_vocab.items()))
+        raise ValueError(
+            f"the drafter {draft.source} does not share the verifier's tokenizer "
+            f"({len(draft_vocab)} vs {len(target_vocab)} tokens, {differing} entries differ); "
+            "a model drafter needs the same tokenizer as the verifier"
+        )
+
+
+def build(arg: str | None, target: LoadedModel, options: DrafterOptions) -> ModelDrafter:
+    if not arg:
+        raise ValueError("the model drafter needs a path: 'model:PATH' (a Hugging Face directory or .gguf)")
+    draft = load_verifier(arg, "bf16", options.cache_dir)  # bf16 weights (on CPU: quasar's fused kernels)
+    check_same_tokenizer(draft, target)
+    return ModelDrafter(draft.model, target.model.config.vocab_size)

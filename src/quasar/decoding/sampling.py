@@ -1,0 +1,251 @@
+"""SamplingParams and the logits -> probabilities -> token path shared by target and drafter.
+
+One rule decides which tokens survive the filters (`filtered_weights`): temperature, then top-k, top-p over
+what top-k kept, then min-p (Hugging Face's and llama.cpp's order). Each filter keeps the tokens whose logit
+reaches a per-row threshold, so the surviving distribution is w = exp((logit - max) / T) on the kept tokens
+and 0 elsewhere, normalised. The verify step reads it through `TargetRows`, one row at a time as rejection
+sampling reaches it, in buffers the request reuses; no step sorts the vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from quasar.kernels import plan
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes (a negative seed wraps around)
+
+
+def check_seed(seed: object) -> None:
+    """ValueError unless `seed` is an integer torch can seed a generator with."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX:
+        raise ValueError(f"seed must be an integer from {SEED_MIN} to {SEED_MAX}, got {seed!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens. temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 disable those filters."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.seed is not None:
+            check_seed(self.seed)
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self) -> torch.Generator:
+        gen = torch.Generator()
+        if self.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(self.seed)
+        return gen
+
+
+NUCLEUS_START = 64  # candidates the top-p cut looks at first; it looks 4x further while the cut lies beyond
+
+
+def filtered_weights(logits: torch.Tensor, params: SamplingParams, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [R, V] float32 -> unnormalised weights [R, V] (into `out` when given) of the sampling distribution
+    at temperature > 0: exp((logit - max) / T) where every filter keeps the token, 0 elsewhere."""
+    top = logits.amax(-1, keepdim=True)  # [R, 1]
+    weights = torch.sub(logits, top, out=out).mul_(1.0 / params.temperature).exp_()  # [R, V]
+    keep_from = lowest_kept(logits, params, lambda: weights.sum(-1, keepdim=True))
+    if keep_from is not None:
+        weights.masked_fill_(logits < keep_from, 0.0)
+    return weights
+
+
+def weights_and_sums(logits: torch.Tensor, params: SamplingParams, out: torch.Tensor) -> list[float]:
+    """filtered_weights(logits, params, out) [R, V], returning each row's sum: on quasar's kernel for float32 CPU
+    rows (one pass for exp((logit - max) / T) and the sums, one for the filters' cut, instead of about ten
+    tensor operations, each slow right after a forward has streamed the weights through the caches)."""
+    kernel = plan.cpu_kernel(logits)
+    if kernel is None:
+        return filtered_weights(logits, params, out).sum(-1).tolist()
+    sums = kernel.sampling_weights(logits, out, 1.0 / params.temperature)
+    keep_from = None
+    if params.top_k > 0 or params.top_p < 1:  # a selection in the row's head (or one octave), no torch.topk
+        keep_from = kernel.filter_cuts(logits, out, params.top_k, params.top_p)
+    keep_from = with_min_p(keep_from, logits, params)
+    return sums if keep_from is None else kernel.keep_weights(logits, out, keep_from)
+
+
+def lowest_kept(logits: torch.Tensor, params: SamplingParams, mass_of_all: Callable[[], torch.Tensor]
+                ) -> torch.Tensor | None:
+    """The lowest logit the filters keep [R, 1] (top-k, then top-p over what top-k kept, then min-p), None when no
+    filter is on; mass_of_all() gives the rows' summed weights [R, 1] (top-p without top-k needs them)."""
+    keep_from = None  # [R, 1] the lowest kept logit
+    if params.top_k > 0:
+        kept = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values  # [R, top_k] descending
+        keep_from = kept[:, -1:]
+    if params.top_p < 1:
+        top = logits.amax(-1, keepdim=True)  # [R, 1]
+        inv_t = 1.0 / params.temperature
+        if params.top_k > 0:
+            mass = (kept - top).mul_(inv_t).exp_().sum(-1, keepdim=True)  # [R, 1] what top-k kept
+        else:
+            mass = mass_of_all()
+        keep_from = nucleus_start(logits, top, inv_t, mass, params)
+    return with_min_p(keep_from, logits, params)
+
+
+def with_min_p(keep_from: torch.Tensor | None, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
+    """The lowest kept logit [R, 1] once min-p (a weight of at least min_p times the top token's) joins the other
+    filters' `keep_from` (None: no other filter)."""
+    if params.min_p <= 0:
+        return keep_from
+    inv_t = 1.0 / params.temperature  # as the weights exp((logit - top) * inv_t) have it
+    relative = logits.amax(-1, keepdim=True) + math.log(params.min_p) / inv_t  # [R, 1]
+    return relative if keep_from is None else torch.maximum(keep_from, relative)
+
+
+def nucleus_start(logits: torch.Tensor, top: torch.Tensor, inv_t: float, mass: torch.Tensor,
+                  params: SamplingParams) -> torch.Tensor:
+    """The lowest logit top-p keeps [R, 1]: in descending order a token is kept while the mass of the tokens
+    before it is below top_p of `mass` (the top-k set's). A partial selection of the leading candidates,
+    widened until the cut falls inside it, replaces a sort of the vocabulary."""
+    V = logits.shape[-1]
+    n = min(params.top_k or NUCLEUS_START, V)
+    while True:
+        leading = torch.topk(logits, n, dim=-1).values  # [R, n] descending
+        weights = (leading - top).mul_(inv_t).exp_()  # [R, n] the same arithmetic as filtered_weights
+        before = weights.cumsum(-1) - weights  # mass of the tokens ahead of each
+        kept = (before < params.top_p * mass).sum(-1, keepdim=True)  # [R, 1], >= 1
+        if n == V or params.top_k > 0 or bool((kept < n).all()):
+            return leading.gather(-1, kept - 1)
+        n = min(V, 4 * n)
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] -> probabilities [..., V] float32 after the filters (greedy: one-hot at the argmax)."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    weights = filtered_weights(logits.reshape(-1, logits.shape[-1]), params).view(logits.shape)
+    return weights / weights.sum(-1, keepdim=True)
+
+
+def draw(weights: torch.Tensor, generator: torch.Generator, scratch: torch.Tensor | None = None) -> int | None:
+    """One token from unnormalised weights [V] by inverting their running sum at one uniform number (summed in
+    float64, as torch.multinomial does); None when every weight is 0. On quasar's kernel for float32 CPU weights
+    (one call instead of four tensor operations), where the uniform number is drawn first, also for weights
+    that turn out to be all 0."""
+    kernel = plan.cpu_kernel(weights)
+    if kernel is not None and weights.is_contiguous():
+        token = kernel.draw_index(weights, float(torch.rand(1, generator=generator, dtype=torch.float64)))
+        return None if token < 0 else token
+    running = torch.cumsum(weights, 0, dtype=torch.float64, out=scratch)  # [V]
+    total = running[-1]
+    if not total > 0:
+        return None
+    at = torch.rand(1, generator=generator, dtype=torch.float64) * total
+    token = int(torch.searchsorted(running, at, right=True))
+    return token if token < weights.shape[0] else int(weights.nonzero()[-1])  # u * total rounded up to total
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """probs [..., V] -> token ids [...]; exact argmax when a row is one-hot."""
+    flat = probs.reshape(-1, probs.shape[-1]).float().cpu()
+    tokens = [draw(row, generator) for row in flat]
+    return torch.tensor(tokens, dtype=torch.int64).reshape(probs.shape[:-1])
+
+
+class TargetRows:
+    """The verifier's sampling distributions for the rows [R, V] of one forward, each computed when rejection
+    sampling first needs it (a step that rejects its first draft token computes one row, not k + 1)."""
+
+    def __init__(self, logits: torch.Tensor, params: SamplingParams, weights: torch.Tensor,
+                 residual: torch.Tensor, scratch: torch.Tensor) -> None:
+        self.logits = logits  # [R, V] float32
+        self.params = params
+        self.weights = weights  # [R, V] buffer
+        self.residual = residual  # [V] buffer
+        self.scratch = scratch  # [V] float64 buffer
+        self.totals: list[float | None] = [None] * logits.shape[0]
+
+    def row(self, i: int) -> tuple[torch.Tensor, float]:
+        """(weights [V], their sum) of row i."""
+        total = self.totals[i]
+        if total is None:
+            total = self.totals[i] = weights_and_sums(self.logits[i : i + 1], self.params, self.weights[i : i + 1])[0]
+        return self.weights[i], total
+
+    def prob(self, i: int, token: int) -> float:
+        weights, total = self.row(i)
+        return float(weights[token]) / total
+
+    def probs(self, i: int) -> torch.Tensor:
+        """Row i's probabilities [V] (a new tensor)."""
+        weights, total = self.row(i)
+        return weights / total
+
+    def sample(self, i: int, generator: torch.Generator) -> int:
+        token = draw(self.row(i)[0], generator, self.scratch)
+        assert token is not None  # the top token always survives the filters
+        return token
+
+    def sample_residual(self, i: int, remove: Callable[[torch.Tensor, float], None], generator: torch.Generator) -> int:
+        """A token from normalise(max(0, target_i - draft_i)): `remove(weights, total)` subtracts the draft's
+        distribution, scaled to total, from a copy of row i's weights in place (the row stays as it was). A
+        residual of 0 (target == draft, where rejection has probability 0 but for rounding) falls back to the
+        target row."""
+        weights, total = self.row(i)
+        residual = self.residual.copy_(weights)
+        remove(residual, total)
+        token = draw(residual, generator, self.scratch)
+        return self.sample(i, generator) if token is None else token
+
+
+class Sampler:
+    """Per-request sampling state: the generator and the buffers every step reuses (no per-step allocation of
+    vocabulary-sized tensors)."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.generator = params.generator()
+        self.weights = torch.empty(0)
+        self.residual = torch.empty(0)
+        self.scratch = torch.empty(0, dtype=torch.float64)
+
+    def rows(self, logits: torch.Tensor) -> TargetRows:
+        """logits [R, V] (any device) -> TargetRows on CPU."""
+        logits = logits.float().cpu()
+        R, V = logits.shape
+        if self.weights.shape[0] < R or self.weights.shape[1] != V:
+            self.weights = torch.empty(max(R, 8), V)
+            self.residual = torch.empty(V)
+            self.scratch = torch.empty(V, dtype=torch.float64)
+        return TargetRows(logits, self.params, self.weights[:R], self.residual, self.scratch)
+
+    def next_token(self, logits: torch.Tensor) -> int:
+        """logits [V] -> one token id (the argmax when greedy)."""
+        if self.params.greedy:
+            return int(plan.argmax_rows(logits[None])[0])
+        return self.rows(logits[None]).sample(0, self.generator)

@@ -1,0 +1,156 @@
+"""Speculative decoding: propose -> one verifier forward over [last, *draft] -> rejection sample -> trim.
+
+The output follows the verifier's distribution exactly, whatever the drafter (see quasar.decoding.rejection);
+with greedy sampling it is the verifier's greedy output token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from quasar.kernels.plan import argmax_rows
+from quasar.decoding.drafters.base import Draft, Drafter
+from quasar.decoding.autoregressive import Steps, StopRule
+from quasar.decoding.confidence_guard import Guard
+from quasar.model.kv_cache import KVCache
+from quasar.model.llama import FIXED_ROWS, Step, Transformer
+from quasar.decoding.sampling import Sampler, SamplingParams, TargetRows
+from quasar.decoding.stats import GenerationStats
+from quasar.decoding.rejection import Verdict, greedy_verdict, rejection_sample
+
+AUTO = "auto"
+
+
+class DraftLength:
+    """How many tokens to draft. Fixed k, or adaptive ('auto'): start at 4 and after each non-empty
+    draft set k = clamp(round(ema) + 1, 1, 7), where ema is an exponential moving average (weight 0.5)
+    of the accepted draft tokens per step. Drafting one more than recently accepted keeps a cheap
+    chance to accept longer runs while short acceptance keeps wasted verify rows few."""
+
+    K_MIN, K_MAX, K_START, WEIGHT = 1, FIXED_ROWS - 1, 4, 0.5  # k + 1 rows per verify step
+    DECAY, PRIOR_HITS, PRIOR_TRIES = 0.9, 1.0, 4.0  # the acceptance counts behind `chances`
+
+    def __init__(self, k: int | str) -> None:
+        self.adaptive = k == AUTO
+        self.k = self.K_START if self.adaptive else int(k)
+        self.ema = float(self.k - 1)
+        # per draft position: tokens accepted / judged there (a position is judged once the ones before it
+        # were accepted), recent steps weighing more, from a cautious prior (1 in 4): a batch spends rows on the
+        # drafts most likely to be accepted, and a few lucky steps must not make a draft look certain
+        self.hits, self.tries = [self.PRIOR_HITS] * self.K_MAX, [self.PRIOR_TRIES] * self.K_MAX
+
+    def chances(self, n: int) -> tuple[float, ...]:
+        """The chance that each of n draft tokens is accepted: the product of the acceptance rates of the
+        positions up to it (n-gram drafts tend to be all right or wrong early, so later positions that are
+        reached are accepted more often than the first)."""
+        out, chance = [], 1.0
+        for hits, tries in zip(self.hits[:n], self.tries[:n]):
+            chance *= hits / tries
+            out.append(chance)
+        return tuple(out)
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed == 0:
+            return
+        for position in range(min(accepted + 1, proposed)):  # the judged positions
+            self.hits[position] = self.DECAY * self.hits[position] + (position < accepted)
+            self.tries[position] = self.DECAY * self.tries[position] + 1
+        if not self.adaptive:
+            return
+        self.ema = self.WEIGHT * accepted + (1 - self.WEIGHT) * self.ema
+        self.k = min(self.K_MAX, max(self.K_MIN, int(self.ema + 0.5) + 1))
+
+
+def judge(draft: Draft, logits: torch.Tensor, params: SamplingParams, sampler: Sampler,
+          generator: torch.Generator) -> tuple[Verdict, TargetRows | None]:
+    """The verdict on a draft from the verifier's rows over [last, *draft] ([k + 1, V]): the argmax rule when
+    greedy, else rejection sampling on rows computed as it reaches them (returned, for a cascade to pass on)."""
+    if params.greedy:
+        return greedy_verdict(draft.tokens, argmax_rows(logits).tolist()), None
+    target = sampler.rows(logits)
+    return rejection_sample(draft.tokens, draft.probs, target, generator), target
+
+
+def parse_k(text: str | int) -> int | str:
+    """'auto' or an integer 1 <= k < FIXED_ROWS: a verify step scores k + 1 tokens, and the paths that keep
+    speculative output equal to plain decoding bit for bit take at most FIXED_ROWS rows per step."""
+    if text == AUTO:
+        return AUTO
+    if not str(text).isdigit() or int(text) < 1:
+        raise ValueError(f"--k must be a positive integer or 'auto', got {text!r}")
+    if int(text) > DraftLength.K_MAX:
+        raise ValueError(f"--k {text} is too long: a verify step scores k + 1 tokens and the exact verify path "
+                         f"takes at most {FIXED_ROWS}; use --k {DraftLength.K_MAX} or less, or 'auto'")
+    return int(text)
+
+
+@dataclass
+class Speculative:
+    """A Decoder (see quasar.decoding.engine) that drafts with `drafter` and verifies with the engine's model."""
+
+    drafter: Drafter
+    k: int | str = AUTO
+    guard: Guard | None = None  # re-scores positions the verifier is unsure of with the float model (approximate)
+
+    def __post_init__(self) -> None:
+        self.k = parse_k(self.k)
+        self.idle: list[Drafter] = [self.drafter]  # drafters not serving a request now
+
+    def __call__(
+        self,
+        model: Transformer,
+        cache: KVCache,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stop: StopRule,
+        stats: GenerationStats,
+    ) -> Steps:
+        drafter = self.idle.pop() if self.idle else self.drafter.spawn()  # one drafter per request in flight
+        try:
+            yield from self.decode(drafter, cache, prompt_ids, params, stop, stats)
+        finally:
+            self.idle.append(drafter)
+
+    def decode(self, drafter: Drafter, cache: KVCache, prompt_ids: list[int], params: SamplingParams, stop: StopRule,
+               stats: GenerationStats) -> Steps:
+        sampler, length = Sampler(params), DraftLength(self.k)
+        # A batch may score fewer draft tokens than proposed when it is full, unless that could change the
+        # output: a seeded sampled request gives the same tokens as alone only with the same drafts.
+        may_cut = params.greedy or params.seed is None
+        start = time.perf_counter()
+        drafter.reset()
+        stats.middle = getattr(drafter, "stats", None)  # a cascade's middle level counts its own steps
+        drafter.commit(prompt_ids)
+        logits = yield Step(prompt_ids[cache.length :], cache, last_only=True)  # a kept start is not run again
+        pending = [sampler.next_token(logits[-1])]
+        stats.prefill_s = time.perf_counter() - start
+        tokens, reason = stop.cut(pending)
+        while True:
+            yield tokens
+            if reason:
+                stats.finish_reason = reason
+                return
+            drafter.commit(pending)
+            k = min(length.k, cache.max_len - cache.length - 1, stop.budget - stop.emitted - 1)
+            start = time.perf_counter()
+            draft = drafter.propose(k, params, sampler.generator)
+            verifying = time.perf_counter()
+            chances = length.chances(len(draft))
+            before = cache.length
+            target_logits = yield Step([pending[-1], *draft.tokens], cache, cut=may_cut, chances=chances)
+            # target_logits: [scored, V]; a full batch may have scored only a prefix of the draft
+            if len(target_logits) <= len(draft):
+                draft = Draft(draft.tokens[: len(target_logits) - 1], draft.probs)
+            verdict, _ = judge(draft, target_logits, params, sampler, sampler.generator)
+            if self.guard is not None:
+                verdict = self.guard.review(cache, [pending[-1], *draft.tokens], target_logits, verdict, sampler, stats)
+            cache.trim(cache.length - (before + verdict.accepted + 1))  # keep [last, *accepted]
+            stats.draft_s += verifying - start
+            stats.verify_s += time.perf_counter() - verifying
+            pending = draft.tokens[: verdict.accepted] + [verdict.token]
+            tokens, reason = stop.cut(pending)
+            stats.record_step(proposed=len(draft), accepted=min(verdict.accepted, len(tokens)), emitted=len(tokens))
+            length.update(len(draft), verdict.accepted)

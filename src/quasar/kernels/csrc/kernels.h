@@ -1,0 +1,169 @@
+// quasar's CPU kernels, as the other kernel files and bindings.cpp see them.
+#pragma once
+#include <torch/extension.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+// A new, unwritten tensor like torch::empty's, for a kernel to fill whole (results.cpp): blocks of 1 MB and more are
+// handed back to the next result of the same size instead of to malloc (a forward repeats its sizes every layer).
+torch::Tensor kernel_result(at::IntArrayRef sizes, const torch::TensorOptions& options);
+
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale, torch::Tensor bias);
+std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::Tensor> w,
+                                            std::vector<torch::Tensor> w_scale, std::vector<torch::Tensor> bias);
+torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w, const std::string& path);
+// Chooses the int8 path of every later W8A8 linear ("auto" or one of int8_paths()); returns its name.
+std::string use_int8_path(const std::string& name);
+std::string int8_path();  // the path W8A8 linears run on now
+// Chooses how the int8 weight loops prefetch ("auto": per CPU vendor and rows, see prefetch_policy in int8_dot.h;
+// "l1" or "l2" for every loop); returns prefetch(), which names the setting now (and is accepted back).
+std::string use_prefetch(const std::string& name);
+std::string prefetch();
+torch::Tensor int8_group_mm(torch::Tensor q, torch::Tensor x_scale, torch::Tensor w, torch::Tensor w_scale,
+                            const std::string& path);
+// Float-activation linears (float_dot.cpp): float32 x times float32, bfloat16 or int8 w (float_act_linear);
+// x rounded to bfloat16 times bfloat16 w packed in panels of 16 channels, as vdpbf16ps sums (bf16_linear).
+// Same floats on every path, but for bf16_linear on "amx" (AMX-BF16 tiles: tdpbf16ps's sums).
+torch::Tensor float_act_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor bias);
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
+// bf16_linear in two steps, for an input several linears share or one rounded in pieces (decoder_layer.cpp): x rounded
+// as the current float path's bf16 products take it (bf16_input_dtype(K): bfloat16 bits, or float32 numbers where the
+// path runs them on FMAs), then multiplied (bf16_linear_rounded); round_bf16_into rounds count floats into such an
+// input at element offset. bf16_linear(x, w, b) == bf16_linear_rounded(bf16_input(x), w, b), bit for bit.
+torch::ScalarType bf16_input_dtype(int64_t K);
+torch::Tensor bf16_input(torch::Tensor x);
+void round_bf16_into(const float* x, int64_t count, torch::Tensor& out, int64_t offset);
+torch::Tensor bf16_linear_rounded(torch::Tensor xr, torch::Tensor w, torch::Tensor bias);
+// float32 x times float32 w packed in panels of 16 channels, one FMA chain per output (fp32_linear).
+torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
+std::vector<std::string> float_paths();  // this CPU's: "amx", "avx512bf16", "avx512", "avx2", fastest first
+std::string use_float_path(const std::string& name);  // "auto" or one of float_paths(); returns its name
+std::string float_path();  // the path float-activation linears run on now
+std::string float_path_for(bool bf16_pairs);  // the path bf16_linear (true) or the other products run on now
+bool float_path_avx512();  // whether that path has 512-bit registers (attention follows it)
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+// One row of rms_norm (y may be x), and quantize_tokens on each group of G values (G % 16 == 0) of x [M, K] -> q
+// [M, K], scale [M, K / G]: the row operations of the W8A8 linears (linear_avx2.cpp), for region_forward.cpp too.
+void norm_row(const float* x, const float* weight, int64_t K, double eps, float* y);
+void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* q, float* scale);
+// logits [R, V] float32 -> torch.argmax(logits, -1) (logits.cpp).
+torch::Tensor argmax_rows(torch::Tensor logits);
+// Sampling at temperature > 0 (logits.cpp, quasar.decoding.sampling): the weights exp((logits - max) * inv_t) and their row
+// sums, the filters' cut, and one draw by the running float64 sum.
+std::vector<double> sampling_weights(torch::Tensor logits, torch::Tensor out, double inv_t);
+torch::Tensor filter_cuts(torch::Tensor logits, torch::Tensor weights, int64_t top_k, double top_p);
+std::vector<double> keep_weights(torch::Tensor logits, torch::Tensor weights, torch::Tensor keep_from);
+int64_t draw_index(torch::Tensor weights, double u);
+// bf16_products: the step's linears take bfloat16 inputs (the bf16 verifier): then attention too runs on bfloat16
+// products where bf16_attention says so (attention_amx.cpp).
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
+                               torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v, int64_t start,
+                               bool bf16_products);
+// One sequence's rows inside a call over several: its cache [L, H_kv, S, D], positions filled, row count.
+struct Segment {
+  torch::Tensor cache_k, cache_v;
+  int64_t start, rows;
+};
+// Rope, cache writes and attention of one step's rows over their sequences' caches (attention_avx2.cpp), in parts any
+// thread may run: rope(t0, t1) for every row first, then attend(i) for each work item i < items(), in any order and
+// on any thread (the results never depend on which runs what). Built once per step, for every layer.
+class AttentionSteps {
+ public:
+  // segments' caches [L, H_kv, S, D] (contiguous float32), T rows of H query heads; threads: how many share the items;
+  // bf16_products as decode_attention's.
+  AttentionSteps(const std::vector<Segment>& segments, int64_t T, int64_t H, int64_t threads, bool bf16_products = false);
+  ~AttentionSteps();
+  AttentionSteps(const AttentionSteps&) = delete;
+  AttentionSteps& operator=(const AttentionSteps&) = delete;
+  int64_t items() const { return static_cast<int64_t>(items_.size()); }
+  int64_t heads() const { return H_; }
+  int64_t kv_heads() const { return H_kv_; }
+  int64_t head_dim() const { return D_; }
+  // q [T, H*D], k and v [T, H_kv*D], cos and sin [T, D]: rows [t0, t1) of q_rot [T, H*D] (q rotated), and the rows'
+  // rotated keys and their values written into layer `layer` of their caches.
+  void rope(int64_t layer, const float* q, const float* k, const float* v, const float* cos, const float* sin,
+            float* q_rot, int64_t t0, int64_t t1) const;
+  // Work item i of layer `layer`: its rows of out [T, H*D] from q_rot and the caches (scores: the caller's scratch).
+  void attend(int64_t layer, int64_t i, const float* q_rot, float* out, std::vector<float>& scores) const;
+  // Where the attention runs on AMX: part i < packs() of layer `layer`'s keys and values packed into the bfloat16
+  // tiles attend reads, each part once, after rope and before attend (packs() is 0 otherwise). The steps of one
+  // thread share its pack buffer: one AttentionSteps on AMX at a time per thread (checked).
+  int64_t packs() const { return static_cast<int64_t>(packs_.size()); }
+  void pack(int64_t layer, int64_t i) const;
+
+ private:
+  struct View {  // one sequence: its caches, a layer's size in them, its rows [row0, row0 + rows) at positions start..
+    float *k, *v;
+    int64_t layer_size, S, start, row0, rows;
+  };
+  struct Item {  // rows [first, first + count) of one kv head of one view (row r: token r / group, head r % group)
+    int64_t view, kv, first, count, keys;  // keys: the key rows its rows read in all, its cost
+  };
+  std::vector<View> views_;
+  std::vector<int64_t> row_view_;  // the view of each row
+  std::vector<Item> items_;
+  int64_t H_, H_kv_ = 0, D_ = 0;
+  bool wide_ = false;  // AVX-512 attention (float_path_avx512, D % 64 == 0)
+  bool amx_ = false;   // bfloat16 attention on AMX tiles (bf16_attention)
+  struct Pack {        // 32 keys and values of one kv head of one view
+    int64_t view, kv, block;
+  };
+  struct Packed {  // one view's packed keys and values: per kv head `size` of each, from shared_ + at (-1: by its items)
+    int64_t size, at;
+  };
+  std::vector<Pack> packs_;
+  std::vector<Packed> packed_;
+  uint16_t* shared_ = nullptr;
+  static int& live_on_thread();  // AttentionSteps on AMX alive on this thread (at most one: they share shared_)
+};
+// decode_attention for the rows of several sequences, each over layer `layer` of its own cache (caches checked
+// by the caller: contiguous float32 [L, H_kv, S, D], one H_kv and D).
+torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
+                                const std::vector<Segment>& segments, int64_t layer, bool bf16_products);
+// One decoder layer (decoder_layer.cpp) over the rows of the segments, layer `layer` of each one's cache.
+torch::Tensor decoder_layer(torch::Tensor x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& kinds,
+                            double eps, const torch::Tensor& cos, const torch::Tensor& sin,
+                            const std::vector<Segment>& segments, int64_t layer);
+
+// Every layer of a small step in one parallel region, for models whose linears are all packed W8A8
+// (region_forward.cpp): plan_region is nullptr for any other model; run_region gives bitwise decoder_layer's results,
+// then the logits of the picked rows where the plan holds the head (else the hidden states).
+struct RegionPlan;
+std::shared_ptr<const RegionPlan> plan_region(const std::vector<std::vector<torch::Tensor>>& tensors,
+                                              const std::vector<std::vector<int64_t>>& kinds,
+                                              const std::vector<torch::Tensor>& head, int64_t head_kind);
+bool region_runs(const RegionPlan& plan, int64_t rows);  // whether run_region takes a step of this many rows
+bool region_has_head(const RegionPlan& plan);
+torch::Tensor run_region(const RegionPlan& plan, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                         const std::vector<Segment>& segments, double eps, const std::vector<int64_t>* picked);
+
+// All decoder layers of one model (see decoder_layer): built once, then one call per forward.
+class FusedLayers {
+ public:
+  // head: empty, or the final norm's weight and the lm_head's weight, scale and bias (head_kind: a linear kind).
+  FusedLayers(std::vector<std::vector<torch::Tensor>> tensors, std::vector<std::vector<int64_t>> kinds, double eps,
+              std::vector<torch::Tensor> head, int64_t head_kind);
+  torch::Tensor forward_segments(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
+                                 std::vector<torch::Tensor> caches_k, std::vector<torch::Tensor> caches_v,
+                                 std::vector<int64_t> starts, std::vector<int64_t> rows) const;
+  torch::Tensor forward_tokens(std::vector<int64_t> ids, torch::Tensor embedding, torch::Tensor cos_table,
+                               torch::Tensor sin_table, std::vector<torch::Tensor> caches_k,
+                               std::vector<torch::Tensor> caches_v, std::vector<int64_t> starts,
+                               std::vector<int64_t> rows, std::vector<int64_t> picked) const;
+  // Whether a step of this many rows runs every layer in one parallel region (region_forward.cpp).
+  bool one_region(int64_t rows) const;
+
+ private:
+  // The segments of the caches (checked), with rows[i] rows each, `total` in all.
+  std::vector<Segment> segments(const std::vector<torch::Tensor>& caches_k, const std::vector<torch::Tensor>& caches_v,
+                                const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t total) const;
+
+  std::vector<std::vector<torch::Tensor>> tensors_;
+  std::vector<std::vector<int64_t>> kinds_;
+  double eps_;
+  std::vector<torch::Tensor> head_;
+  int64_t head_kind_;
+  std::shared_ptr<const RegionPlan> region_;  // nullptr: not all packed W8A8
+};

@@ -1,0 +1,182 @@
+"""The model's modules on quasar's CPU kernels (csrc/): the same parameters and names as model/llama.py,
+swapped in once at load by quasar.kernels.plan where every part of a model can run there.
+
+Every row of every kernel's result depends on its own input row alone, so steps need no fixed shapes: a
+step of any length (decode, verify, prefill) runs all layers in one kernel call (FusedLayers), and so do
+the rows of several sequences at once, each attending over its own cache (continuous batching).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from quasar.model.kv_cache import KVCache
+from quasar.model.llama import Attention, Embedding, Layers, Linear, RMSNorm
+
+NONE = torch.empty(0)
+
+
+class KernelModule:
+    """A module on quasar's kernels, made from its torch form in place (same parameters, new class). The
+    kernel module (one per process) is a class attribute, so such a module still deep-copies."""
+
+    kernel: Any = None
+
+    @classmethod
+    def adopt(cls, module: nn.Module, kernel: Any) -> nn.Module:
+        assert KernelModule.kernel in (None, kernel), "one kernel module per process"
+        KernelModule.kernel = kernel
+        module.__class__ = cls
+        return module
+
+
+class KernelLinear(KernelModule, Linear):
+    """A float32 linear (the fp32 verifier) on the float kernel: its weight packed in panels of 16 channels
+    ([N/16, K, 16], made at load), one float32 FMA chain per output, any row count."""
+
+    packed: torch.Tensor
+
+    @classmethod
+    def adopt(cls, module: nn.Module, kernel: Any) -> nn.Module:
+        super().adopt(module, kernel)
+        module.packed = pack_channels(module.weight.detach())
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # [M, K] float32
+        y = self.kernel.fp32_linear(rows, self.packed, NONE if self.bias is None else self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kind 3 = packed float32, weight, scale, bias) for the fused decoder-layer kernel."""
+        return 3, self.packed, NONE, NONE if self.bias is None else self.bias
+
+
+def pack_channels(weight: torch.Tensor) -> torch.Tensor:
+    """w [N, K] -> [N/16, K, 16]: 16 channels side by side for each input (fp32_linear's layout, any dtype)."""
+    N, K = weight.shape
+    return weight.view(N // 16, 16, K).transpose(1, 2).contiguous()
+
+
+def drop_plain_weights_(model: nn.Module) -> int:
+    """Linears that the kernels read packed (`packed`, or their own `drop_plain_()`) give up their plain weight
+    [N, K] for the packed tensor: one copy of each weight in memory. A tied embedding then looks its rows up
+    in the packed table (PanelEmbedding); a weight any other module shares keeps its plain copy. Only for a
+    model nobody reads in the plain layout afterwards (a loaded verifier); returns how many."""
+    readers: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            readers.setdefault(param.data_ptr(), []).append(module)
+    dropped = 0
+    for module in model.modules():
+        if hasattr(module, "drop_plain_"):  # W8A8 layers keep their packed weight and scale themselves
+            dropped += module.drop_plain_()
+            continue
+        packed = getattr(module, "packed", None)
+        if packed is None or module.weight.shape == packed.shape:
+            continue
+        others = [m for m in readers[module.weight.data_ptr()] if m is not module]
+        if not all(type(m) is Embedding and m.weight.shape == module.weight.shape for m in others):
+            continue
+        module.weight = nn.Parameter(packed, requires_grad=False)
+        for embedding in others:
+            embedding.__class__ = PanelEmbedding
+            embedding.weight = module.weight
+        dropped += 1
+    return dropped
+
+
+class PanelEmbedding(Embedding):
+    """An embedding tied to an lm_head whose table the kernels read packed in panels of 16 rows ([V/16, D, 16]
+    or [V/16, D/2, 16, 2], pack_channels or quant.bf16.pack_panels): a lookup gathers each token's row from
+    its panel, the same values as the plain table's row."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids // 16, :, ids % 16].reshape(*ids.shape, self.embedding_dim)
+
+
+class KernelRMSNorm(KernelModule, RMSNorm):
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+
+
+class KernelAttention(KernelModule, Attention):
+    """Rope, cache write and attention of a step (batch 1) in one kernel call; batches > 1 as torch. bf16_products:
+    the model's linears take bfloat16 inputs (the bf16 verifier), so the kernel may run attention on bfloat16 products
+    too (`kernel.bf16_attention`), as the fused layers do for the same model."""
+
+    bf16_products = False
+
+    def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
+        B, T, _ = x.shape
+        if B != 1:
+            return super().forward(x, rope, mask, cache)
+        q, k, v = self.qkv(x)
+        cache_k, cache_v = cache.k[self.layer, 0], cache.v[self.layer, 0]  # [H_kv, S, D]
+        out = self.kernel.decode_attention(q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), *rope, cache_k, cache_v,
+                                           cache.length, self.bf16_products)
+        return self.o_proj(out.view(B, T, self.n_heads * self.head_dim))
+
+
+class FusedLayers(Layers):
+    """All decoder layers as one kernel object (csrc/decoder_layer.cpp), built once from the layers' tensors;
+    every step (batch 1) makes one call for the whole stack, and so does a step over several sequences. Built
+    with the model's final norm and lm_head (`tail`), the same call also returns the logits (`logits`): after a
+    forward has streamed the weights through the caches each Python-level operation costs tens of microseconds,
+    and the tail was six of them."""
+
+    fused: Any
+    tail: tuple[nn.Module, nn.Module] | None  # (final norm, lm_head) the kernel object runs, if any
+
+    def build(self, kernel: Any, eps: float, norm: nn.Module | None = None, head: nn.Module | None = None) -> None:
+        args = [layer_tensors(layer) for layer in self]
+        self.tail = None if norm is None or head is None else (norm, head)
+        kind, *tensors = head.kernel_args() if self.tail else (-1,)
+        tail = [norm.weight, *tensors] if self.tail else []
+        self.fused = kernel.FusedLayers([a[0] for a in args], [a[1] for a in args], eps, tail, kind)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache) -> torch.Tensor:
+        if x.shape[0] != 1:
+            return super().forward(x, rope, cache)
+        return self.forward_segments(x[0], rope, [cache], [x.shape[1]])[None]  # [1, T, hidden]
+
+    def forward_segments(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], caches: list[KVCache],
+                         rows: list[int]) -> torch.Tensor:
+        """x [N, hidden]: rows[i] new tokens of sequence i, one sequence after another, each attending over
+        its own cache (all distinct); appends them to the caches -> [N, hidden]."""
+        x = self.fused.forward_segments(x, *rope, *self.cache_args(caches), rows)
+        self.advance(caches, rows)
+        return x
+
+    def logits(self, ids: list[int], embedding: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               caches: list[KVCache], rows: list[int], picked: list[int]) -> torch.Tensor:
+        """A whole forward in one call: ids [N] (rows[i] new tokens of sequence i, one sequence after another) looked
+        up in `embedding` (the embedding module's table), rope rows read from the tables `rope` ([L, D] each) at
+        each sequence's positions, every layer, then the tail on the rows `picked` -> float32 logits [picked, V]."""
+        k, v, starts = self.cache_args(caches)
+        logits = self.fused.forward_tokens(ids, embedding, *rope, k, v, starts, rows, picked)
+        self.advance(caches, rows)
+        return logits
+
+    @staticmethod
+    def cache_args(caches: list[KVCache]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        return [c.k[:, 0] for c in caches], [c.v[:, 0] for c in caches], [c.length for c in caches]
+
+    @staticmethod
+    def advance(caches: list[KVCache], rows: list[int]) -> None:
+        for cache, n in zip(caches, rows):
+            cache.advance(n)
+
+
+def layer_tensors(layer: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
+    """The tensors and linear kinds FusedLayers takes for one decoder layer (every linear's `kernel_args()`)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    args = [linear.kernel_args() for linear in linears]
+    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    norms += [attn.q_norm.weight, attn.k_norm.weight] if hasattr(attn, "q_norm") else [NONE, NONE]
+    return norms + [t for a in args for t in a[1:]], [a[0] for a in args]

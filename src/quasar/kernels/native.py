@@ -1,0 +1,190 @@
+"""quasar's AVX2 CPU kernels (csrc/: linears, attention, a whole decoder layer), compiled once on first use
+into the quasar cache.
+
+PyTorch's own int8 GEMM (`torch._int_mm`) has no fast path on x86 CPUs without AVX-512 VNNI (measured
+here: 10-50x slower than a float32 GEMM), its bf16 GEMM none without AVX512-BF16, and its float kernels
+round a row differently depending on how many rows come with it. These kernels stream the weights once
+per call and compute every row of a result from its own input row only, so a verify step over k+1 rows
+costs about one weight read and gives the rows that decoding the tokens one by one gives. The int8 dot
+products pick the fastest instruction set at run time (`kernel().int8_paths()`: AVX-512 VNNI where the
+CPU has it, else AVX2); all paths give the same int32 results. `kernel()` returns None where the kernels cannot be used, and quasar.kernels.plan (the one switch for
+device-specific code) then keeps models on plain torch (the path CUDA takes). Two cases are told apart:
+this machine *cannot* build them (no AVX2, no C++ compiler), which is normal; and the build *failed* where
+it should work, which is a defect: the compiler's error is logged once and kept in `status()`, and the
+test session fails on it instead of skipping the kernel tests.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quasar.files import cache_root
+from quasar.progress import timed
+
+log = logging.getLogger("quasar")
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))
+# No FMA contraction: the rescale must round exactly like the torch reference (a * x_scale * w_scale).
+# OpenMP: at::parallel_for in an extension runs serially unless the extension itself is built with it.
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+COMPILE_S = 75  # a first compile on 2 cores (measured 73 s), for the progress bar's estimate
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    state: str  # 'loaded', 'cannot' (this machine cannot build them: normal) or 'failed' (a defect)
+    reason: str  # the build directory, why not, or the build error
+
+    def __str__(self) -> str:
+        return f"{self.state}: {self.reason}"
+
+
+_status: KernelStatus | None = None
+_module: Any | None = None
+
+
+def cpu_has_avx2() -> bool:
+    try:
+        return "avx2" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def cpu_name() -> str:
+    """The CPU's model name as Linux reports it (platform.processor() elsewhere, often just the architecture)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    names = [line.partition(":")[2].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch.utils.cpp_extension would call, if it exists."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def cannot_build() -> str | None:
+    """Why this machine cannot build the kernels, or None when it should be able to."""
+    if not cpu_has_avx2():
+        return "this CPU has no AVX2"
+    if compiler() is None:
+        return f"no C++ compiler ({os.environ.get('CXX', 'c++')} not found on PATH)"
+    return None
+
+
+def build_dir(cache_dir: str | Path | None = None, sources: list[Path] | None = None) -> Path:
+    """Where the kernels for these sources, flags and torch version are built: one directory per digest."""
+    sources = SOURCES if sources is None else sources
+    headers = sorted(p for d in {s.parent for s in sources} for p in d.glob("*.h"))
+    inputs = b"".join(p.read_bytes() for p in sorted(sources) + headers)
+    inputs += " ".join(CFLAGS + LDFLAGS + [torch.__version__]).encode()
+    return cache_root(cache_dir) / "kernels" / f"cpu-{hashlib.sha256(inputs).hexdigest()[:16]}"
+
+
+@contextmanager
+def build_lock(build: Path):
+    """Hold an exclusive lock on build/ while compiling. torch's own lock file (build/lock) outlives a
+    compile that was killed, and later runs would wait on it forever; holding our lock (released by the
+    OS when its holder dies) proves nobody is compiling, so a torch lock found then is stale."""
+    build.mkdir(parents=True, exist_ok=True)
+    with open(build / ".quasar-build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = build / "lock"
+        if stale.exists():
+            log.warning("removing a stale build lock left by an interrupted compile: %s", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
+def build(directory: Path, sources: list[Path] = SOURCES) -> Any:
+    """Compile sources in directory (once: later calls load the cached .so) and import them; raises on failure."""
+    from torch.utils.cpp_extension import load
+
+    with build_lock(directory):
+        fresh = not any(directory.glob("*.so"))
+        if fresh:
+            log.warning("compiling quasar's CPU kernels once (a minute or two) into %s", directory)
+        with timed("compiling quasar's CPU kernels", COMPILE_S) if fresh else nullcontext():
+            return load(
+                name=f"quasar_{directory.name.replace('-', '_')}",
+                sources=[str(p) for p in sources],
+                build_directory=str(directory),
+                extra_cflags=list(CFLAGS),  # copies: torch appends its libraries to the list it is given, which
+                extra_ldflags=list(LDFLAGS),  # changed build_dir()'s digest for the rest of the process
+                verbose=False,
+            )
+
+
+def try_build(cache_dir: str | Path | None = None, sources: list[Path] = SOURCES) -> tuple[Any | None, KernelStatus]:
+    """(module, status): the module where it built, else None with the reason it cannot or the build error."""
+    directory = build_dir(cache_dir, sources)
+    reason = cannot_build()
+    if reason is not None and not (cpu_has_avx2() and any(directory.glob("*.so"))):  # a finished build needs no compiler
+        return None, KernelStatus("cannot", reason)
+    try:
+        return build(directory, sources), KernelStatus("loaded", str(directory))
+    except Exception as e:  # compiler errors surface as RuntimeError, OSError, ImportError, ...
+        return None, KernelStatus("failed", f"{type(e).__name__}: {e}")
+
+
+# The kernel paths a process may be told to take instead of the fastest its CPU has (`int8_paths()`,
+# `float_paths()`): to run what another CPU kind runs, or to reproduce one path's floats on a CPU with several
+# (bf16 on AMX tiles sums to other floats than vdpbf16ps). Read once, when the kernels load.
+PATH_VARIABLES = {"QUASAR_INT8_PATH": "use_int8_path", "QUASAR_FLOAT_PATH": "use_float_path"}
+
+
+def take_forced_paths(module: Any) -> None:
+    """Put the module on the paths PATH_VARIABLES name; ValueError (one line) for a path this CPU lacks."""
+    for variable, use in PATH_VARIABLES.items():
+        name = os.environ.get(variable)
+        if not name:
+            continue
+        try:
+            getattr(module, use)(name)
+        except RuntimeError as e:
+            raise ValueError(f"{variable}={name}: {str(e).splitlines()[0]}") from None
+        log.info("%s=%s: quasar's kernels take that path", variable, name)
+
+
+def kernel(cache_dir: str | Path | None = None) -> Any | None:
+    """The compiled extension module, or None where it cannot be used (see status()). Built on first call,
+    into cache_dir's kernels/ folder (the user cache by default); one build per process. It runs on the fastest
+    paths the CPU has, or on those QUASAR_INT8_PATH / QUASAR_FLOAT_PATH name (ValueError if the CPU lacks one)."""
+    global _status, _module
+    if _status is None:
+        module, status = try_build(cache_dir)
+        if status.state == "failed":
+            log.error("quasar's CPU kernels failed to build; running on plain torch (much slower): %s", status.reason)
+        if module is not None:
+            take_forced_paths(module)
+        elif forced := [f"{v}={os.environ[v]}" for v in PATH_VARIABLES if os.environ.get(v)]:
+            log.warning("%s: no effect, quasar's kernels are not loaded (%s)", ", ".join(forced), status)
+        _module, _status = module, status
+    return _module
+
+
+def loaded() -> Any | None:
+    """The extension module if a model has already built or loaded it in this process, else None (never builds:
+    for helpers such as backends.argmax_rows that take the kernels only where a model already runs on them)."""
+    return _module
+
+
+def status(cache_dir: str | Path | None = None) -> KernelStatus:
+    """Whether the kernels are loaded, cannot be built here, or failed to build (with the error)."""
+    kernel(cache_dir)
+    assert _status is not None
+    return _status

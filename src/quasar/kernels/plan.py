@@ -1,0 +1,112 @@
+"""The one switch between quasar's CPU kernels and plain torch, decided once per model, at load.
+
+`prepare_(model)` swaps modules (as torchao and gpt-fast do): where quasar's kernels run (quasar.kernels.native) and
+every linear of the model offers a kernel form (`kernel_form()`: float32, bf16, int8 and W8A16 layers), norms,
+attention and the layer stack become their kernel forms (kernels/layers.py) and decode/verify steps run
+all layers in one kernel call. Anywhere else (CUDA, no compiler, a shape the kernels do not take) the model stays on the
+torch modules of model/llama.py, which keep every decode/verify step at one fixed shape. Either way greedy
+speculative decoding gives plain decoding's tokens bit for bit; the forward itself never asks again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quasar.kernels import native
+from quasar.kernels.layers import (
+    FusedLayers,
+    KernelAttention,
+    KernelLinear,
+    KernelModule,
+    KernelRMSNorm,
+    drop_plain_weights_,
+    layer_tensors,
+)
+from quasar.model.llama import TORCH, Attention, Layers, Linear, RMSNorm, Transformer
+
+
+def kernel_for(model: Transformer, cache_dir: str | Path | None = None) -> Any | None:
+    """quasar's kernel module where this model can run on it (CPU, float32 activations, head_dim % 8 == 0)."""
+    if model.device.type != "cpu" or model.dtype != torch.float32 or model.config.head_dim % 8:
+        return None
+    return native.kernel(cache_dir)
+
+
+def prepare_(model: Transformer, fuse: bool = True, cache_dir: str | Path | None = None, owned: bool = False) -> str:
+    """Put model on quasar's kernels where every part of it can run there, else leave it on torch; returns
+    the backend's name ('kernels:dpbusd+avx512bf16', 'kernels:avx2', ... or 'torch'), also kept as model.backend.
+    Idempotent: a model already on the kernels (a layer-skip view of one, say) only gets its stack rebuilt.
+    owned: nothing else reads the model's weights, so the linears the kernels read packed (fp32, bf16 inputs)
+    keep only that copy (kernels/layers.drop_plain_weights_)."""
+    kernel = kernel_for(model, cache_dir)
+    forms = {m: kernel_form(m) for m in model.modules() if isinstance(m, nn.Linear) or hasattr(m, "in_features")}
+    if kernel is None or any(form is None for form in forms.values()):
+        model.backend = TORCH
+        return TORCH
+    forms.update({m: KernelRMSNorm for m in model.modules() if type(m) is RMSNorm})
+    forms.update({m: KernelAttention for m in model.modules() if type(m) is Attention})
+    for module, form in forms.items():
+        if type(module) is not form:
+            form.adopt(module, kernel)
+    if owned:
+        drop_plain_weights_(model)
+    stack = model.model.layers
+    for layer in stack:  # every linear of the layer takes bf16 inputs (the bf16 verifier): the fused layer's rule
+        layer.self_attn.bf16_products = all(kind == 2 for kind in layer_tensors(layer)[1])
+    bf16_products = any(layer.self_attn.bf16_products for layer in stack)
+    stack.__class__ = FusedLayers if fuse else Layers
+    if fuse:
+        stack.build(kernel, model.config.rms_norm_eps, model.model.norm, model.lm_head)
+    model.backend = kernel_paths(kernel, forms, kernel.bf16_attention(bf16_products, model.config.head_dim))
+    return model.backend
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] -> torch.argmax(logits, -1) [R] int64, the same indices: on quasar's kernel for float32 CPU rows
+    once the kernels are loaded (torch's took 90-140 us per 49k-token row on 2 cores, the kernel about 10), else torch."""
+    kernel = cpu_kernel(logits)
+    return logits.argmax(-1) if kernel is None else kernel.argmax_rows(logits)
+
+
+def cpu_kernel(t: torch.Tensor) -> Any | None:
+    """quasar's kernel module for work on a float32 CPU tensor t, where a model has already loaded it (the sampling
+    helpers never build it), else None (torch does the work)."""
+    if t.device.type != "cpu" or t.dtype != torch.float32:
+        return None
+    return native.loaded()
+
+
+def kernel_paths(kernel: Any, modules: dict[nn.Module, type], bf16_attention: bool = False) -> str:
+    """'kernels:' and the instruction-set paths the linears run on: the int8 path of W8A8 ones (kind 0), the
+    float path of the others ('kernels:dpbusd+avx512' for w8a8:lmbf16, a W8A8 model with a bf16 lm_head widened to
+    float32; 'kernels:amx' for bf16, whose bf16 x bf16 products run on AMX tiles where the CPU has them), then
+    'bf16-attention' where attention too runs on bfloat16 products ('kernels:amx+bf16-attention': the bf16 verifier on
+    AMX; float32 attention everywhere else)."""
+    kinds = {module.kernel_args()[0] for module in modules if hasattr(module, "kernel_args")}
+    floats = [kernel.float_path_for(2 in kinds)] if kinds - {0} else []  # kind 2: bf16 x bf16 (bf16_linear)
+    paths = ([kernel.int8_path()] if 0 in kinds else []) + floats + (["bf16-attention"] if bf16_attention else [])
+    return "kernels:" + "+".join(paths)
+
+
+def kernel_form(linear: nn.Module) -> type | None:
+    """The kernel class a linear becomes (its own class if it is one already), None if it has none."""
+    if isinstance(linear, KernelModule):
+        return type(linear)
+    if type(linear) is Linear:  # float32 weights (the fp32 verifier)
+        usable = linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu" and linear.out_features % 16 == 0
+        return KernelLinear if usable else None
+    return linear.kernel_form() if hasattr(linear, "kernel_form") else None
+
+
+def on_kernel(module: nn.Module, kernel: Any | None = None) -> nn.Module:
+    """One module moved onto quasar's kernels in place (tests and benchmarks of single layers)."""
+    kernel = kernel or native.kernel()
+    form = kernel_form(module) if not isinstance(module, (RMSNorm, Attention)) else (
+        KernelRMSNorm if isinstance(module, RMSNorm) else KernelAttention)
+    if kernel is None or form is None:
+        raise ValueError(f"{type(module).__name__} cannot run on quasar's kernels here ({native.status()})")
+    return form.adopt(module, kernel) if type(module) is not form else module

@@ -1,0 +1,206 @@
+"""Static key/value cache: preallocated buffers, rollback is a counter move."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from quasar.model.config import ModelConfig
+
+
+class ContextOverflowError(ValueError):
+    """More tokens than the cache (context window) holds."""
+
+
+def common_prefix(held: list[int], tokens: list[int], limit: int) -> int:
+    """How many first tokens of `held` and `tokens` agree, at most `limit` (<= both lengths)."""
+    common = limit if held[:limit] == tokens[:limit] else 0  # the usual case: one comparison in C
+    while common < limit and held[common] == tokens[common]:
+        common += 1
+    return common
+
+
+class KVCache:
+    """K/V buffers of shape [L, B, H_kv, S, D]; `length` tokens of them are valid.
+
+    The model writes new keys at [length, length + T) in every layer, then calls
+    `advance(T)`. Speculative decoding drops rejected positions with `trim(n)`.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_len: int,
+        batch: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (config.num_hidden_layers, batch, config.num_key_value_heads, max_len, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S, D]
+        self.max_len = max_len
+        self.length = 0
+        self.held: list[int] = []  # the tokens at positions [0, len(held)), where known (len(held) <= length)
+
+    def check_room(self, n: int) -> None:
+        """Refuse n more tokens where they do not fit the context window."""
+        if self.length + n > self.max_len:
+            raise ContextOverflowError(
+                f"{self.length + n} tokens do not fit the context window of {self.max_len}"
+            )
+
+    def positions(self, n: int) -> torch.Tensor:
+        """Positions of the next n tokens: [n]."""
+        self.check_room(n)
+        return torch.arange(self.length, self.length + n, device=self.k.device)
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, span: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, H_kv, T, D] at the next T positions; return the first `span` keys/values
+        [B, H_kv, span, D] (span >= length + T; positions past that are masked by the caller)."""
+        end = self.length + k.shape[2]
+        self.k[layer, :, :, self.length : end] = k
+        self.v[layer, :, :, self.length : end] = v
+        return self.k[layer, :, :, :span], self.v[layer, :, :, :span]
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def wrote(self, n: int, tokens: list[int] | None = None) -> None:
+        """Record that the last forward wrote n positions before `length`, holding `tokens` (None: not known, or not
+        one sequence's): the model calls it, so that a cache pool can hand a later prompt what it shares with them."""
+        start = self.length - n
+        del self.held[start:]
+        if tokens is not None and len(self.held) == start:
+            self.held.extend(tokens)
+
+    def copy_prefix(self, source: KVCache, n: int) -> None:
+        """Hold the first n positions of `source` (a cache of the same model), keys, values and tokens."""
+        self.k[:, :, :, :n] = source.k[:, :, :, :n]
+        self.v[:, :, :, :n] = source.v[:, :, :, :n]
+        self.length, self.held = n, source.held[:n]
+
+    def trim(self, n: int) -> None:
+        """Forget the last n positions (they are overwritten by the next write)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot trim {n} of {self.length} cached positions")
+        self.length -= n
+        del self.held[self.length :]
+
+    def reset(self) -> None:
+        self.length = 0
+        self.held.clear()
+
+
+class StreamCache:
+    """A drafter's own KV cache that follows a token stream lazily: before a forward it is trimmed to the longest
+    prefix it shares with the stream, and only the tokens after that prefix are fed (so the stream may be
+    rolled back or rewritten freely between calls)."""
+
+    def __init__(self, model: Any, initial_len: int = 1024) -> None:
+        self.model = model  # anything with new_cache(max_len) -> KVCache
+        self.initial_len = initial_len
+        self.cache: KVCache | None = None
+        self.cached: list[int] = []  # the tokens whose keys/values the cache holds
+
+    def ready(self, needed: int) -> KVCache:
+        """The cache, (re)allocated to hold at least `needed` positions."""
+        if self.cache is None or self.cache.max_len < needed:
+            self.cache = self.model.new_cache(max(needed * 2, self.initial_len))
+            self.cached = []
+        return self.cache
+
+    def follow(self, stream: list[int], most: int | None = None) -> list[int]:
+        """Trim the cache to its common prefix with `stream`; return the tokens still to feed (at least one, to
+        get logits). More than `most` (a prompt, a long stretch) are prefilled here, without the lm_head, but
+        the last. Call `fed` with what the next forward writes."""
+        assert self.cache is not None
+        common = common_prefix(self.cached, stream, min(len(self.cached), len(stream) - 1))
+        self.cache.trim(self.cache.length - common)
+        del self.cached[common:]
+        feed = stream[common:]
+        if most is not None and len(feed) > most:
+            self.model(torch.tensor([feed[:-1]], device=self.model.device), self.cache, last_only=True)
+            self.fed(feed[:-1])
+            feed = feed[-1:]
+        return feed
+
+    def fed(self, tokens: list[int]) -> None:
+        self.cached.extend(tokens)
+
+    def trim(self, n: int) -> None:
+        """Forget the last n cached positions."""
+        assert self.cache is not None
+        self.cache.trim(n)
+        del self.cached[len(self.cached) - n :]
+
+
+class CachePool:
+    """The KV caches of the requests in flight: `take` one of a size, `give` it back when its request ends.
+    Caches given back are kept for the next requests (at most `spare`). `budget` bounds the positions held
+    (taken and kept; None: no bound): `fits(size)` says whether a request needing `size` may start now."""
+
+    def __init__(self, model: Any, budget: int | None = None, spare: int = 1) -> None:
+        self.model = model  # anything with new_cache(max_len) -> KVCache
+        self.budget, self.spare = budget, spare
+        self.free: list[KVCache] = []
+        self.taken = 0  # positions in caches taken
+
+    def fits(self, size: int) -> bool:
+        return self.budget is None or self.taken + size <= self.budget
+
+    def take(self, size: int, prompt: list[int] | None = None) -> KVCache:
+        """A cache of `size` positions. With a prompt, on a model whose every row is computed from its own input
+        alone (quasar's kernels: a position's keys and values are bitwise the same whether written by a prefill, a
+        decode or a verify step), the cache already holds the longest start of the prompt (all of it but the last
+        token) that a kept cache holds, as llama.cpp and vLLM's prefix caching do: a chat's next turn prefills
+        only its new tokens. Its `length` says how many positions are filled."""
+        source, common = self.longest_prefix(prompt or [])
+        cache = source if source is not None and source.max_len == size else None
+        cache = cache or next((c for c in self.free if c.max_len == size), None)
+        if cache is not None:
+            self.free.remove(cache)
+        else:
+            while self.free and self.budget is not None and self.taken + size + self.kept > self.budget:
+                self.free.pop(0)  # the oldest kept cache makes room
+            cache = self.model.new_cache(size)
+        if cache is source:
+            cache.trim(cache.length - common)
+        else:
+            cache.reset()
+            if common:
+                cache.copy_prefix(source, common)
+        self.taken += size
+        return cache
+
+    def longest_prefix(self, prompt: list[int]) -> tuple[KVCache | None, int]:
+        """The kept cache holding the longest start of `prompt` (short of its last token), and that length."""
+        if len(prompt) < 2 or not getattr(self.model, "batches_rows", False):
+            return None, 0
+        best, most = None, 0
+        for cache in self.free:
+            common = common_prefix(cache.held, prompt, min(len(cache.held), len(prompt) - 1))
+            if common > most:
+                best, most = cache, common
+        return best, most
+
+    def give(self, cache: KVCache) -> None:
+        self.taken -= cache.max_len
+        self.free.append(cache)
+        self.drop_extra()
+
+    def configure(self, budget: int | None, spare: int) -> tuple[int | None, int]:
+        """Set the budget and the spare caches kept (dropping the oldest beyond it); returns the old settings."""
+        old = self.budget, self.spare
+        self.budget, self.spare = budget, spare
+        self.drop_extra()
+        return old
+
+    def drop_extra(self) -> None:
+        del self.free[: max(0, len(self.free) - self.spare)]
+
+    @property
+    def kept(self) -> int:
+        return sum(c.max_len for c in self.free)

@@ -1,0 +1,323 @@
+"""One model file for the Llama family: llama, mistral, qwen2 (q/k/v bias), qwen3 (q/k RMSNorm).
+
+Parameter names follow Hugging Face (`model.layers.0.self_attn.q_proj.weight`, ...) so safetensors
+load without conversion. Shapes: B batch, T new tokens, S cached + new tokens, H heads, H_kv kv heads,
+D head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quasar.model.kv_cache import KVCache
+from quasar.model.config import ModelConfig
+
+# A token scored alone (plain decoding) and inside [last, *draft] (a verify step) must get bitwise the same
+# logits, or greedy speculative decoding drifts from greedy plain decoding. Float GEMMs round a row
+# differently depending on how many rows come with it, and SDPA depending on the key count. So on this
+# torch path every forward of at most FIXED_ROWS tokens runs at one shape: float linears pad their input to
+# FIXED_ROWS rows, attention pads its queries to FIXED_ROWS rows and attends over the whole cache buffer
+# (masked past each row's position; see Engine.fresh_cache for why buffers of one request have one size).
+# quasar's CPU kernels (kernels/layers.py, swapped in at load by quasar.kernels.plan) compute every row
+# from its own input alone and need none of this.
+FIXED_ROWS = 8
+TORCH = "torch"  # Transformer.backend of a model on these torch modules
+
+
+def at_fixed_shape(op, x: torch.Tensor) -> torch.Tensor:
+    """op(x) for x [..., K] with a row-wise op, run on x's rows padded with zero rows to FIXED_ROWS when they
+    are fewer (so one token alone and inside a verify step take the same GEMM shape)."""
+    rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    M = rows.shape[0]
+    y = op(F.pad(rows, (0, 0, 0, FIXED_ROWS - M)))[:M] if M < FIXED_ROWS else op(rows)  # [M, N]
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and names) whose GEMM runs at one shape for up to FIXED_ROWS rows."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:  # a model built on the meta device to load weights into needs no init
+            super().reset_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return at_fixed_shape(lambda rows: F.linear(rows, self.weight, self.bias), x)
+
+
+class Embedding(nn.Embedding):
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:  # skipping meta init saves ~1 s of first-use imports at start-up
+            super().reset_parameters()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [D/2], with llama3-style or linear `rope_scaling` applied."""
+    dim = config.head_dim
+    # on the CPU even inside torch.device('meta') (loaders build models there): meta arithmetic costs ~1 s of imports
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3, linear")
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos, sin [T, D]. Rotate-half convention (Hugging Face)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def project(x: torch.Tensor, *linears: nn.Module) -> list[torch.Tensor]:
+    """The same input through several linears (q/k/v, gate/up): one call where their type offers
+    `forward_many` (quasar's int8 layers quantize x once), else one call each."""
+    kind = type(linears[0])
+    if hasattr(kind, "forward_many") and all(type(linear) is kind for linear in linears):
+        return kind.forward_many(linears, x)
+    return [linear(x) for linear in linears]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.q_proj = Linear(hidden, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(hidden, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = Linear(hidden, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.n_heads * self.head_dim, hidden, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> q [B, T, H, D], k, v [B, T, H_kv, D] (q/k normed where the model has qk_norm)."""
+        B, T, _ = x.shape
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv, self.head_dim)
+        v = v.view(B, T, self.n_kv, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x)
+        v = v.transpose(1, 2)  # [B, H_kv, T, D]
+        q = apply_rope(q.transpose(1, 2), *rope)  # [B, H, T, D]
+        k = apply_rope(k.transpose(1, 2), *rope)  # [B, H_kv, T, D]
+        span = mask.shape[-1] if mask is not None else cache.length + T
+        keys, values = cache.update(self.layer, k, v, span)  # [B, H_kv, S, D]
+        rows = mask.shape[0] if mask is not None else T  # > T: queries padded to the fixed shape
+        if rows > T:
+            q = F.pad(q, (0, 0, 0, rows - T))  # [B, H, rows, D]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        out = out[:, :, :T]  # [B, H, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def attention_mask(cache: KVCache, T: int) -> torch.Tensor | None:
+    """Which keys each query row of a T-token step sees ([rows, S], True = attend), or None for one token
+    attending over length + 1 keys. Up to FIXED_ROWS tokens: FIXED_ROWS rows over the whole buffer (one shape
+    for every decode and verify step of a cache); more (prefill): T rows over length + T keys."""
+    fixed = T <= FIXED_ROWS and cache.length + FIXED_ROWS <= cache.max_len
+    if T == 1 and not fixed:
+        return None
+    query_positions = cache.positions(FIXED_ROWS if fixed else T)  # [rows]
+    keys = torch.arange(cache.max_len if fixed else cache.length + T, device=query_positions.device)  # [S]
+    return keys[None, :] <= query_positions[:, None]  # [rows, S]
+
+
+class Layers(nn.ModuleList):
+    """The decoder layers, run one after another; appends the step's T tokens to the cache."""
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache) -> torch.Tensor:
+        mask = attention_mask(cache, x.shape[1])
+        for layer in self:
+            x = layer(x, rope, mask, cache)
+        cache.advance(x.shape[1])
+        return x
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = Layers(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Step(NamedTuple):
+    """One sequence's next forward: `tokens` appended to its `cache`; logits of every token, or of the last.
+    `cut`: a busy batch may run only a prefix of the tokens (at least one) and return that prefix's logits;
+    `chances`: for each token after the first, the chance that its row is of use (a draft token's acceptance)."""
+
+    tokens: list[int]
+    cache: KVCache
+    last_only: bool = False
+    cut: bool = False
+    chances: tuple[float, ...] = ()
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM. `forward(input_ids, cache)` appends to the cache and returns float32 logits."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.backend = TORCH  # what runs the forward: quasar.kernels.plan.prepare_ names the kernel paths it swaps in
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activation (and KV cache) dtype; the embedding table may be stored narrower (bf16)."""
+        return self.model.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        return KVCache(self.config, max_len, batch, self.dtype, self.device)
+
+    def rope_values(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] for positions [T], computed in float32 like the reference."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def rope_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope_values of positions 0 .. at least n - 1, [L, D] each, computed once and grown in powers of two:
+        a step reads its rows instead of six tensor operations per forward (each one slow right after a forward
+        has streamed the weights through the caches). Every value is computed by the same elementwise operations
+        as rope_values, so the rows are the same floats (tested)."""
+        table = getattr(self, "_rope_table", None)  # (cos, sin, the inv_freq they came from)
+        if table is None or table[2] is not self.inv_freq or table[0].shape[0] < n or table[0].dtype != self.dtype:
+            size = max(256, 1 << (n - 1).bit_length())
+            table = self._rope_table = (*self.rope_values(torch.arange(size, device=self.inv_freq.device)), self.inv_freq)
+        return table[0], table[1]
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] for positions [T] (rows of rope_table)."""
+        cos, sin = self.rope_table(int(positions.max()) + 1 if positions.numel() else 1)
+        return cos[positions], sin[positions]
+
+    def rope_span(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, D] for positions start .. start + n - 1: contiguous views of rope_table."""
+        cos, sin = self.rope_table(start + n)
+        return cos[start:start + n], sin[start:start + n]
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32; appends to the cache."""
+        if input_ids.shape[0] == 1 and self.fused_tail:
+            return self.forward_steps([Step(input_ids[0].tolist(), cache, last_only)])[0][None]
+        cache.check_room(input_ids.shape[1])
+        rope = self.rope_span(cache.length, input_ids.shape[1])  # cos, sin [T, D]
+        x = self.model.embed_tokens(input_ids).to(self.dtype)  # [B, T, hidden]
+        x = self.model.layers(x, rope, cache)
+        cache.wrote(input_ids.shape[1], input_ids[0].tolist() if input_ids.shape[0] == 1 else None)
+        x = self.model.norm(x[:, -1:] if last_only else x)
+        return self.lm_head(x).float()
+
+    @property
+    def fused_tail(self) -> bool:
+        """Whether the kernel layer stack runs whole forwards, this model's final norm and lm_head included
+        (quasar.kernels.plan builds it so; a stack run layer by layer, or a module swapped in later, goes through the
+        modules one by one again)."""
+        layers = self.model.layers
+        return hasattr(layers, "logits") and getattr(layers, "tail", None) == (self.model.norm, self.lm_head)
+
+    @property
+    def batches_rows(self) -> bool:
+        """Whether `forward_steps` runs several sequences' rows through one forward (quasar's kernels: every row
+        independent of the others), rather than one forward per sequence (the torch path's fixed shapes)."""
+        return hasattr(self.model.layers, "forward_segments")
+
+    def forward_steps(self, steps: Sequence[Step]) -> list[torch.Tensor]:
+        """Several sequences' steps (distinct caches) -> each one's float32 logits [T, V] ([1, V] with last_only),
+        bitwise what each gets alone; appends to every cache."""
+        fused = self.fused_tail
+        if not fused and (not self.batches_rows or len(steps) == 1):
+            return [self(torch.tensor([s.tokens], device=self.device), s.cache, s.last_only)[0] for s in steps]
+        rows = [len(s.tokens) for s in steps]
+        caches = [s.cache for s in steps]
+        for cache, n in zip(caches, rows):
+            cache.check_room(n)
+        ends = list(itertools.accumulate(rows))
+        scored = [range(end - 1 if s.last_only else end - n, end) for s, n, end in zip(steps, rows, ends)]
+        picked = [i for r in scored for i in r]
+        if fused:  # the whole forward in one kernel call
+            rope = self.rope_table(max(c.length + n for c, n in zip(caches, rows)))  # cos, sin [L, D]
+            ids = [t for s in steps for t in s.tokens]  # [N]
+            logits = self.model.layers.logits(ids, self.model.embed_tokens.weight, rope, caches, rows, picked)
+        else:
+            ids = torch.tensor([t for s in steps for t in s.tokens], device=self.device)  # [N]
+            rope = self.rope(torch.cat([c.positions(n) for c, n in zip(caches, rows)]))  # cos, sin [N, D]
+            x = self.model.embed_tokens(ids).to(self.dtype)  # [N, hidden]
+            x = self.model.layers.forward_segments(x, rope, caches, rows)
+            logits = self.lm_head(self.model.norm(x[torch.tensor(picked, device=self.device)])).float()  # [picked, V]
+        for step in steps:
+            step.cache.wrote(len(step.tokens), step.tokens)
+        return list(logits.split([len(r) for r in scored]))

@@ -1,0 +1,179 @@
+"""OpenAI request bodies -> (prompt ids, SamplingParams), and the response / chunk / error objects.
+
+Validation lives here so that every bad input becomes a 400 with an OpenAI error object."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from quasar.decoding.outputs import RequestOutput
+from quasar.decoding.sampling import SEED_MAX, SEED_MIN, SamplingParams
+
+
+class BadRequest(ValueError):
+    """A request the server refuses: HTTP `status` with an OpenAI error object."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.status, self.kind, self.code = param, status, kind, code
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (unknown fields are ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)  # extension (vLLM): -1 or 0 keeps all
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # extension (vLLM)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # what SamplingParams (torch) accepts
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1)
+    ignore_eos: bool = False  # extension (vLLM)
+    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
+    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+
+    def sampling(self, max_new_tokens: int) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
+            seed=self.seed,
+            max_new_tokens=max_new_tokens, stop=stop, ignore_eos=self.ignore_eos,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    logprobs: int | None = None
+
+    def unsupported(self) -> str | None:
+        return "echo" if self.echo else ("logprobs" if self.logprobs else None)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]]
+
+    def text(self) -> dict[str, str]:
+        if isinstance(self.content, str):
+            return {"role": self.role, "content": self.content}
+        if any(part.get("type") != "text" for part in self.content):
+            raise BadRequest("only text content parts are supported", param="messages")
+        return {"role": self.role, "content": "".join(str(part.get("text", "")) for part in self.content)}
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+
+    def unsupported(self) -> str | None:
+        return "logprobs" if self.logprobs else None
+
+
+def parse(model: type[CompletionRequest | ChatRequest], body: Any) -> Any:
+    """A decoded JSON body -> a validated request, or BadRequest naming the first bad field."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise BadRequest(f"invalid value for {param!r}: {first['msg']}", param=param) from None
+    field = request.unsupported()
+    if field:
+        raise BadRequest(f"{field!r} is not supported by this server", param=field)
+    return request
+
+
+def budget(requested: int | None, prompt_tokens: int, max_context: int) -> int:
+    """The tokens a request may generate; `max_tokens` beyond the context window is refused."""
+    room = max_context - prompt_tokens
+    if room < 1 or (requested is not None and requested > room):
+        asked = requested if requested is not None else 1
+        raise BadRequest(
+            f"this model's maximum context length is {max_context} tokens; the request needs "
+            f"{prompt_tokens + asked} ({prompt_tokens} in the prompt, {asked} to generate)",
+            param="max_tokens", code="context_length_exceeded",
+        )
+    return requested if requested is not None else room
+
+
+def usage(completion: RequestOutput) -> dict[str, Any]:
+    """OpenAI usage plus the speculative statistics of the request."""
+    stats = completion.stats
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.new_tokens,
+        "total_tokens": stats.prompt_tokens + stats.new_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},  # prefix caching (kv_cache.CachePool)
+        "speculative": {
+            "verify_steps": stats.verify_steps,
+            "proposed_tokens": stats.proposed_tokens,
+            "accepted_tokens": stats.accepted_tokens,
+            "mean_accepted_tokens": stats.mean_accepted_tokens,
+            "acceptance_rate": stats.acceptance_rate,
+            "tokens_per_s": stats.tokens_per_s,
+        },
+    }
+
+
+class Envelope:
+    """Builds the response objects of one request (same id and timestamp in every chunk)."""
+
+    def __init__(self, model: str, chat: bool) -> None:
+        self.model, self.chat = model, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _wrap(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    def full(self, completion: RequestOutput) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
+                      "logprobs": None, "finish_reason": completion.finish_reason}
+        else:
+            choice = {"index": 0, "text": completion.text, "logprobs": None, "finish_reason": completion.finish_reason}
+        return self._wrap([choice], chunk=False) | {"usage": usage(completion)}
+
+    def chunk(self, piece: str | None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if piece is not None:
+                delta["content"] = piece
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish_reason}
+        return self._wrap([choice], chunk=True)
+
+    def usage_chunk(self, completion: RequestOutput) -> dict[str, Any]:
+        return self._wrap([], chunk=True) | {"usage": usage(completion)}

@@ -1,0 +1,235 @@
+"""Continuous batching behind the HTTP handlers: one worker thread owns the engine and runs a quasar.decoding.batch
+Batch, step after step; requests join it between steps and leave as soon as they finish.
+
+The HTTP handlers (asyncio) submit an engine Request and read its pieces from an asyncio queue; the worker (a
+plain thread, because generation is blocking torch code) runs the steps and hands each request's new pieces
+over with `call_soon_threadsafe`. At most `max_batch` requests run at once (and only as many as the KV
+budget holds); up to `max_queue` more wait, and beyond that `submit` raises QueueFullError (HTTP 429). A
+cancelled job (client gone) leaves the queue at once, or the batch at the next step, freeing its cache. A
+request that fails inside a batch fails alone.
+
+The engine (its model and its Rust-backed tokenizer, which fails with "Already borrowed" when two threads
+use it at once) is used under one lock: the worker holds it for each step, the handlers for each `call`
+(prompt encoding). If the worker thread dies, every job it held fails and `unavailable` says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from quasar.decoding.batch import Batch
+from quasar.decoding.engine import Engine, Request
+from quasar.decoding.outputs import RequestOutput
+
+log = logging.getLogger("quasar")
+T = TypeVar("T")
+
+
+class QueueFullError(RuntimeError):
+    """Every place in the queue is taken; the client should retry later (HTTP 429)."""
+
+
+class WorkerStoppedError(RuntimeError):
+    """The worker thread is gone: this server can generate nothing more (HTTP 503)."""
+
+
+@dataclass
+class Job:
+    """One request: the engine Request to run and the channel its pieces come back on."""
+
+    request: Request
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.perf_counter)
+    first_piece: float | None = None
+
+    def emit(self, kind: str, value: object) -> None:
+        """Called from the worker thread; a closed loop (its server gone) has no one left to tell."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """Text pieces as they are generated; raises what the generation raised."""
+        while True:
+            kind, value = await self.events.get()
+            if kind == "piece":
+                yield value  # type: ignore[misc]
+            elif kind == "error":
+                raise value  # type: ignore[misc]
+            else:
+                return
+
+    async def completion(self) -> RequestOutput:
+        async for _ in self.pieces():
+            pass
+        return self.request.output
+
+
+Finished = Callable[[Job, RequestOutput, bool], None]  # (job, completion, cancelled) -> None
+
+
+class Scheduler:
+    """A worker thread serving submitted requests in continuous batches (see the module doc)."""
+
+    def __init__(self, engine: Engine, max_queue: int = 64, max_batch: int = 16, max_rows: int = 64,
+                 kv_budget: int | None = None, on_finish: Finished | None = None, own_thread: bool = True) -> None:
+        """own_thread=False: the caller runs `work()` on a thread of its own, the one that loaded the model (see
+        `work`)."""
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        self.max_queue = max_queue
+        self.on_finish = on_finish
+        self.batch = Batch(engine, max_batch, max_rows, kv_budget)
+        self._jobs: dict[int, Job] = {}  # id(request) -> job, for every job submitted and not yet ended
+        self._incoming: deque[Job] = deque()  # submitted, not yet handed to the batch
+        self._leaving: list[Job] = []  # cancelled while in the batch: to drop at the next step
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._failure: str | None = None  # why the worker thread died
+        self._engine_lock = threading.Lock()
+        if own_thread:
+            self._thread = threading.Thread(target=self.work, name="quasar-worker", daemon=True)
+            self._thread.start()
+        else:
+            self._thread = threading.current_thread()
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted and not yet generating."""
+        return len(self._incoming) + len(self.batch.waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.batch.active)
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why no request can be served any more; None while the worker runs."""
+        if self._failure is not None:
+            return f"the generation worker stopped: {self._failure}"
+        if self._stopped or not self._thread.is_alive():
+            return "the generation worker has been stopped"
+        return None
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on a helper thread, between two generation steps, never during one (see the module doc)."""
+
+        def locked() -> T:
+            with self._engine_lock:
+                return fn(*args)
+
+        return await asyncio.to_thread(locked)
+
+    def submit(self, request: Request) -> Job:
+        job = Job(request, asyncio.get_running_loop())
+        with self._cond:
+            if self.unavailable is not None:
+                raise WorkerStoppedError(self.unavailable)
+            if self.waiting >= self.max_queue:
+                raise QueueFullError(f"the server is busy: {self.waiting} requests are already waiting")
+            self._jobs[id(request)] = job
+            self._incoming.append(job)
+            self._cond.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """The client went away: free its place in the queue now, or its slot in the batch at the next step."""
+        with self._cond:
+            if job.cancelled.is_set() or id(job.request) not in self._jobs:
+                return  # already ended
+            job.cancelled.set()
+            if job in self._incoming:
+                self._incoming.remove(job)
+                del self._jobs[id(job.request)]
+                job.emit("done", None)
+            else:
+                self._leaving.append(job)
+                self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
+    def work(self) -> None:
+        """Serve until `stop()`. Best on the thread that loaded the model: every thread that runs torch's
+        parallel kernels keeps an OpenMP thread pool, and with two pools on the machine's cores libgomp stops
+        spinning between parallel regions (measured here: a forward of the default model 4.1 ms on the
+        loading thread, 11.6 ms on another one)."""
+        try:
+            while self._next():
+                with self._engine_lock:
+                    done = self.batch.step()
+                self._deliver(done)
+        except BaseException as e:  # not a failed generation (those fail their request): the thread ends here
+            log.critical("the generation worker stopped", exc_info=True)
+            self._abandon(f"{type(e).__name__}: {e}")
+
+    def _next(self) -> bool:
+        """Wait for work; hand new jobs to the batch and drop cancelled ones. False once stopped."""
+        with self._cond:
+            while not self._incoming and not self._leaving and self.batch.idle and not self._stopped:
+                self._cond.wait(timeout=1.0)  # a timeout lets a signal handler on this thread run
+            if self._stopped:
+                return False
+            incoming, self._incoming = list(self._incoming), deque()
+            leaving, self._leaving = self._leaving, []
+        for job in incoming:
+            try:
+                self.batch.add(job.request)
+            except ValueError as e:  # more KV positions than the whole budget: it could never run
+                self._end(job, error=e)
+        with self._engine_lock:
+            for job in leaving:
+                self.batch.cancel(job.request)
+        for job in leaving:
+            self._end(job)
+        return True
+
+    def _deliver(self, done: list[Request]) -> None:
+        """Each running request's new pieces to its client; the finished ones end."""
+        for request in list(self.batch.active) + done:
+            job = self._jobs.get(id(request))
+            if job is None:
+                continue
+            pieces = request.take()
+            if pieces and job.first_piece is None:
+                job.first_piece = time.perf_counter()
+            for piece in pieces:
+                job.emit("piece", piece)
+        for request in done:
+            job = self._jobs.get(id(request))
+            if job is not None:
+                self._end(job, self.batch.failures.pop(id(request), None))
+
+    def _end(self, job: Job, error: BaseException | None = None) -> None:
+        with self._cond:
+            if self._jobs.pop(id(job.request), None) is None:
+                return
+        if error is not None:
+            job.emit("error", error)
+            return
+        if self.on_finish is not None:
+            self.on_finish(job, job.request.output, job.cancelled.is_set())
+        job.emit("done", None)
+
+    def _abandon(self, failure: str) -> None:
+        """Fail every job: no one else will run them."""
+        with self._cond:
+            self._failure = failure
+            jobs = list(self._jobs.values())
+            self._jobs.clear()
+            self._incoming.clear()
+        for job in jobs:
+            running = job.request.cache is not None
+            job.emit("error", RuntimeError(f"generation failed: {failure}") if running
+                     else WorkerStoppedError(self.unavailable))

@@ -1,0 +1,62 @@
+"""What every benchmark method shares: the Method protocol, the options methods are built from and the
+Pool of loaded verifiers. The registry of method names is in methods.py, the peers in peers.py; both
+import this module and neither imports the other."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from quasar.model.loading import LoadedModel, float_directory
+from quasar.decoding.outputs import RequestOutput
+from quasar.decoding.prompt import Messages
+from quasar.decoding.sampling import SamplingParams
+from quasar.verifiers.registry import load_verifier
+
+log = logging.getLogger("quasar")
+
+
+class PeerMissingError(ValueError):
+    """A peer implementation that is not installed; the message says how to install it."""
+
+
+class Method(Protocol):
+    """Answers a conversation. Its output's `stats.wall_s` is the seconds from the request to its last
+    token, prompt processing included."""
+
+    name: str
+    path: str  # what runs it, printed beside its figures: quasar's kernel paths ('kernels:dpbusd'), or the peer's build
+
+    def generate(self, messages: Messages, params: SamplingParams) -> RequestOutput: ...
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    model: str = "default"
+    cache_dir: str | None = None
+    max_context: int | None = None
+    k: int | str = 5  # draft length for DRAFTER+V (the paper: 5)
+    quantized: str | None = None  # a `quasar quantize` checkpoint for the w8a8 / w8a16 verifier
+    pld_tokens: int = 10  # peers' prompt-lookup draft length (transformers' documented example)
+
+
+@dataclass
+class Pool:
+    """Loaded verifiers by name, shared by every method that verifies with them."""
+
+    options: MethodOptions
+    verifiers: dict[str, LoadedModel] = field(default_factory=dict)
+
+    def verifier(self, name: str) -> LoadedModel:
+        if name not in self.verifiers:
+            log.info("loading verifier %s", name)
+            quantized = self.options.quantized and name.split(":")[0] in ("w8a8", "w8a16")
+            model = self.options.quantized if quantized else self.options.model
+            self.verifiers[name] = load_verifier(model, name, self.options.cache_dir)
+        return self.verifiers[name]
+
+    def directory(self) -> Path:
+        """The model's Hugging Face-style directory (GGUF sources are converted once, cached)."""
+        return float_directory(self.options.model, self.options.cache_dir)

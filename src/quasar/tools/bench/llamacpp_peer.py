@@ -1,0 +1,65 @@
+"""llama.cpp as a fidelity peer: the logits of its Q8_0 (int8 weights and activations, one scale per block
+of 32) copy of the same weights, on the same token windows as quasar's verifiers (`quasar fidelity --peer
+llamacpp`). Needs llama-cpp-python and a GGUF model; the Q8_0 copy is written once (bench/gguf_export.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import torch
+
+INSTALL = ("llama.cpp rows skipped: llama-cpp-python is not installed "
+           "(pip install llama-cpp-python; it builds from source in about 12 minutes)")
+PRECISIONS = ("q8_0",)
+
+
+def available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+class LlamaCppScorer:
+    """`logits(ids [1, T]) -> [1, T, V]` float32 from llama.cpp, the same windows quasar scores."""
+
+    def __init__(self, model: str | Path, precision: str, max_tokens: int, cache_dir: str | Path | None = None) -> None:
+        from llama_cpp import Llama
+
+        from quasar.tools.bench.gguf_export import exported_gguf
+
+        path = exported_gguf(model, precision, cache_dir)
+        self.llm = Llama(str(path), n_ctx=max_tokens, n_batch=max_tokens, n_threads=torch.get_num_threads(),
+                         logits_all=True, verbose=False)
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        self.llm.reset()
+        self.llm.eval(ids[0].tolist())
+        scores = np.asarray(self.llm.scores[: ids.shape[1]], dtype=np.float32)  # [T, V]
+        return torch.from_numpy(scores.copy())[None]
+
+
+def peers(names: list[str], model: str | Path, max_tokens: int, cache_dir: str | Path | None = None) -> dict[str, LlamaCppScorer]:
+    """'llamacpp' (or 'llamacpp:q8_0') -> {'llama.cpp q8_0': scorer}; an empty dict with one line on stderr when
+    llama-cpp-python is missing, or when it fails a probe run in a child process (bench.peers.llama_cpp_fails)."""
+    import sys
+
+    wanted = []
+    for name in names:
+        kind, _, precision = name.partition(":")
+        if kind != "llamacpp" or (precision or "q8_0") not in PRECISIONS:
+            raise ValueError(f"unknown fidelity peer {name!r}; choose from llamacpp, llamacpp:q8_0")
+        wanted.append(precision or "q8_0")
+    if wanted and not available():
+        print(INSTALL, file=sys.stderr)
+        return {}
+    from quasar.tools.bench.gguf_export import exported_gguf
+    from quasar.tools.bench.peers import llama_cpp_fails
+
+    scorers = {}
+    for p in dict.fromkeys(wanted):
+        if why := llama_cpp_fails(str(exported_gguf(model, p, cache_dir)), torch.get_num_threads()):
+            print(f"skipping llama.cpp {p}: {why}", file=sys.stderr)
+            continue
+        scorers[f"llama.cpp {p}"] = LlamaCppScorer(model, p, max_tokens, cache_dir)
+    return scorers

@@ -1,0 +1,56 @@
+"""The 'pruned:N' verifier: the float model with N layers dropped (the paper's structural-pruning baseline).
+
+Which layers: the N layers just before the last one, i.e. layers L-1-N .. L-2 of L. Deep layers except
+the final one change the residual stream least (Gromov et al. 2024, "The Unreasonable Ineffectiveness of
+the Deeper Layers"; Men et al. 2024, ShortGPT), so this is the usual training-free choice. The first
+and last layers are always kept. The float dtype is bf16, the paper's baseline precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from quasar.kernels import plan
+from quasar.model.loading import LoadedModel, load
+from quasar.model.llama import Layers, Transformer
+
+
+def keep_layers(model: Transformer, keep: list[int]) -> Transformer:
+    """A Transformer that runs only model's layers `keep` (in order), sharing every weight with model.
+
+    The kept layers are renumbered 0..len(keep)-1 for the smaller KV cache, so a model whose layers are
+    renumbered must not run the original model afterwards: use this on the first layers (renumbering is
+    then the identity) or on a model of your own.
+    """
+    config = dataclasses.replace(model.config, num_hidden_layers=len(keep))
+    with torch.device("meta"):
+        small = Transformer(config)
+    small.model.embed_tokens = model.model.embed_tokens
+    small.model.layers = Layers(model.model.layers[i] for i in keep)
+    small.model.norm = model.model.norm
+    small.lm_head = model.lm_head
+    small.inv_freq = model.inv_freq
+    for new_index, layer in enumerate(small.model.layers):
+        layer.self_attn.layer = new_index
+    plan.prepare_(small)  # on the kernels when model is: its own fused stack over the shared layers
+    return small
+
+
+def dropped_layers(n_layers: int, n_drop: int) -> list[int]:
+    """The layers 'pruned:N' drops: the N just before the last one."""
+    if not 0 <= n_drop <= n_layers - 2:
+        raise ValueError(f"pruned:N needs 0 <= N <= {n_layers - 2} for a {n_layers}-layer model, got {n_drop}")
+    return list(range(n_layers - 1 - n_drop, n_layers - 1))
+
+
+def load_pruned(model: str | Path, arg: str | None, cache_dir: str | Path | None = None) -> LoadedModel:
+    if not arg or not arg.isdigit():
+        raise ValueError(f"pruned needs a layer count: 'pruned:N' (got {arg!r})")
+    loaded = load(model, "bf16", cache_dir)
+    n_layers = loaded.model.config.num_hidden_layers
+    drop = set(dropped_layers(n_layers, int(arg)))
+    loaded.model = keep_layers(loaded.model, [i for i in range(n_layers) if i not in drop])
+    return loaded

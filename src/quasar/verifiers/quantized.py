@@ -1,0 +1,81 @@
+"""The 'w8a8' and 'w8a16' verifiers (names in quasar.verifiers.registry.VERIFIERS).
+
+`w8a8[:pc|:gN][:ALPHA][:lm8|:lmbf16]` (recipe.parse_scheme) and `w8a16` on a float model quantize it once with the default
+calibration set and cache the checkpoint on disk. The cache key is the source weights' sha256 (memoised by
+path, size and mtime), the recipe's settings and a hash of the quantization code, so a fix in the quantizer
+makes new checkpoints instead of reusing stale ones; the float model is loaded only when the key misses. A
+quantized directory (from `quasar quantize`) loads directly when its scheme matches the name. The lm_head's
+format (W8A8, or bf16 with `:lmbf16`) is part of the recipe and of the checkpoint, so every command that names a
+verifier runs one model.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+from quasar.files import cache_root
+from quasar.model.loading import LoadedModel, load, quantized_block, resolve, source_sha256
+from quasar.quant.checkpoint import load_quantized, save_quantized
+from quasar.quant.recipe import LM_HEAD_PARTS, QuantRecipe, parse_scheme, quantize_model
+
+log = logging.getLogger("quasar")
+QUANT_DIR = Path(__file__).parents[1] / "quant"
+QUANT_CODE = ("calibration.py", "checkpoint.py", "bf16.py", "int8.py", "recipe.py", "schemes.py", "smoothquant.py")
+
+
+@functools.cache
+def quant_code_sha256() -> str:
+    """A hash of the code that decides quantized weights: any change to it invalidates cached checkpoints."""
+    return hashlib.sha256(b"".join((QUANT_DIR / name).read_bytes() for name in QUANT_CODE)).hexdigest()
+
+
+def recipe_key(source_sha256: str, recipe: QuantRecipe) -> str:
+    settings = {"source_sha256": source_sha256, "quant_code": quant_code_sha256(), **recipe.settings()}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def quantized_cached(model: str | Path, recipe: QuantRecipe, cache_dir: str | Path | None = None) -> LoadedModel:
+    """The quantized model for (float model, recipe), made and cached on first use."""
+    path = resolve(model, cache_dir)
+    target = cache_root(cache_dir) / "quantized" / recipe_key(source_sha256(path, cache_dir), recipe)
+    if not (target / "config.json").exists():
+        loaded = load(model, "fp32", cache_dir)
+        log.info("quantizing %s (%s) once into %s", loaded.source, recipe.name, target)
+        save_quantized(loaded, quantize_model(loaded, recipe), target, cache=True)
+    return load_quantized(target, cache_dir)
+
+
+def checkpoint_name(block: dict) -> str:
+    """The verifier name of a checkpoint's quantization block: 'w8a8:g32', 'w8a8:pc', 'w8a8:g32:lmbf16', 'w8a16'."""
+    if block["scheme"] != "w8a8":
+        return block["scheme"]
+    group = block.get("group_size", 0)
+    return f"w8a8:{f'g{group}' if group else 'pc'}{'' if block.get('lm_head_dtype') == 'int8' else ':lmbf16'}"
+
+
+def load_scheme(name: str, model: str | Path, cache_dir: str | Path | None) -> LoadedModel:
+    recipe = parse_scheme(name)
+    path = resolve(model, cache_dir)
+    block = quantized_block(path)
+    if block is None:
+        return quantized_cached(model, recipe, cache_dir)
+    parts = name.split(":")[1:]
+    explicit = any(part == "pc" or part[:1] == "g" for part in parts)  # a group named, not only alpha
+    head_named = any(part in LM_HEAD_PARTS for part in parts)  # plain 'w8a8' takes either lm_head
+    int8_head = block.get("lm_head_dtype") == "int8"
+    if (block["scheme"] != recipe.scheme or (explicit and block.get("group_size", 0) != recipe.group_size)
+            or (head_named and recipe.lm_head != int8_head)):
+        raise ValueError(f"{path} is a {checkpoint_name(block)} checkpoint, but --verifier asks for {name}")
+    return load_quantized(path, cache_dir)
+
+
+def load_w8a8(model: str | Path, arg: str | None, cache_dir: str | Path | None = None) -> LoadedModel:
+    return load_scheme(f"w8a8:{arg}" if arg else "w8a8", model, cache_dir)
+
+
+def load_w8a16(model: str | Path, arg: str | None, cache_dir: str | Path | None = None) -> LoadedModel:
+    return load_scheme(f"w8a16:{arg}" if arg else "w8a16", model, cache_dir)
