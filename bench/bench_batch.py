@@ -44,7 +44,7 @@ def main() -> int:
     conversations = [[{"role": "user", "content": text}] for text in prompts(args.prompts)]
     llm.chat(conversations[:2], params)  # warm-up
     print(f"{len(conversations)} prompts x {args.max_tokens} tokens, {args.drafter}+{args.verifier}, "
-          f"{llm.engine.target.model.backend}, max batch {args.max_batch}", flush=True)
+          f"{llm.engine.target.model.plan.paths}, max batch {args.max_batch}", flush=True)
 
     def tokens_per_s(batched: bool) -> float:
         start = time.perf_counter()

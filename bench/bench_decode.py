@@ -22,9 +22,9 @@ RUNS = (("quasar", "fp32"), ("quasar", "bf16"), ("quasar", "w8a8"), ("transforme
 
 
 def quasar_decoder(dtype: str):
-    from quasar.engine import Engine
-    from quasar.sampling import SamplingParams
-    from quasar.verifiers import load_verifier
+    from quasar.decoding.engine import Engine
+    from quasar.decoding.sampling import SamplingParams
+    from quasar.verifiers.registry import load_verifier
 
     engine = Engine(load_verifier("default", dtype))
     ids = engine.encode(PROMPT)
@@ -39,7 +39,7 @@ def quasar_decoder(dtype: str):
 def hf_decoder(dtype: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quasar.loading import float_directory
+    from quasar.model.loading import float_directory
 
     directory = float_directory("default")  # plain float safetensors: transformers 5 keeps GGUF weights packed
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]

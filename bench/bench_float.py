@@ -31,7 +31,7 @@ from contextlib import contextmanager
 
 import torch
 
-from quasar import native
+from quasar.kernels import native
 
 DEFAULT_ENGINES = "quasar:fp32,quasar:bf16,quasar:w8a8,transformers:fp32,transformers:bf16,llama.cpp:f16,llama.cpp:bf16"
 VERIFY = 6
@@ -39,12 +39,12 @@ VERIFY = 6
 
 class Quasar:
     def __init__(self, model: str, verifier: str, w8a8: str | None, max_len: int) -> None:
-        from quasar.verifiers import load_verifier
+        from quasar.verifiers.registry import load_verifier
 
         verifier, _, self.float_path = verifier.partition("@")
         self.model = load_verifier(w8a8 if verifier == "w8a8" and w8a8 else model, verifier).model
         self.cache = self.model.new_cache(max_len)
-        self.path = self.model.backend
+        self.path = self.model.plan.paths
         if self.float_path:
             native.kernel().use_float_path(self.float_path)  # raises on a path this CPU lacks
             native.kernel().use_float_path("auto")
@@ -81,13 +81,13 @@ class Transformers:
     def __init__(self, model: str, dtype: str) -> None:
         from transformers import AutoModelForCausalLM
 
-        from quasar.loading import float_directory
+        from quasar.model.loading import float_directory
 
         directory = float_directory(model)  # plain float safetensors (transformers 5 keeps GGUF weights packed)
         torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch_dtype).eval()
         self.past = None
-        self.path = f"torch {torch.backends.cpu.get_cpu_capability()}"
+        self.path = f"torch {torch.plan.cpu.get_cpu_capability()}"
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> None:
@@ -109,7 +109,7 @@ class LlamaCpp:
     def __init__(self, model: str, precision: str, max_len: int) -> None:
         import llama_cpp
 
-        from quasar.bench.gguf_export import exported_gguf
+        from quasar.tools.bench.gguf_export import exported_gguf
 
         threads = torch.get_num_threads()
         self.llm = llama_cpp.Llama(str(exported_gguf(model, precision)), n_ctx=max_len, n_batch=max_len, n_ubatch=512,

@@ -39,17 +39,18 @@ def main() -> int:
     if args.max_tokens < 1 or any(not m >= 0 for m in margins):
         parser.error("--max-tokens must be positive and every margin >= 0")
 
-    from quasar.api import DecodeConfig, build_engine
-    from quasar.bench.suites import load_suite
-    from quasar.sampling import SamplingParams
+    from quasar.builder import Verifiers, build_engine
+    from quasar.spec import EngineSpec
+    from quasar.tools.bench.suites import load_suite
+    from quasar.decoding.sampling import SamplingParams
 
-    engines = {"ar:bf16": build_engine(args.model, "bf16"),
-               "ngram+w8a8": build_engine(args.model, "w8a8", DecodeConfig("ngram"))}
+    verifiers = Verifiers(args.model)
+    engines = {name: build_engine(EngineSpec.parse(name), verifiers) for name in ("ar:bf16", "ngram+w8a8")}
     for margin in margins:
-        engines[f"guard {margin:g}"] = build_engine(args.model, "w8a8", DecodeConfig("ngram", guard=margin))
+        engines[f"guard {margin:g}"] = build_engine(EngineSpec.parse("ngram+w8a8", guard=margin), verifiers)
     float_model = engines["ar:bf16"].target.model
     names = list(engines)
-    print("paths:", {name: e.target.model.backend for name, e in engines.items() if name in ("ar:bf16", "ngram+w8a8")})
+    print("paths:", {name: e.target.model.plan.paths for name, e in engines.items() if name in ("ar:bf16", "ngram+w8a8")})
     params = SamplingParams(max_new_tokens=args.max_tokens, temperature=0)
     items = load_suite(args.suite, args.per_category)
     prompts = [engines["ar:bf16"].encode([{"role": "user", "content": item.turns[0]}]) for item in items]

@@ -16,7 +16,7 @@ import sys
 
 CHILD = """
 import json, resource, sys, torch
-from quasar.verifiers import load_verifier
+from quasar.verifiers.registry import load_verifier
 model = load_verifier(sys.argv[1], sys.argv[2]).model
 cache = model.new_cache(256)
 with torch.inference_mode():

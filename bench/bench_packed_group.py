@@ -17,7 +17,7 @@ import time
 import torch
 from torch.utils.cpp_extension import load_inline
 
-from quasar import native
+from quasar.kernels import native
 
 SOURCE = r"""
 // Experiment: group-wise W8A8 (G = 32) with weights packed 16 channels x 4 inputs per 64-byte register

@@ -1,7 +1,7 @@
 """The verify step's sampler at T > 0, old against new, on the default model's vocabulary size (49,152).
 
 `sorted` is the path quasar had before issue 19: temperature, top-k, softmax, a full sort for top-p, then
-torch.multinomial over the vocabulary, for every row of the step. `quasar` is quasar.sampling: one threshold
+torch.multinomial over the vocabulary, for every row of the step. `quasar` is quasar.decoding.sampling: one threshold
 per filter (on quasar's kernel top-k and top-p find theirs by octaves of the weights and a selection inside
 one octave; torch's partial selection elsewhere), weights computed only for the rows rejection sampling
 reaches, one uniform number inverted through a float64 running sum, in buffers the request reuses.
@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from quasar.sampling import Sampler, SamplingParams
-from quasar.verify import rejection_sample
+from quasar.decoding.sampling import Sampler, SamplingParams
+from quasar.decoding.rejection import rejection_sample
 
 V = 49152
 SETTINGS = {

@@ -115,7 +115,7 @@ def ms(seconds: float | None) -> float | None:
 
 def prompts(count: int) -> list[str]:
     """First turns of the spec suite, categories interleaved so that any prefix mixes lengths."""
-    from quasar.bench.suites import load_suite
+    from quasar.tools.bench.suites import load_suite
 
     items = load_suite("spec", per_category=max(1, count // 11 + 1))
     by_category: dict[str, list[str]] = {}
@@ -188,7 +188,7 @@ def servers(args: argparse.Namespace, work: Path) -> list[Server]:
     port = free_port()
     out.append(Server("quasar ngram+w8a8", [*quasar, "--port", str(port)], port, work / "quasar.log"))
     if args.llama_server:
-        from quasar.bench.gguf_export import exported_gguf
+        from quasar.tools.bench.gguf_export import exported_gguf
 
         gguf = exported_gguf(MODEL, "q8_0")
         port = free_port()
@@ -290,7 +290,7 @@ def main() -> int:
         parser.error("clients, prompts, requests and max tokens must be positive (max tokens >= 2)")
     out = Path(args.out or tempfile.mkdtemp(prefix="quasar-serve-"))
     out.mkdir(parents=True, exist_ok=True)
-    from quasar import native
+    from quasar.kernels import native
 
     kernel = native.kernel()
     cpu = f"kernels:{kernel.int8_path()}" if kernel is not None else "torch"

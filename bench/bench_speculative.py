@@ -3,7 +3,7 @@
     python bench/bench_speculative.py [--max-new-tokens 128] [--pruned 8] [--k 5] [--json out.json]
 
 10 real prompts, one per kind (8 MT-bench categories, HumanEval, GSM8K; sha256-checked by
-quasar.bench.suites), greedy. Methods AR-bf16, AR-w8a8, ngram+bf16, ngram+w8a8, ngram+pruned:N run
+quasar.tools.bench.suites), greedy. Methods AR-bf16, AR-w8a8, ngram+bf16, ngram+w8a8, ngram+pruned:N run
 interleaved (every method on prompt 1, then prompt 2, ...) in one process. Reports mean accepted
 tokens (tokens per verify step, bonus included) and tokens/s (new tokens / (prefill + decode time)).
 """
@@ -14,12 +14,13 @@ import argparse
 import json
 import sys
 
-from quasar.bench.suites import load_suite
-from quasar.drafters import build_drafter
-from quasar.engine import Engine
-from quasar.sampling import SamplingParams
-from quasar.speculative import Speculative, parse_k
-from quasar.verifiers import load_verifier
+from quasar.tools.bench.suites import load_suite
+from quasar.decoding.drafters import build_drafter
+from quasar.decoding.engine import Engine
+from quasar.decoding.sampling import SamplingParams
+from quasar.decoding.speculative import Speculative
+from quasar.spec import parse_k
+from quasar.verifiers.registry import load_verifier
 
 KINDS = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities", "humaneval", "gsm8k")
 

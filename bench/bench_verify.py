@@ -32,12 +32,12 @@ import time
 
 import torch
 
-from quasar import native
-from quasar.bench.bandwidth import bytes_per_forward, cache_sweep, read_bandwidth
-from quasar.engine import CACHE_BUCKET
-from quasar.loading import load
+from quasar.kernels import native
+from quasar.tools.bench.bandwidth import bytes_per_forward, cache_sweep, read_bandwidth
+from quasar.decoding.engine import CACHE_BUCKET
+from quasar.model.loading import load
 from quasar.quant.bf16 import pack_panels
-from quasar.verifiers import load_verifier
+from quasar.verifiers.registry import load_verifier
 
 SIZES = (1, 6)
 ROOF_SHAPE = (1536, 1536)  # N, K of the roof's weight: 2.4 MB int8, 4.7 MB bf16, hot in a 32 MB L3

@@ -35,11 +35,12 @@ from pathlib import Path
 
 import torch
 
-from quasar.api import DecodeConfig, build_engine
-from quasar.bench.suites import load_suite
-from quasar.loading import gguf_directory, resolve, sha256_file
-from quasar.models.config import CAUSAL_LM_CLASSES
-from quasar.sampling import SamplingParams
+from quasar.builder import Verifiers, build_engine
+from quasar.spec import EngineSpec, parse_levels
+from quasar.tools.bench.suites import load_suite
+from quasar.model.loading import gguf_directory, resolve, sha256_file
+from quasar.model.config import CAUSAL_LM_CLASSES
+from quasar.decoding.sampling import SamplingParams
 
 CATEGORIES = ("writing", "extraction", "coding", "humaneval", "long-context")
 PAPER_NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -136,8 +137,8 @@ def run_quasar(model: str, names: list[str], prompts: list[list[int]], max_new_t
     engines = {}
     for name in names:
         verifier, drafter = QUASAR_RUNS[name]
-        engines[name] = build_engine(model, verifier, DecodeConfig(drafter))
-    print("quasar paths: " + ", ".join(f"{name} {engine.target.model.backend}" for name, engine in engines.items()), flush=True)
+        engines[name] = build_engine(EngineSpec(parse_levels(verifier), drafter), Verifiers(model))
+    print("quasar paths: " + ", ".join(f"{name} {engine.target.model.plan.paths}" for name, engine in engines.items()), flush=True)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
     for engine in engines.values():
         engine.generate(prompts[0], params)  # warm-up
@@ -169,7 +170,7 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="quasar-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
     items = load_suite("spec", per_category=1, categories=CATEGORIES[: args.prompts])
-    engine = build_engine(args.model, "bf16")
+    engine = build_engine(EngineSpec.parse("ar:bf16"), Verifiers(args.model))
     prompts = [engine.encode(item.turns[0]) for item in items]
     del engine
     needed = {VLLM_RUNS[name][0] for name in runs if name in VLLM_RUNS}

@@ -122,13 +122,13 @@ def share_kernels(cache: Path) -> Path:
 
 @pytest.fixture(params=["torch", "kernel"])
 def sampling_path(request, monkeypatch):
-    """Run a sampling test on torch and on quasar's sampling kernel (plan.cpu_kernel decides which runs)."""
-    from quasar.kernels import plan
+    """Run a sampling test on torch and on quasar's sampling kernel (sampling.on_cpu decides which runs)."""
+    from quasar.decoding import sampling
 
     if request.param == "kernel":
         if native.kernel() is None:
             pytest.skip(f"quasar's CPU kernels: {native.status()}")
-        monkeypatch.setattr(plan, "cpu_kernel", lambda t: native.kernel() if t.device.type == "cpu" and t.dtype == torch.float32 else None)
+        monkeypatch.setattr(sampling, "on_cpu", lambda kernel, t: native.kernel() if t.device.type == "cpu" and t.dtype == torch.float32 else None)
     else:
-        monkeypatch.setattr(plan, "cpu_kernel", lambda t: None)
+        monkeypatch.setattr(sampling, "on_cpu", lambda kernel, t: None)
     return request.param

@@ -1,6 +1,6 @@
-"""The package's shape: imports point one way (commands -> api/engine -> speculative/drafters -> models/quant
--> files), with no cycle hidden in a function-level import or a registry table, and the model never
-imports quant/ (quantization swaps modules afterwards)."""
+"""The package's shape: imports point down the layers (commands -> api/builder -> serve, tools -> decoding,
+verifiers -> quant, kernels -> model -> spec, files), with no cycle hidden in a function-level import or a
+registry table; the model never imports quant/ or kernels/ (they swap modules afterwards)."""
 
 from __future__ import annotations
 
@@ -76,8 +76,43 @@ def test_no_import_cycles():
     assert cycles(graph) == []
 
 
-def test_the_cycle_finder_finds_a_hidden_cycle():
-    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+# package -> the packages it must never import (imports point down: commands -> api/builder -> serve, tools ->
+# decoding, verifiers -> quant, kernels -> model -> spec, files)
+FORBIDDEN = {
+    "quasar.model": ("quasar.quant", "quasar.kernels", "quasar.decoding", "quasar.verifiers", "quasar.tools",
+                     "quasar.serve", "quasar.commands", "quasar.api", "quasar.builder"),
+    "quasar.quant": ("quasar.decoding", "quasar.verifiers", "quasar.tools", "quasar.serve", "quasar.commands",
+                     "quasar.api", "quasar.builder"),
+    "quasar.kernels": ("quasar.decoding", "quasar.verifiers", "quasar.tools", "quasar.serve", "quasar.commands",
+                       "quasar.api", "quasar.builder"),
+    "quasar.verifiers": ("quasar.decoding", "quasar.tools", "quasar.serve", "quasar.commands", "quasar.api",
+                         "quasar.builder"),
+    "quasar.decoding": ("quasar.tools", "quasar.serve", "quasar.commands", "quasar.api",
+                        "quasar.builder"),
+    "quasar.serve": ("quasar.tools", "quasar.commands"),
+    "quasar.tools": ("quasar.serve", "quasar.commands"),
+}
+# 'default' and the other installed model names resolve through the model store
+KNOWN = {"quasar.model.loading -> quasar.tools.model_store"}
+LEAVES = ("quasar.files", "quasar.spec", "quasar.registry", "quasar.version")
+
+
+def test_imports_point_down_the_layers():
+    wrong = sorted(f"{name} -> {d}" for name in MODULES for package, banned in FORBIDDEN.items()
+                   if name.startswith(package + ".") or name == package
+                   for d in dependencies(name) if d.startswith(banned))
+    assert set(wrong) - KNOWN == set()
+
+
+def test_the_leaves_import_no_other_module():
+    for name in LEAVES:
+        assert dependencies(name) == set(), name
+
+
+def test_one_registry_idiom():
+    """Only registry.lookup imports a module by name (besides the package's lazy exports and the CLI's commands)."""
+    by_name = {name for name, path in MODULES.items() if "import_module(" in path.read_text()}
+    assert by_name == {"quasar.registry", "quasar", "quasar.cli"}
 
 
 def test_the_model_never_imports_quant_or_the_kernels_switch():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import needs_kernels
 
-from quasar.api import DecodeConfig, build_decoder, build_engine
+from helpers import decoder_for, engine_for
 from quasar.decoding.batch import Batch
 from quasar.decoding.engine import Engine
 from quasar.model.llama import Step
@@ -57,7 +57,7 @@ def test_forward_steps_give_each_sequence_its_logits_alone(verifier):
     from quasar.verifiers.registry import load_verifier
 
     model = load_verifier("default", verifier).model
-    assert model.batches_rows
+    assert model.plan.batches_rows
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 20000) for _ in range(n)] for n in (5, 40, 17)]
     with torch.inference_mode():
@@ -79,7 +79,7 @@ def test_forward_steps_give_each_sequence_its_logits_alone(verifier):
 
 @pytest.fixture(scope="module")
 def w8a8_engine():
-    return build_engine("default", "w8a8", DecodeConfig(drafter="ngram"))
+    return engine_for("ngram+w8a8")
 
 
 @needs_kernels
@@ -108,7 +108,7 @@ def test_batched_answers_equal_answers_alone(w8a8_engine, drafter, max_rows):
     """Default model, W8A8 on the kernels: 8 requests of mixed lengths, stop rules and temperatures, at most 5 at
     once (so requests join and leave mid-way), few rows per forward (drafts cut, prompts prefilled in chunks)."""
     target = w8a8_engine.target
-    engine = Engine(target, build_decoder(target, DecodeConfig(drafter=drafter)))
+    engine = Engine(target, decoder_for(drafter, target))
     batch = Batch(engine, max_batch=5, max_rows=max_rows)
     alone, batched = alone_then_batched(engine, batch, TEXTS, mixed_params())
     assert {a.finish_reason for a in alone} == {"stop", "length"}
@@ -118,8 +118,8 @@ def test_batched_answers_equal_answers_alone(w8a8_engine, drafter, max_rows):
 
 def test_the_torch_path_batches_too_one_forward_per_request(tiny_model):
     """fp32 runs on torch (rows not independent): each request gets its own forward, prompts whole; same answers."""
-    engine = Engine(tiny_model, build_decoder(tiny_model, DecodeConfig(drafter="ngram", k=3)))
-    assert not tiny_model.model.batches_rows
+    engine = Engine(tiny_model, decoder_for("ngram", tiny_model, k=3))
+    assert not tiny_model.model.plan.batches_rows
     alone, batched = alone_then_batched(engine, Batch(engine, max_batch=3, max_rows=2), TEXTS[:5], mixed_params()[:5])
     assert_same(alone, batched)
 
@@ -200,7 +200,7 @@ def test_a_seeded_request_keeps_its_drafts_uncut_and_an_unseeded_one_may_lose_th
     from quasar.decoding.speculative import Speculative
     from quasar.decoding.stats import GenerationStats
 
-    decoder = build_decoder(tiny_model, DecodeConfig(drafter="ngram", k=3))
+    decoder = decoder_for("ngram", tiny_model, k=3)
     assert isinstance(decoder, Speculative)
     model, cuts = tiny_model.model, {}
     for name, params in {"greedy": SamplingParams(), "seeded": SamplingParams(temperature=1.0, seed=1),

@@ -108,10 +108,10 @@ ITEMS = [BenchItem(f"q{i}", "math", (f"question {i}",)) for i in range(3)]
 
 
 def test_runner_interleaves_methods_prompt_by_prompt(tmp_path):
-    a, b = ScriptedMethod("ar:x", [1, 2]), ScriptedMethod("ngram+x", [1, 3])
+    a, b = ScriptedMethod("ar:fp32", [1, 2]), ScriptedMethod("ngram+fp32", [1, 3])
     result = run([a, b], ITEMS, RunConfig(warmup_tokens=1), tmp_path / "answers.jsonl")
     assert a.calls[1:] == b.calls[1:] == [f"question {i}" for i in range(3)]  # after one warm-up each
-    assert [r["model_id"] for r in result.records] == ["ar:x", "ngram+x"] * 3
+    assert [r["model_id"] for r in result.records] == ["ar:fp32", "ngram+fp32"] * 3
     assert divergences(result.records)[0]["position"] == 1  # the runner's records feed the divergence check
 
 
@@ -137,7 +137,7 @@ def test_greedy_speculative_matches_plain_decoding_through_the_bench(tiny_model,
 def test_a_method_names_what_runs_it(tiny_model_dir):
     pool = Pool(MethodOptions(model=str(tiny_model_dir)))
     plain, cascade = build_method("ar:fp32", pool), build_method("ngram+fp32+bf16", pool)
-    fp32, bf16 = pool.verifier("fp32").model.backend, pool.verifier("bf16").model.backend
+    fp32, bf16 = pool.verifier("fp32").model.plan.paths, pool.verifier("bf16").model.plan.paths
     assert plain.path == fp32 and cascade.path == f"{fp32} > {bf16}"
 
 
@@ -145,7 +145,7 @@ def test_unknown_and_incomplete_methods_fail_clearly():
     pool = Pool(MethodOptions())
     with pytest.raises(ValueError, match="unknown method"):
         build_method("turbo", pool)
-    with pytest.raises(ValueError, match="needs a verifier"):
+    with pytest.raises(ValueError, match="unknown method"):
         build_method("ar:", pool)
     with pytest.raises(ValueError, match="hf:ar or hf:pld"):
         build_method("hf:beam", pool)
@@ -198,10 +198,10 @@ def test_transformers_peer_counts_its_steps(tiny_model_dir, mode):
 
 
 def test_quantized_checkpoint_serves_the_int8_verifiers_only(monkeypatch):
-    from quasar.tools.bench import base
+    from quasar import builder
 
     calls = []
-    monkeypatch.setattr(base, "load_verifier", lambda model, name, cache_dir: calls.append((model, name)) or name)
+    monkeypatch.setattr(builder, "load_verifier", lambda model, spec, cache_dir: calls.append((model, str(spec))) or spec)
     pool = Pool(MethodOptions(model="float-model", quantized="ckpt"))
     for name in ("bf16", "w8a8", "w8a16", "w8a8:0.5"):
         pool.verifier(name)

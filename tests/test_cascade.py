@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quasar.api import DecodeConfig, build_decoder, build_engine, cascade_levels
+from helpers import decoder_for, engine_for
+from quasar.spec import parse_levels
 from quasar.decoding.cascade import CascadeDrafter
 from quasar.decoding.drafters.ngram import NgramDrafter
 from quasar.decoding.engine import Engine
@@ -17,11 +18,11 @@ from test_verify import chi_square_p
 
 
 def test_cascade_names():
-    assert cascade_levels("w8a8+bf16") == ("w8a8", "bf16")
-    assert cascade_levels("bf16") == (None, "bf16")
+    assert [str(level) for level in parse_levels("w8a8+bf16")] == ["w8a8", "bf16"]
+    assert [str(level) for level in parse_levels("bf16")] == ["bf16"]
     for bad in ("w8a8+", "+bf16", "w8a8+w8a16+bf16"):
         with pytest.raises(ValueError, match="MIDDLE\\+TOP"):
-            cascade_levels(bad)
+            parse_levels(bad)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def float_answers():
 def test_greedy_cascade_equals_the_float_verifier(float_answers, drafter):
     """w8a8+bf16 at T = 0 gives ar:bf16's tokens, whatever drafts the w8a8 level and whatever it gets wrong."""
     target, middle, prompts, expected = float_answers
-    engine = Engine(target, build_decoder(target, DecodeConfig(drafter, k=5), middle=middle))
+    engine = Engine(target, decoder_for(drafter, target, k=5, middle=middle))
     for ids, want in zip(prompts, expected):
         got = engine.generate(ids, SamplingParams(max_new_tokens=32))
         assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
@@ -49,8 +50,8 @@ def test_greedy_cascade_equals_the_float_verifier(float_answers, drafter):
 
 
 def test_build_engine_takes_a_cascade_name():
-    engine = build_engine("default", "w8a8+bf16", DecodeConfig("ngram"))
-    assert isinstance(engine.decoder.drafter, CascadeDrafter) and engine.target.model.backend.startswith(("kernels", "torch"))
+    engine = engine_for("ngram+w8a8+bf16")
+    assert isinstance(engine.decoder.drafter, CascadeDrafter) and engine.target.model.plan.paths.startswith(("kernels", "torch"))
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])

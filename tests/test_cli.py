@@ -142,7 +142,7 @@ def assert_one_line_error(code: int, err: str, match: str) -> None:
     (["--k", "0"], "--k"),
     (["--exact", "--verifier", "bf16"], "--exact"),
     (["--exact", "--verifier", "w8a8+bf16"], "--exact"),
-    (["--guard", "-1"], "--guard"),
+    (["--guard", "-1"], "guard margin"),
 ])
 def test_bad_generate_numbers_are_refused_before_the_model_loads(capsys, tmp_path, args, match):
     """The model path does not exist: a check made after loading would report that instead."""

@@ -283,8 +283,10 @@ def test_a_killed_run_goes_on_where_it_stopped(tiny_model_dir, tmp_path, monkeyp
     with pytest.raises(KeyboardInterrupt):
         evaluate(config, on_progress=stop_after_four)
     loaded: list[str] = []
-    real_load = runner.verifiers.load_verifier
-    monkeypatch.setattr(runner.verifiers, "load_verifier", lambda *a, **k: loaded.append(a[1]) or real_load(*a, **k))
+    from quasar import builder
+
+    real_load = builder.load_verifier
+    monkeypatch.setattr(builder, "load_verifier", lambda *a, **k: loaded.append(str(a[1])) or real_load(*a, **k))
     resumed = evaluate(config, resume=saved[-1]).to_dict()
     for key in whole["items"]:
         assert [r["prediction"] for r in resumed["items"][key]] == [r["prediction"] for r in whole["items"][key]]
@@ -325,8 +327,10 @@ def test_a_resumed_run_may_add_verifiers_but_not_leave_one_out(tiny_model_dir, m
     first = EvalConfig(model=tiny_model_dir, verifiers=("fp32",), tasks=("mmlu",), limit=2)
     saved = json.loads(json.dumps(evaluate(first).to_dict()))
     loaded: list[str] = []
-    real_load = runner.verifiers.load_verifier
-    monkeypatch.setattr(runner.verifiers, "load_verifier", lambda *a, **k: loaded.append(a[1]) or real_load(*a, **k))
+    from quasar import builder
+
+    real_load = builder.load_verifier
+    monkeypatch.setattr(builder, "load_verifier", lambda *a, **k: loaded.append(str(a[1])) or real_load(*a, **k))
     grown = EvalConfig(model=tiny_model_dir, verifiers=("fp32", "bf16"), tasks=("mmlu",), limit=2)
     report = evaluate(grown, resume=saved).to_dict()
     assert loaded == ["bf16"]

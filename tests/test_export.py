@@ -161,9 +161,11 @@ def test_the_int8_lm_head_is_never_exported_as_float(tiny_model_dir, tmp_path):
     and the writer refuses a model whose lm_head is int8 rather than drop it."""
     from quasar.tools.export import export, vllm_scheme
 
-    nearest, why = vllm_scheme("w8a8:pc")
-    assert nearest == "w8a8:pc:lmbf16" and "keeps its lm_head in W8A8" in why and "per group" not in why
-    assert vllm_scheme("w8a8:pc:lmbf16") == ("w8a8:pc:lmbf16", None)
+    from quasar.spec import VerifierSpec
+
+    nearest, why = vllm_scheme(VerifierSpec.parse("w8a8:pc"))
+    assert str(nearest) == "w8a8:pc:lmbf16" and "keeps its lm_head in W8A8" in why and "per group" not in why
+    assert vllm_scheme(VerifierSpec.parse("w8a8:pc:lmbf16")) == (VerifierSpec.parse("w8a8:pc:lmbf16"), None)
     int8_head = load_verifier(tiny_model_dir, "w8a8:pc", cache_dir=tmp_path / "cache", owned=False)
     with pytest.raises(ValueError, match="lm_head is in W8A8.*--verifier w8a8:pc:lmbf16"):
         export(int8_head, tmp_path / "out")

@@ -232,15 +232,15 @@ def test_fp32_and_bf16_verifiers_run_on_the_float_kernels(tiny_model_dir):
         expected = reference(ids, reference.new_cache(16))
         for name, tolerance in (("fp32", 1e-4), ("bf16", 0.05)):
             model = load_verifier(tiny_model_dir, name).model
-            assert model.backend == f"kernels:{kernel.float_path_for(name == 'bf16')}", name
+            assert model.plan.paths == f"kernels:{kernel.float_path_for(name == 'bf16')}", name
             got = model(ids, model.new_cache(16))
             assert (got - expected).abs().max() <= tolerance * expected.abs().max(), name
             linears = [m for m in model.modules() if getattr(m, "packed", None) is not None]
             assert len(linears) == 2 * 7 + 1 and all(m.weight.data_ptr() == m.packed.data_ptr() for m in linears), name
         w8a8 = load_verifier(tiny_model_dir, "w8a8").model
         lmbf16 = load_verifier(tiny_model_dir, "w8a8:lmbf16").model
-    assert w8a8.backend == f"kernels:{kernel.int8_path()}"  # every linear int8, the lm_head too
-    assert lmbf16.backend == f"kernels:{kernel.int8_path()}+{kernel.float_path_for(False)}"  # int8 layers, bf16 lm_head
+    assert w8a8.plan.paths == f"kernels:{kernel.int8_path()}"  # every linear int8, the lm_head too
+    assert lmbf16.plan.paths == f"kernels:{kernel.int8_path()}+{kernel.float_path_for(False)}"  # int8 layers, bf16 lm_head
 
 
 @pytest.mark.parametrize("name", ["bf16", "w8a8:lmbf16"])

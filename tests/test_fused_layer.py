@@ -33,7 +33,7 @@ def make(kind: str, model_type: str, directory):
     elif kind != "fp32":
         quantize_(model, W8A8Config() if kind == "w8a8" else W8A16Config())
         use_bf16_linears_(model, ["lm_head"])
-    assert plan.prepare_(model).startswith("kernels:")
+    assert plan.prepare_(model).paths.startswith("kernels:")
     return model
 
 
@@ -220,7 +220,7 @@ def test_a_bf16_verifier_with_bf16_attention_keeps_every_row_independent(wide_he
 
     model = make("bf16-inputs", "", wide_heads_dir)
     amx = native.kernel().bf16_attention(True, 64)
-    assert model.backend.endswith("+bf16-attention") == amx
+    assert model.plan.paths.endswith("+bf16-attention") == amx
     assert all(layer.self_attn.bf16_products for layer in model.model.layers)
     fused = steps(model, True)
     assert all(torch.equal(a, b) for a, b in zip(fused, steps(model, False)))
@@ -254,9 +254,9 @@ def test_one_call_forward_equals_the_modules_one_by_one(kind, layout, tied_dir):
     plan.prepare_(model, owned=True)
     table = model.model.embed_tokens.weight
     assert (table.dim(), table.dtype) == layout, "the layout this case is for"
-    assert model.fused_tail
     whole = steps(model, True)
+    assert model.plan.fused
     one_by_one = steps(model, False)
-    assert not model.fused_tail
+    assert not model.plan.fused
     for a, b in zip(whole, one_by_one):
         assert torch.equal(a, b)

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from quasar.api import DecodeConfig, build_engine
+from helpers import engine_for
+from quasar.spec import EngineSpec, parse_levels
 from quasar.decoding.confidence_guard import fold_value_scales_, guard_model, value_scales
 from quasar.model.llama import FIXED_ROWS
 from quasar.decoding.sampling import SamplingParams
@@ -31,10 +32,10 @@ def float_over_w8a8_prompt(w8a8, float_, ids: list[int], n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def answers():
-    plain = build_engine("default", "w8a8", DecodeConfig("ngram", k=5))
+    plain = engine_for("ngram+w8a8", k=5)
     prompts = [plain.encode(p) for p in PROMPTS]
     n = PARAMS.max_new_tokens
-    guard = guard_model("default", "w8a8")
+    guard = guard_model("default", plain.target)
     return prompts, guard, [plain.generate(ids, PARAMS).token_ids for ids in prompts], [
         float_over_w8a8_prompt(plain.target.model, guard, ids, n) for ids in prompts]
 
@@ -42,7 +43,7 @@ def answers():
 def test_margin_zero_is_plain_w8a8_and_infinity_is_the_float_model_over_its_cache(answers):
     prompts, _, w8a8, float_ = answers
     for margin, expected in ((0.0, w8a8), (math.inf, float_)):
-        engine = build_engine("default", "w8a8", DecodeConfig("ngram", k=5, guard=margin))
+        engine = engine_for("ngram+w8a8", k=5, guard=margin)
         for ids, want in zip(prompts, expected):
             got = engine.generate(ids, PARAMS)
             assert got.token_ids == want[: len(got.token_ids)]
@@ -51,7 +52,7 @@ def test_margin_zero_is_plain_w8a8_and_infinity_is_the_float_model_over_its_cach
 
 def test_a_finite_margin_rechecks_some_positions(answers):
     prompts, _, w8a8, _ = answers
-    engine = build_engine("default", "w8a8", DecodeConfig("ngram", k=5, guard=2.0))
+    engine = engine_for("ngram+w8a8", k=5, guard=2.0)
     stats = [engine.generate(ids, PARAMS).stats for ids in prompts]
     assert 0 < sum(s.rechecked_tokens for s in stats) < sum(s.verify_steps for s in stats)
 
@@ -59,11 +60,11 @@ def test_a_finite_margin_rechecks_some_positions(answers):
 @pytest.mark.parametrize("verifier,drafter,match", [("bf16", "ngram", "already float"), ("w8a8", "none", "needs a drafter")])
 def test_guard_refuses_what_it_cannot_guard(verifier, drafter, match):
     with pytest.raises(ValueError, match=match):
-        build_engine("default", verifier, DecodeConfig(drafter, guard=1.0))
+        EngineSpec(parse_levels(verifier), drafter, guard=1.0)
 
 
 def test_value_scales_come_back_from_a_quantized_o_proj_and_folding_them_keeps_the_function():
-    from quasar.quant.int8 import Int8Linear
+    from quasar.quant.int8 import Int8Linear, dequantize
 
     torch.manual_seed(0)
     n_kv, heads, head_dim, hidden = 2, 4, 16, 512  # 512 output channels average the int8 rounding out
@@ -74,7 +75,8 @@ def test_value_scales_come_back_from_a_quantized_o_proj_and_folding_them_keeps_t
         smoothed = torch.nn.Linear(heads * head_dim, hidden, bias=False)
         smoothed.weight.data = float_o * columns[None, :]
         quantized = Int8Linear.from_float(smoothed, group_size=group_size)
-        assert torch.allclose(value_scales(quantized, float_o, n_kv, head_dim), truth, rtol=3e-3)
+        w = dequantize(quantized.weight, quantized.weight_scale)
+        assert torch.allclose(value_scales(w, float_o, n_kv, head_dim), truth, rtol=3e-3)
 
     attention = torch.nn.Module()
     attention.n_kv, attention.head_dim = n_kv, head_dim

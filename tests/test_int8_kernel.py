@@ -115,7 +115,7 @@ def test_bf16_swap_is_what_the_bf16_verifier_uses(tiny_model_dir):
     model = load_verifier(tiny_model_dir, "bf16").model
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(isinstance(m, KernelBF16Linear) for m in linears)
-    assert model.backend.startswith("kernels:")
+    assert model.plan.paths.startswith("kernels:")
 
 
 def test_forward_many_equals_one_call_per_layer():

@@ -103,7 +103,7 @@ def test_a_pool_hands_a_prompt_the_positions_a_kept_cache_shares_with_it(backend
     model = load(tiny_model_dir, "fp32").model
     if backend == "kernels":
         quantize_(model, W8A8Config(group_size=32))
-        assert plan.prepare_(model).startswith("kernels:")
+        assert plan.prepare_(model).paths.startswith("kernels:")
     pool, ids = CachePool(model, spare=2), token_ids(40)[0].tolist()
     first = pool.take(64, ids[:20])
     with torch.inference_mode():

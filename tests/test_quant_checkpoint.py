@@ -141,11 +141,11 @@ def test_group_scheme_round_trip_and_block(tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("scheme,message", [
-    ("w8a9", "unknown quantization scheme 'w8a9'"),
+    ("w8a9", "unknown verifier 'w8a9'"),
     ("w8a8:g48", "multiple of 32"),
     ("w8a8:g96", "group size 96 does not divide the 64 inputs of model.layers.0.self_attn.q_proj"),
-    ("w8a8:g32:1.5", "is neither pc, gN, lm8, lmbf16 nor an alpha"),
-    ("w8a16:g32", "unknown quantization scheme"),
+    ("w8a8:g32:1.5", "alpha must lie in"),
+    ("w8a16:g32", "takes no argument"),
 ])
 def test_cli_quantize_bad_scheme_is_one_line_and_writes_nothing(tiny_model_dir, tmp_path, capsys, scheme, message):
     out = tmp_path / "q"
@@ -175,14 +175,18 @@ def test_verifier_names_pick_the_scheme(tiny_model_dir, tmp_path):
     assert load_verifier(tiny_model_dir, "w8a8:pc", cache).model.model.layers[0].mlp.up_proj.group_size == 0
     assert load_verifier(tiny_model_dir, "w8a8:g64", cache).model.model.layers[0].mlp.up_proj.group_size == 64
     assert isinstance(load_verifier(tiny_model_dir, "w8a8:lmbf16", cache).model.lm_head, BF16Linear)  # on every host
-    with pytest.raises(ValueError, match="'x' is neither pc, gN, lm8, lmbf16 nor an alpha"):
+    with pytest.raises(ValueError, match="'x' is neither pc, gN, lm8, lmbf16, auto, none nor an alpha"):
         load_verifier(tiny_model_dir, "w8a8:x", cache)
 
 
 def test_w8a8_puts_the_lm_head_in_w8a8_too_and_lmbf16_keeps_it_in_bf16(tiny_model_dir, tmp_path, capsys):
     from quasar.quant.int8 import Int8Linear
-    from quasar.quant.recipe import parse_scheme
-    from quasar.verifiers.quantized import checkpoint_name
+    from quasar.quant.recipe import recipe_for
+    from quasar.spec import VerifierSpec
+    from quasar.verifiers.quantized import checkpoint_spec
+
+    def parse_scheme(name: str):
+        return recipe_for(VerifierSpec.parse(name))
     from quasar.verifiers.registry import load_verifier
 
     assert parse_scheme("w8a8").name == parse_scheme("w8a8:lm8").name == "w8a8:g32"
@@ -194,8 +198,8 @@ def test_w8a8_puts_the_lm_head_in_w8a8_too_and_lmbf16_keeps_it_in_bf16(tiny_mode
     for out, flags in ((int8_head, []), (bf16_head, ["--lm-head", "bf16"])):
         assert main(["quantize", "--model", str(tiny_model_dir), "--out", str(out), "--calib-samples", "1",
                      "--seq-len", "32", *flags]) == 0
-    assert checkpoint_name(json.loads((int8_head / "config.json").read_text())["quantization"]) == "w8a8:g32"
-    assert checkpoint_name(json.loads((bf16_head / "config.json").read_text())["quantization"]) == "w8a8:g32:lmbf16"
+    assert str(checkpoint_spec(json.loads((int8_head / "config.json").read_text())["quantization"])) == "w8a8:g32"
+    assert str(checkpoint_spec(json.loads((bf16_head / "config.json").read_text())["quantization"])) == "w8a8:g32:lmbf16"
     assert isinstance(load_verifier(bf16_head, "w8a8").model.lm_head, BF16Linear)  # plain w8a8 takes either head
     with pytest.raises(ValueError, match="is a w8a8:g32:lmbf16 checkpoint, but --verifier asks for w8a8:lm8"):
         load_verifier(bf16_head, "w8a8:lm8")
@@ -241,10 +245,11 @@ def test_a_warm_cache_loads_no_float_model_and_the_quantizer_code_keys_it(tiny_m
 def test_the_bf16_lm_head_does_not_depend_on_the_host(tiny_model_dir, tmp_path):
     """The recipe rounds the lm_head to bf16 whether or not the kernels run, so a checkpoint (and an export)
     made on an AVX2 host equals one made on a host without them."""
-    from quasar.quant.recipe import parse_scheme, quantize_model
+    from quasar.quant.recipe import quantize_model, recipe_for
+    from quasar.spec import VerifierSpec
 
     loaded = load(tiny_model_dir, "fp32")
     head = loaded.model.lm_head.weight.detach().clone()
-    quantize_model(loaded, parse_scheme("w8a8:lmbf16", CalibrationSpec(samples=1, seq_len=32)))
+    quantize_model(loaded, recipe_for(VerifierSpec.parse("w8a8:lmbf16"), CalibrationSpec(samples=1, seq_len=32)))
     assert isinstance(loaded.model.lm_head, BF16Linear) and type(loaded.model.lm_head) is BF16Linear  # no backend yet
     assert torch.equal(loaded.model.lm_head.weight, head.to(torch.bfloat16))

@@ -40,7 +40,7 @@ def test_a_model_on_the_fused_kernels_reports_every_layer(tiny_model):
     quantized = copy.deepcopy(tiny_model)
     quantize_model(quantized, QuantRecipe("w8a16", None))
     on_torch = compare(tiny_model.model, {"w8a16": quantized.model}, _windows())[0]
-    assert plan.prepare_(quantized.model).startswith("kernels:")
+    assert plan.prepare_(quantized.model).paths.startswith("kernels:")
     fused = compare(tiny_model.model, {"w8a16": quantized.model}, _windows())[0]
     assert 0 < min(fused.layer_errors) and fused.layer_errors == pytest.approx(on_torch.layer_errors, rel=0.05)
     assert type(quantized.model.model.layers).__name__ == "FusedLayers"
@@ -53,7 +53,7 @@ def test_held_out_text_is_disjoint_from_calibration():
     assert len(held_out) == 100 and len(calib) == 200 and not held_out & calib
 
 
-# llama.cpp Q8_0 of the same weights on the same kind of held-out tokens (issue 13): the bound the default
+# llama.cpp Q8_0 of the same weights on the same kind of held-out tokens: the bound the default
 # verifier must meet. Measured here: Q8_0 KL 0.0037, top-1 0.9701; w8a8 (g32) KL 0.0013, top-1 0.9818.
 Q8_0_KL, Q8_0_TOP1 = 0.0036, 0.97
 
@@ -110,7 +110,7 @@ def test_cli_fidelity_bad_input_is_one_line(tiny_model_dir, capsys):
 
     args = ["fidelity", "--model", str(tiny_model_dir), "--samples", "1", "--eval-seq-len", "32", "--calib-samples", "1",
             "--seq-len", "32"]
-    for bad, message in ((["--verifier", "w8a9"], "unknown quantization scheme"),
+    for bad, message in ((["--verifier", "w8a9"], "unknown verifier"),
                          (["--verifier", "w8a8:g48"], "multiple of 32"),
                          (["--verifier", "w8a8:g96"], "does not divide"),
                          (["--peer", "vllm"], "unknown fidelity peer")):

@@ -9,8 +9,7 @@ import torch
 from conftest import needs_kernels
 
 from quasar.kernels import native
-from quasar.kernels.plan import argmax_rows
-from quasar.decoding.sampling import Sampler, SamplingParams, draw, filtered_weights, logits_to_probs, weights_and_sums
+from quasar.decoding.sampling import argmax_rows, Sampler, SamplingParams, draw, filtered_weights, logits_to_probs, weights_and_sums
 from quasar.decoding.rejection import SparseDraft, rejection_sample
 from test_verify import chi_square_p
 
@@ -143,7 +142,7 @@ def test_the_greedy_token_on_the_kernel_is_torch_argmax():
         logits[4, -1] = 100.0
         logits[5] = torch.arange(V, dtype=torch.float32).flip(0)  # the largest value first
         assert native.loaded().argmax_rows(logits).tolist() == logits.argmax(-1).tolist()
-        assert argmax_rows(logits).tolist() == logits.argmax(-1).tolist()
+        assert argmax_rows(logits, native.kernel()).tolist() == logits.argmax(-1).tolist()
 
 
 def walked_cut(logits: torch.Tensor, weights: torch.Tensor, top_k: int, top_p: float) -> tuple[float, float]:

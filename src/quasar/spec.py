@@ -22,6 +22,7 @@ ENGINE_FORMS = "[DRAFTER+]VERIFIER[+VERIFIER] or ar:VERIFIER[+VERIFIER] (e.g. ng
 NO_DRAFTER = "none"
 PLAIN = "ar"
 AUTO = "auto"
+MAX_DRAFT = 7  # draft tokens a verify step takes at most: it scores k + 1 rows, and the torch path's fixed shape is 8
 LM_HEADS = {"lm8": True, "lmbf16": False}  # a w8a8 name's lm_head part -> the lm_head is W8A8 (else bf16)
 
 
@@ -187,7 +188,7 @@ def is_verifier(text: str) -> bool:
     return text.partition(":")[0] in KINDS
 
 
-def parse_k(text: str | int, k_max: int) -> int | str:
+def parse_k(text: str | int, k_max: int = MAX_DRAFT) -> int | str:
     """'auto' or an integer 1 <= k <= k_max (a verify step scores k + 1 tokens)."""
     if text == AUTO:
         return AUTO

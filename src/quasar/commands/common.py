@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from quasar.decoding.sampling import SamplingParams
+    from quasar.spec import EngineSpec, VerifierSpec
 
 N = TypeVar("N", int, float)
 
@@ -66,14 +67,31 @@ def add_model_args(parser: argparse.ArgumentParser, verifier_default: str = "fp3
     group.add_argument("--max-context", type=positive_int, help="context window in tokens (default: the model's)")
 
 
-def verifier_name(args: argparse.Namespace) -> str:
+def engine_spec(args: argparse.Namespace) -> EngineSpec:
+    """--verifier (or --dtype), --drafter, --k, --guard and --exact as one EngineSpec (checked as it is made)."""
+    from quasar.spec import EngineSpec, parse_k, parse_levels
+
+    spec = EngineSpec(parse_levels(args.dtype or args.verifier), args.drafter, parse_k(args.k), args.guard)
+    return spec.exact() if args.exact else spec
+
+
+def verifier_spec(args: argparse.Namespace) -> VerifierSpec:
+    """--verifier (or --dtype) where one model is meant, not a cascade."""
+    from quasar.spec import VerifierSpec
+
     name = args.dtype or args.verifier
-    if getattr(args, "exact", False):
-        if "+" in name or name in ("fp32", "bf16"):
-            raise ValueError(f"--exact makes the quantized verifier draft for bf16; --verifier {name} is already "
-                             "float or a cascade")
-        return f"{name}+bf16"
-    return name
+    if "+" in name:
+        raise ValueError(f"--verifier {name} is a cascade; this command takes one model (e.g. w8a8)")
+    return VerifierSpec.parse(name)
+
+
+def build_engine(args: argparse.Namespace):  # -> quasar.decoding.engine.Engine
+    """The engine the model and decoding options name (quasar.builder)."""
+    from quasar.builder import Verifiers, build_engine
+    from quasar.decoding.drafters.base import DrafterOptions
+
+    options = DrafterOptions(args.ngram_min, args.ngram_max, args.cache_dir)
+    return build_engine(engine_spec(args), Verifiers(args.model, args.cache_dir), options, args.max_context)
 
 
 def add_decode_args(parser: argparse.ArgumentParser, drafter_default: str = "ngram") -> None:
@@ -90,15 +108,6 @@ def add_decode_args(parser: argparse.ArgumentParser, drafter_default: str = "ngr
     group.add_argument("--k", default="auto", help="draft tokens per verify step, or 'auto' to adapt to recent acceptance (default: %(default)s)")
     group.add_argument("--ngram-min", type=positive_int, default=1, help="shortest n-gram the ngram/suffix drafters match (default: %(default)s)")
     group.add_argument("--ngram-max", type=positive_int, default=3, help="longest n-gram the ngram drafter matches (default: %(default)s)")
-
-
-def decode_config(args: argparse.Namespace):  # -> quasar.api.DecodeConfig
-    from quasar.api import DecodeConfig
-    from quasar.decoding.speculative import parse_k
-
-    if args.guard is not None and not args.guard >= 0:
-        raise ValueError(f"--guard must be a margin >= 0 in logits, got {args.guard}")
-    return DecodeConfig(args.drafter, parse_k(args.k), args.ngram_min, args.ngram_max, args.guard)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from quasar.commands.common import add_model_args, verifier_name
+from quasar.commands.common import add_model_args, verifier_spec
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from quasar.tools.export import export, vllm_scheme
     from quasar.verifiers.registry import load_verifier
 
-    verifier, note = vllm_scheme(verifier_name(args))
+    verifier, note = vllm_scheme(verifier_spec(args))
     if note:
         print(f"quasar: {note}", file=sys.stderr)
     target = load_verifier(args.model, verifier, args.cache_dir, owned=False)  # the export reads the plain layout

@@ -40,11 +40,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def build_variants(loaded, names: list[str], spec) -> dict:
     """name -> quantized Transformer, all from copies of `loaded` and one shared calibration run."""
-    from quasar.quant.recipe import calibrate_model, parse_scheme, quantize_model
     from quasar.kernels.plan import prepare_
+    from quasar.quant.recipe import calibrate_model, quantize_model, recipe_for
     from quasar.quant.smoothquant import SmoothConfig
+    from quasar.spec import VerifierSpec
 
-    recipes = {name: parse_scheme(name, spec) for name in names}
+    recipes = {name: recipe_for(VerifierSpec.parse(name), spec) for name in names}
     calib = None
     if any(r.smoothing for r in recipes.values()):
         calib = calibrate_model(loaded, spec, SmoothConfig())
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     from quasar.quant.fidelity import compare, held_out_windows
     from quasar.model.loading import quantized_block, resolve
     from quasar.tools.bench.llamacpp_peer import peers
-    from quasar.verifiers.quantized import checkpoint_name
+    from quasar.verifiers.quantized import checkpoint_spec
     from quasar.verifiers.registry import load_verifier
 
     if args.samples < 1 or args.eval_seq_len < 2:
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         block = quantized_block(resolve(directory))
         if block is None:
             raise ValueError(f"--quantized {directory}: not a checkpoint made by `quasar quantize`")
-        variants[directory] = load_verifier(directory, checkpoint_name(block), args.cache_dir).model
+        variants[directory] = load_verifier(directory, checkpoint_spec(block), args.cache_dir).model
     variants.update(peers(args.peer, args.model, args.eval_seq_len, args.cache_dir))
     windows = held_out_windows(loaded.tokenizer, args.data, args.samples, args.eval_seq_len)
     reports = compare(loaded.model, variants, windows)

@@ -7,7 +7,7 @@ import json
 import sys
 
 from quasar.commands.common import (
-    add_decode_args, add_model_args, add_sampling_args, decode_config, read_prompt, sampling_params, verifier_name,
+    add_decode_args, add_model_args, add_sampling_args, build_engine, read_prompt, sampling_params,
 )
 from quasar.decoding.stats import GenerationStats
 
@@ -34,11 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from quasar.api import build_engine
-
     params = sampling_params(args)
     prompt = read_prompt(args.prompt)
-    engine = build_engine(args.model, verifier_name(args), decode_config(args), args.max_context, args.cache_dir)
+    engine = build_engine(args)
     request = engine.run(engine.encode(prompt, args.chat), params)
     if args.json:
         print(json.dumps({**request.result().to_dict(), "path": engine.path}))

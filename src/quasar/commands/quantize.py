@@ -55,12 +55,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from quasar.model.loading import load
     from quasar.quant.checkpoint import save_quantized
-    from quasar.quant.recipe import parse_scheme, quantize_model
+    from quasar.quant.recipe import quantize_model, recipe_for
+    from quasar.spec import VerifierSpec
 
-    scheme = f"{args.scheme}:{args.alpha}" if args.alpha and args.scheme.startswith("w8a8") else args.scheme
-    head = {} if args.lm_head is None else {"lm_head": args.lm_head == "int8"}
-    recipe = parse_scheme(scheme, calibration_spec(args), **head,
-                          output_groups=not args.no_output_smoothing, ignore=tuple(args.keep_float))
+    spec = VerifierSpec.parse(args.scheme)
+    options = {} if args.lm_head is None else {"lm_head": args.lm_head == "int8"}
+    if args.alpha and spec.kind == "w8a8":
+        options["alpha"] = args.alpha
+    recipe = recipe_for(spec, calibration_spec(args), **options, output_groups=not args.no_output_smoothing,
+                        ignore=tuple(args.keep_float))
     if Path(args.out).exists() and not args.overwrite:
         raise ValueError(f"{args.out} already exists; pass --overwrite to replace it")
     loaded = load(args.model, "fp32", args.cache_dir)

@@ -9,10 +9,15 @@ import shlex
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from quasar.commands.common import add_decode_args, add_model_args, decode_config, port, positive_int, verifier_name
+from quasar.commands.common import add_decode_args, add_model_args, build_engine, engine_spec, port, positive_int
+
+if TYPE_CHECKING:
+    from quasar.spec import VerifierSpec
 
 log = logging.getLogger("quasar")
+FLOAT_KINDS = ("fp32", "bf16")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -58,10 +63,9 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from quasar.api import build_engine
     from quasar.serve.app import create_app
 
-    engine = build_engine(args.model, verifier_name(args), decode_config(args), args.max_context, args.cache_dir)
+    engine = build_engine(args)
     app = create_app(engine, name, api_key=args.api_key, max_queue=args.max_queue, max_batch=args.max_batch,
                      max_rows=args.max_batch_tokens, kv_budget=args.kv_budget, own_thread=False)
     # Generation runs on this thread, the one that loaded the model (Scheduler.work says why); HTTP on another,
@@ -94,15 +98,18 @@ def run(args: argparse.Namespace) -> int:
 
 def hand_off(args: argparse.Namespace, name: str) -> int:
     """Build the `vllm serve` command for the same model; print it (--dry-run) or replace this process by it."""
+    from quasar.decoding.drafters.base import DrafterOptions
     from quasar.serve.vllm import VllmServe, vllm_command
 
-    verifier = verifier_name(args)
-    decode = decode_config(args)
-    if decode.guard is not None:
+    spec = engine_spec(args)
+    if spec.guard is not None:
         raise ValueError("--guard runs on quasar's engine; the vLLM hand-off does not take it")
-    model_dir, dtype = vllm_model(args.model, verifier, args.cache_dir, args.export_dir)
+    if spec.middle is not None:
+        raise ValueError(f"the vLLM hand-off serves one model; the cascade {spec.verifier_name} (--exact) runs on "
+                         "quasar's engine")
+    model_dir, dtype = vllm_model(args.model, spec.top, args.cache_dir, args.export_dir)
     serve = VllmServe(model_dir, name, dtype, args.host, args.port, args.api_key, args.max_context, args.vllm)
-    argv = vllm_command(serve, decode)
+    argv = vllm_command(serve, spec, DrafterOptions(args.ngram_min, args.ngram_max))
     if args.dry_run:
         print(shlex.join(argv))
         return 0
@@ -112,25 +119,22 @@ def hand_off(args: argparse.Namespace, name: str) -> int:
     return 0  # not reached
 
 
-def vllm_model(model: str, verifier: str, cache_dir: str | None, export_dir: str | None) -> tuple[Path, str]:
+def vllm_model(model: str, verifier: VerifierSpec, cache_dir: str | None, export_dir: str | None) -> tuple[Path, str]:
     """The directory vLLM should load and the dtype of its float parts."""
-    if "+" in verifier:
-        raise ValueError(f"the vLLM hand-off serves one model; the cascade {verifier!r} (--exact) runs on quasar's engine")
-    from quasar.model.loading import float_directory
+    from quasar.model.loading import cache_root, float_directory
     from quasar.verifiers.registry import load_verifier
 
-    if verifier in ("fp32", "bf16"):  # the float Hugging Face directory, without loading the weights
-        return float_directory(model, cache_dir), {"fp32": "float32", "bf16": "bfloat16"}[verifier]
-    if not verifier.startswith("w8a8"):
-        raise ValueError(f"the vLLM hand-off supports --verifier fp32, bf16 or w8a8, not {verifier!r}")
+    if verifier.kind in FLOAT_KINDS:  # the float Hugging Face directory, without loading the weights
+        return float_directory(model, cache_dir), {"fp32": "float32", "bf16": "bfloat16"}[verifier.kind]
+    if verifier.kind != "w8a8":
+        raise ValueError(f"the vLLM hand-off supports --verifier fp32, bf16 or w8a8, not {verifier}")
     from quasar.tools.export import export, vllm_scheme
-    from quasar.model.loading import cache_root
 
     verifier, note = vllm_scheme(verifier)
     if note:
         print(f"quasar: {note}", file=sys.stderr)
     target = load_verifier(model, verifier, cache_dir, owned=False)  # the export reads the plain layout
-    name = verifier.replace(":", "-")
+    name = str(verifier).replace(":", "-")
     out = Path(export_dir) if export_dir else cache_root(cache_dir) / "exports" / f"{target.source_sha256}-{name}-ct"
     if not (out / "config.json").exists():
         export(target, out)

@@ -9,7 +9,7 @@ one forward (quasar.decoding.batch), which gives every request bitwise the logit
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 
 import torch
 
@@ -19,22 +19,6 @@ from quasar.decoding.sampling import Sampler, SamplingParams
 from quasar.decoding.stats import GenerationStats
 
 Steps = Generator[Step | list[int], torch.Tensor | None, None]  # yields forwards and tokens; gets logits back
-
-
-@torch.inference_mode()
-def drive(model: Transformer, steps: Steps) -> Iterator[list[int]]:
-    """Run a decoder alone: each forward it asks for, at once; yields the token lists it emits."""
-    logits = None
-    while True:
-        try:
-            item = steps.send(logits)
-        except StopIteration:
-            return
-        if isinstance(item, Step):
-            logits = model.forward_steps([item])[0]
-        else:
-            logits = None
-            yield item
 
 
 @torch.inference_mode()
@@ -72,7 +56,7 @@ def autoregressive(
     stats: GenerationStats,
 ) -> Steps:
     """Plain decoding: asks for the prompt's forward, then one forward per token; yields one-token lists."""
-    sampler = Sampler(params)
+    sampler = Sampler(params, model.plan)
     start = time.perf_counter()
     logits = yield Step(prompt_ids[cache.length :], cache, last_only=True)  # a kept start of it is not run again
     token = sampler.next_token(logits[-1])

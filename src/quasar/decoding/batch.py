@@ -146,7 +146,7 @@ class Batch:
         prompt chunks, then draft rows in order of their chance of acceptance while they pay for themselves."""
         decoding = [r for r in self.active if r.step is not None and not r.step.last_only]
         prefilling = [r for r in self.active if r.step is not None and r.step.last_only]
-        if not self.engine.target.model.batches_rows:  # one forward per request anyway: nothing to share or cut
+        if not self.engine.target.model.plan.batches_rows:  # one forward per request anyway: nothing to share or cut
             return {r: r.step for r in decoding + prefilling}  # type: ignore[misc]
         rows = {r: (1 if r.step.cut else len(r.step.tokens)) for r in decoding}  # type: ignore[union-attr]
         drafts = sorted(((chance, depth, i, r) for i, r in enumerate(decoding) if r.step.cut  # type: ignore[union-attr]

@@ -1,4 +1,4 @@
-"""The cascade ('w8a8+bf16', issue 17): the float verifier's exact output at close to int8 cost.
+"""The cascade ('w8a8+bf16'): the float verifier's exact output at close to int8 cost.
 
 Three levels. A cheap drafter (n-gram, ...) proposes; the W8A8 model verifies those proposals as in plain
 speculative decoding; the tokens the W8A8 level emits form a block that the float verifier (the engine's
@@ -83,7 +83,7 @@ class CascadeDrafter:
         if k <= 0:
             return Draft([])
         if self.sampler is None or self.sampler.params != params:
-            self.sampler = Sampler(params)
+            self.sampler = Sampler(params, self.model.plan)
         cache = self.stream.ready(len(self.tokens) + k + FIXED_ROWS)
         block, rows = list(self.carry[0]), list(self.carry[1])  # rows: the middle level's distributions [V]
         while len(block) < k:

@@ -1,4 +1,4 @@
-"""Confidence-guarded precision ('--guard MARGIN', issue 17): the W8A8 verifier decides, except where it is
+"""Confidence-guarded precision ('--guard MARGIN'): the W8A8 verifier decides, except where it is
 unsure. A position whose W8A8 top-1 logit leads the runner-up by less than MARGIN is re-scored by the float
 model (bf16) before it is accepted: the float model's token is emitted there and the step ends.
 
@@ -8,7 +8,8 @@ one float decode step, whatever came before it (a float model with its own cache
 up on every token emitted since its last run: measured, that catch-up cost more than the re-scores saved).
 SmoothQuant divides each value channel by its v -> o smoothing factor (and multiplies o_proj's input by it),
 so the float model reads W8A8's values only with the same factors folded into its v_proj and o_proj:
-`guard_model` recovers them from the quantized o_proj and folds them (exact in real arithmetic).
+`guard_model` recovers them from the quantized o_proj (read from the verifier's checkpoint) and folds them
+(exact in real arithmetic).
 
 Approximate by design, twice: a position where W8A8 is confident but wrong stays wrong, and the float model
 sees W8A8's keys and values of the context. With MARGIN = 0 the output is `ngram+w8a8`'s; with an infinite
@@ -20,8 +21,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from quasar.model.kv_cache import KVCache
+from quasar.model.loading import LoadedModel
+from quasar.quant.checkpoint import WEIGHTS
 from quasar.model.llama import Transformer
 from quasar.quant.int8 import dequantize
 from quasar.decoding.sampling import Sampler
@@ -29,36 +33,29 @@ from quasar.decoding.stats import GenerationStats
 from quasar.decoding.rejection import Verdict
 
 
-QUANTIZED = ("w8a8", "w8a16")  # verifiers a guard serves: the float model's layers, with quantized weights
+def guard_model(model: str | Path, verifier: LoadedModel, cache_dir: str | Path | None = None) -> Transformer:
+    """The bf16 model of `model` on its plan, with the quantized `verifier`'s v -> o smoothing factors folded in
+    (see above); the verifier's o_proj weights are read from its checkpoint, not from the loaded layers (the
+    kernels keep those packed)."""
+    from quasar.kernels.plan import prepare_
+    from quasar.verifiers.float import load_bf16
 
-
-def guard_model(model: str | Path, verifier: str, cache_dir: str | Path | None = None) -> Transformer:
-    """The bf16 model on its backend, with `verifier`'s v -> o smoothing factors folded in (see above)."""
-    from quasar.kernels import plan
-    from quasar.registry import lookup
-    from quasar.verifiers.registry import FORMS, VERIFIERS, load_bf16
-
-    name, _, arg = verifier.partition(":")
-    if name not in QUANTIZED:  # a float verifier, or a cascade ('w8a8+bf16')
-        raise ValueError(f"--guard re-scores a quantized verifier's ({', '.join(QUANTIZED)}) unsure positions with "
-                         f"bf16; --verifier {verifier} is already float or a cascade")
-    quantized = lookup(VERIFIERS, name, "verifier", FORMS)(model, arg or None, cache_dir=cache_dir).model
-    float_ = load_bf16(model, None, cache_dir).model
+    float_ = load_bf16(model, cache_dir=cache_dir).model
     config = float_.config
-    with torch.no_grad():
-        for q, f in zip(quantized.model.layers, float_.model.layers):
-            fold_value_scales_(f.self_attn, value_scales(q.self_attn.o_proj, f.self_attn.o_proj.weight,
-                                                         config.num_key_value_heads, config.head_dim))
-    del quantized
-    plan.prepare_(float_, cache_dir=cache_dir)
+    with torch.no_grad(), safe_open(verifier.directory / WEIGHTS, "pt") as weights:
+        for i, f in enumerate(float_.model.layers):
+            name = f"model.layers.{i}.self_attn.o_proj"
+            w = dequantize(weights.get_tensor(f"{name}.weight"), weights.get_tensor(f"{name}.weight_scale"))
+            fold_value_scales_(f.self_attn, value_scales(w, f.self_attn.o_proj.weight, config.num_key_value_heads,
+                                                         config.head_dim))
+    prepare_(float_, cache_dir=cache_dir)
     return float_
 
 
-def value_scales(o_proj: torch.nn.Module, float_weight: torch.Tensor, n_kv: int, head_dim: int) -> torch.Tensor:
-    """s [H_kv * D] with o_proj's dequantized weight ~ float_weight * s over its input columns, tied across the
+def value_scales(w: torch.Tensor, float_weight: torch.Tensor, n_kv: int, head_dim: int) -> torch.Tensor:
+    """s [H_kv * D] with o_proj's dequantized weight w [hidden, H * D] ~ float_weight * s over its input columns, tied across the
     heads that share a kv head: per column, the least-squares ratio over the output channels (their int8 rounding
     averages out: unsmoothed layers come out within 0.2% of 1)."""
-    w = dequantize(o_proj.weight, o_proj.weight_scale)  # [hidden, H * D]
     f = float_weight.float()
     s = (w * f).sum(0) / (f * f).sum(0).clamp_min(1e-30)  # [H * D]
     return s.view(n_kv, -1, head_dim).mean(1).reshape(-1)
@@ -76,10 +73,10 @@ def fold_value_scales_(attention: torch.nn.Module, s: torch.Tensor) -> None:
     o.weight.copy_((o.weight.float() * columns[None, :]).to(o.weight.dtype))
 
 
-class Guard:
+class ConfidenceGuard:
+    """Re-scores a verify step's unsure positions with the float model (the margin is checked by EngineSpec)."""
+
     def __init__(self, model: Transformer, margin: float) -> None:
-        if not margin >= 0:
-            raise ValueError(f"the guard margin must be a number >= 0 (logits), got {margin}")
         self.model = model  # the float model: same architecture as the verifier, so it reads the verifier's cache
         self.margin = margin
 

@@ -147,7 +147,7 @@ class Engine:
     ) -> None:
         self.target = target
         self.decoder = decoder
-        self.path = path or target.model.backend  # what computes the outputs (api.verifier_path: a cascade's two levels)
+        self.path = path or target.model.plan.paths  # what computes the outputs (a cascade: both levels, builder.engine_path)
         limit = target.model.config.max_position_embeddings
         if max_context is not None and max_context < 1:
             raise ValueError(f"max_context must be a positive number of tokens, got {max_context}")

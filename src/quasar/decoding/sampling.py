@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from quasar.kernels import plan
+from quasar.model.execution import ON_TORCH, ExecutionPlan
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes (a negative seed wraps around)
 
@@ -82,11 +83,11 @@ def filtered_weights(logits: torch.Tensor, params: SamplingParams, out: torch.Te
     return weights
 
 
-def weights_and_sums(logits: torch.Tensor, params: SamplingParams, out: torch.Tensor) -> list[float]:
+def weights_and_sums(logits: torch.Tensor, params: SamplingParams, out: torch.Tensor, kernel: Any = None) -> list[float]:
     """filtered_weights(logits, params, out) [R, V], returning each row's sum: on quasar's kernel for float32 CPU
     rows (one pass for exp((logit - max) / T) and the sums, one for the filters' cut, instead of about ten
     tensor operations, each slow right after a forward has streamed the weights through the caches)."""
-    kernel = plan.cpu_kernel(logits)
+    kernel = on_cpu(kernel, logits)
     if kernel is None:
         return filtered_weights(logits, params, out).sum(-1).tolist()
     sums = kernel.sampling_weights(logits, out, 1.0 / params.temperature)
@@ -152,12 +153,13 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return weights / weights.sum(-1, keepdim=True)
 
 
-def draw(weights: torch.Tensor, generator: torch.Generator, scratch: torch.Tensor | None = None) -> int | None:
+def draw(weights: torch.Tensor, generator: torch.Generator, scratch: torch.Tensor | None = None,
+         kernel: Any = None) -> int | None:
     """One token from unnormalised weights [V] by inverting their running sum at one uniform number (summed in
     float64, as torch.multinomial does); None when every weight is 0. On quasar's kernel for float32 CPU weights
     (one call instead of four tensor operations), where the uniform number is drawn first, also for weights
     that turn out to be all 0."""
-    kernel = plan.cpu_kernel(weights)
+    kernel = on_cpu(kernel, weights)
     if kernel is not None and weights.is_contiguous():
         token = kernel.draw_index(weights, float(torch.rand(1, generator=generator, dtype=torch.float64)))
         return None if token < 0 else token
@@ -168,6 +170,19 @@ def draw(weights: torch.Tensor, generator: torch.Generator, scratch: torch.Tenso
     at = torch.rand(1, generator=generator, dtype=torch.float64) * total
     token = int(torch.searchsorted(running, at, right=True))
     return token if token < weights.shape[0] else int(weights.nonzero()[-1])  # u * total rounded up to total
+
+
+def on_cpu(kernel: Any, t: torch.Tensor) -> Any:
+    """`kernel` (quasar's kernel module, from a model's plan) for work on t where t is a float32 CPU tensor, else
+    None (torch does the work)."""
+    return kernel if kernel is not None and t.device.type == "cpu" and t.dtype == torch.float32 else None
+
+
+def argmax_rows(logits: torch.Tensor, kernel: Any = None) -> torch.Tensor:
+    """logits [R, V] -> torch.argmax(logits, -1) [R] int64, the same indices: on quasar's kernel for float32 CPU rows
+    (torch's took 90-140 us per 49k-token row on 2 cores, the kernel about 10), else torch."""
+    kernel = on_cpu(kernel, logits)
+    return logits.argmax(-1) if kernel is None else kernel.argmax_rows(logits)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -182,8 +197,9 @@ class TargetRows:
     sampling first needs it (a step that rejects its first draft token computes one row, not k + 1)."""
 
     def __init__(self, logits: torch.Tensor, params: SamplingParams, weights: torch.Tensor,
-                 residual: torch.Tensor, scratch: torch.Tensor) -> None:
+                 residual: torch.Tensor, scratch: torch.Tensor, kernel: Any = None) -> None:
         self.logits = logits  # [R, V] float32
+        self.kernel = kernel  # quasar's kernel module (the model's plan), or None
         self.params = params
         self.weights = weights  # [R, V] buffer
         self.residual = residual  # [V] buffer
@@ -194,7 +210,8 @@ class TargetRows:
         """(weights [V], their sum) of row i."""
         total = self.totals[i]
         if total is None:
-            total = self.totals[i] = weights_and_sums(self.logits[i : i + 1], self.params, self.weights[i : i + 1])[0]
+            total = self.totals[i] = weights_and_sums(self.logits[i : i + 1], self.params, self.weights[i : i + 1],
+                                                             self.kernel)[0]
         return self.weights[i], total
 
     def prob(self, i: int, token: int) -> float:
@@ -207,7 +224,7 @@ class TargetRows:
         return weights / total
 
     def sample(self, i: int, generator: torch.Generator) -> int:
-        token = draw(self.row(i)[0], generator, self.scratch)
+        token = draw(self.row(i)[0], generator, self.scratch, self.kernel)
         assert token is not None  # the top token always survives the filters
         return token
 
@@ -219,16 +236,17 @@ class TargetRows:
         weights, total = self.row(i)
         residual = self.residual.copy_(weights)
         remove(residual, total)
-        token = draw(residual, generator, self.scratch)
+        token = draw(residual, generator, self.scratch, self.kernel)
         return self.sample(i, generator) if token is None else token
 
 
 class Sampler:
     """Per-request sampling state: the generator and the buffers every step reuses (no per-step allocation of
-    vocabulary-sized tensors)."""
+    vocabulary-sized tensors). `plan`: the verifier's, whose kernel module (if any) runs the row operations."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, plan: ExecutionPlan = ON_TORCH) -> None:
         self.params = params
+        self.kernel = plan.kernel
         self.generator = params.generator()
         self.weights = torch.empty(0)
         self.residual = torch.empty(0)
@@ -242,10 +260,14 @@ class Sampler:
             self.weights = torch.empty(max(R, 8), V)
             self.residual = torch.empty(V)
             self.scratch = torch.empty(V, dtype=torch.float64)
-        return TargetRows(logits, self.params, self.weights[:R], self.residual, self.scratch)
+        return TargetRows(logits, self.params, self.weights[:R], self.residual, self.scratch, self.kernel)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [R, V] -> each row's argmax [R] (argmax_rows)."""
+        return argmax_rows(logits, self.kernel)
 
     def next_token(self, logits: torch.Tensor) -> int:
         """logits [V] -> one token id (the argmax when greedy)."""
         if self.params.greedy:
-            return int(plan.argmax_rows(logits[None])[0])
+            return int(self.argmax(logits[None])[0])
         return self.rows(logits[None]).sample(0, self.generator)

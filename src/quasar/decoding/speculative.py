@@ -11,17 +11,16 @@ from dataclasses import dataclass
 
 import torch
 
-from quasar.kernels.plan import argmax_rows
 from quasar.decoding.drafters.base import Draft, Drafter
 from quasar.decoding.autoregressive import Steps, StopRule
-from quasar.decoding.confidence_guard import Guard
+from quasar.decoding.confidence_guard import ConfidenceGuard
 from quasar.model.kv_cache import KVCache
-from quasar.model.llama import FIXED_ROWS, Step, Transformer
+from quasar.model.llama import Step, Transformer
 from quasar.decoding.sampling import Sampler, SamplingParams, TargetRows
 from quasar.decoding.stats import GenerationStats
+from quasar.spec import AUTO, MAX_DRAFT
 from quasar.decoding.rejection import Verdict, greedy_verdict, rejection_sample
 
-AUTO = "auto"
 
 
 class DraftLength:
@@ -30,7 +29,7 @@ class DraftLength:
     of the accepted draft tokens per step. Drafting one more than recently accepted keeps a cheap
     chance to accept longer runs while short acceptance keeps wasted verify rows few."""
 
-    K_MIN, K_MAX, K_START, WEIGHT = 1, FIXED_ROWS - 1, 4, 0.5  # k + 1 rows per verify step
+    K_MIN, K_MAX, K_START, WEIGHT = 1, MAX_DRAFT, 4, 0.5  # k + 1 rows per verify step
     DECAY, PRIOR_HITS, PRIOR_TRIES = 0.9, 1.0, 4.0  # the acceptance counts behind `chances`
 
     def __init__(self, k: int | str) -> None:
@@ -69,22 +68,9 @@ def judge(draft: Draft, logits: torch.Tensor, params: SamplingParams, sampler: S
     """The verdict on a draft from the verifier's rows over [last, *draft] ([k + 1, V]): the argmax rule when
     greedy, else rejection sampling on rows computed as it reaches them (returned, for a cascade to pass on)."""
     if params.greedy:
-        return greedy_verdict(draft.tokens, argmax_rows(logits).tolist()), None
+        return greedy_verdict(draft.tokens, sampler.argmax(logits).tolist()), None
     target = sampler.rows(logits)
     return rejection_sample(draft.tokens, draft.probs, target, generator), target
-
-
-def parse_k(text: str | int) -> int | str:
-    """'auto' or an integer 1 <= k < FIXED_ROWS: a verify step scores k + 1 tokens, and the paths that keep
-    speculative output equal to plain decoding bit for bit take at most FIXED_ROWS rows per step."""
-    if text == AUTO:
-        return AUTO
-    if not str(text).isdigit() or int(text) < 1:
-        raise ValueError(f"--k must be a positive integer or 'auto', got {text!r}")
-    if int(text) > DraftLength.K_MAX:
-        raise ValueError(f"--k {text} is too long: a verify step scores k + 1 tokens and the exact verify path "
-                         f"takes at most {FIXED_ROWS}; use --k {DraftLength.K_MAX} or less, or 'auto'")
-    return int(text)
 
 
 @dataclass
@@ -93,10 +79,9 @@ class Speculative:
 
     drafter: Drafter
     k: int | str = AUTO
-    guard: Guard | None = None  # re-scores positions the verifier is unsure of with the float model (approximate)
+    guard: ConfidenceGuard | None = None  # re-scores positions the verifier is unsure of with the float model (approximate)
 
     def __post_init__(self) -> None:
-        self.k = parse_k(self.k)
         self.idle: list[Drafter] = [self.drafter]  # drafters not serving a request now
 
     def __call__(
@@ -110,13 +95,13 @@ class Speculative:
     ) -> Steps:
         drafter = self.idle.pop() if self.idle else self.drafter.spawn()  # one drafter per request in flight
         try:
-            yield from self.decode(drafter, cache, prompt_ids, params, stop, stats)
+            yield from self.decode(model, drafter, cache, prompt_ids, params, stop, stats)
         finally:
             self.idle.append(drafter)
 
-    def decode(self, drafter: Drafter, cache: KVCache, prompt_ids: list[int], params: SamplingParams, stop: StopRule,
-               stats: GenerationStats) -> Steps:
-        sampler, length = Sampler(params), DraftLength(self.k)
+    def decode(self, model: Transformer, drafter: Drafter, cache: KVCache, prompt_ids: list[int],
+               params: SamplingParams, stop: StopRule, stats: GenerationStats) -> Steps:
+        sampler, length = Sampler(params, model.plan), DraftLength(self.k)
         # A batch may score fewer draft tokens than proposed when it is full, unless that could change the
         # output: a seeded sampled request gives the same tokens as alone only with the same drafts.
         may_cut = params.greedy or params.seed is None

@@ -1,11 +1,13 @@
-"""The one switch between quasar's CPU kernels and plain torch, decided once per model, at load.
+"""The one switch between quasar's CPU kernels and plain torch, decided once per model, at load, and kept as the
+model's ExecutionPlan (quasar.model.execution).
 
 `prepare_(model)` swaps modules (as torchao and gpt-fast do): where quasar's kernels run (quasar.kernels.native) and
 every linear of the model offers a kernel form (`kernel_form()`: float32, bf16, int8 and W8A16 layers), norms,
 attention and the layer stack become their kernel forms (kernels/layers.py) and decode/verify steps run
 all layers in one kernel call. Anywhere else (CUDA, no compiler, a shape the kernels do not take) the model stays on the
 torch modules of model/llama.py, which keep every decode/verify step at one fixed shape. Either way greedy
-speculative decoding gives plain decoding's tokens bit for bit; the forward itself never asks again.
+speculative decoding gives plain decoding's tokens bit for bit; nothing asks again: every reader takes
+`model.plan`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from quasar.kernels.layers import (
     drop_plain_weights_,
     layer_tensors,
 )
-from quasar.model.llama import TORCH, Attention, Layers, Linear, RMSNorm, Transformer
+from quasar.model.execution import ON_TORCH, ExecutionPlan
+from quasar.model.llama import Attention, Layers, Linear, RMSNorm, Transformer
 
 
 def kernel_for(model: Transformer, cache_dir: str | Path | None = None) -> Any | None:
@@ -36,17 +39,18 @@ def kernel_for(model: Transformer, cache_dir: str | Path | None = None) -> Any |
     return native.kernel(cache_dir)
 
 
-def prepare_(model: Transformer, fuse: bool = True, cache_dir: str | Path | None = None, owned: bool = False) -> str:
-    """Put model on quasar's kernels where every part of it can run there, else leave it on torch; returns
-    the backend's name ('kernels:dpbusd+avx512bf16', 'kernels:avx2', ... or 'torch'), also kept as model.backend.
-    Idempotent: a model already on the kernels (a layer-skip view of one, say) only gets its stack rebuilt.
-    owned: nothing else reads the model's weights, so the linears the kernels read packed (fp32, bf16 inputs)
-    keep only that copy (kernels/layers.drop_plain_weights_)."""
+def prepare_(model: Transformer, fuse: bool = True, cache_dir: str | Path | None = None,
+             owned: bool = False) -> ExecutionPlan:
+    """Put model on quasar's kernels where every part of it can run there, else leave it on torch; returns the plan
+    (paths 'kernels:dpbusd+avx512bf16', 'kernels:avx2', ... or 'torch'), also kept as model.plan. Idempotent: a model
+    already on the kernels (a layer-skip view of one, say) only gets its stack rebuilt. owned: nothing else reads
+    the model's weights, so the linears the kernels read packed (fp32, bf16 inputs) keep only that copy
+    (kernels/layers.drop_plain_weights_). fuse=False keeps the layers as separate module calls."""
     kernel = kernel_for(model, cache_dir)
     forms = {m: kernel_form(m) for m in model.modules() if isinstance(m, nn.Linear) or hasattr(m, "in_features")}
     if kernel is None or any(form is None for form in forms.values()):
-        model.backend = TORCH
-        return TORCH
+        model.plan = ON_TORCH
+        return model.plan
     forms.update({m: KernelRMSNorm for m in model.modules() if type(m) is RMSNorm})
     forms.update({m: KernelAttention for m in model.modules() if type(m) is Attention})
     for module, form in forms.items():
@@ -61,23 +65,10 @@ def prepare_(model: Transformer, fuse: bool = True, cache_dir: str | Path | None
     stack.__class__ = FusedLayers if fuse else Layers
     if fuse:
         stack.build(kernel, model.config.rms_norm_eps, model.model.norm, model.lm_head)
-    model.backend = kernel_paths(kernel, forms, kernel.bf16_attention(bf16_products, model.config.head_dim))
-    return model.backend
-
-
-def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] -> torch.argmax(logits, -1) [R] int64, the same indices: on quasar's kernel for float32 CPU rows
-    once the kernels are loaded (torch's took 90-140 us per 49k-token row on 2 cores, the kernel about 10), else torch."""
-    kernel = cpu_kernel(logits)
-    return logits.argmax(-1) if kernel is None else kernel.argmax_rows(logits)
-
-
-def cpu_kernel(t: torch.Tensor) -> Any | None:
-    """quasar's kernel module for work on a float32 CPU tensor t, where a model has already loaded it (the sampling
-    helpers never build it), else None (torch does the work)."""
-    if t.device.type != "cpu" or t.dtype != torch.float32:
-        return None
-    return native.loaded()
+    bf16_attention = kernel.bf16_attention(bf16_products, model.config.head_dim)
+    model.plan = ExecutionPlan(kernel_paths(kernel, forms, bf16_attention), fused=fuse, batches_rows=fuse,
+                               bf16_attention=bf16_attention, kernel=kernel)
+    return model.plan
 
 
 def kernel_paths(kernel: Any, modules: dict[nn.Module, type], bf16_attention: bool = False) -> str:

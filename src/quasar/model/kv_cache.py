@@ -177,7 +177,7 @@ class CachePool:
 
     def longest_prefix(self, prompt: list[int]) -> tuple[KVCache | None, int]:
         """The kept cache holding the longest start of `prompt` (short of its last token), and that length."""
-        if len(prompt) < 2 or not getattr(self.model, "batches_rows", False):
+        if len(prompt) < 2 or not self.model.plan.batches_rows:
             return None, 0
         best, most = None, 0
         for cache in self.free:

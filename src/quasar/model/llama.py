@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quasar.model.execution import ON_TORCH
+from quasar.spec import MAX_DRAFT
 from quasar.model.kv_cache import KVCache
 from quasar.model.config import ModelConfig
 
@@ -27,8 +29,7 @@ from quasar.model.config import ModelConfig
 # (masked past each row's position; see Engine.fresh_cache for why buffers of one request have one size).
 # quasar's CPU kernels (kernels/layers.py, swapped in at load by quasar.kernels.plan) compute every row
 # from its own input alone and need none of this.
-FIXED_ROWS = 8
-TORCH = "torch"  # Transformer.backend of a model on these torch modules
+FIXED_ROWS = MAX_DRAFT + 1
 
 
 def at_fixed_shape(op, x: torch.Tensor) -> torch.Tensor:
@@ -225,7 +226,7 @@ class Transformer(nn.Module):
         self.config = config
         self.model = Backbone(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.backend = TORCH  # what runs the forward: quasar.kernels.plan.prepare_ names the kernel paths it swaps in
+        self.plan = ON_TORCH  # how forwards run: quasar.kernels.plan.prepare_ decides it once, at load
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
@@ -270,37 +271,19 @@ class Transformer(nn.Module):
         return cos[start:start + n], sin[start:start + n]
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32; appends to the cache."""
-        if input_ids.shape[0] == 1 and self.fused_tail:
+        """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32; appends to the cache. One
+        sequence is a step (forward_steps); a batch of B equal-length rows sharing one cache runs on the modules."""
+        if input_ids.shape[0] == 1:
             return self.forward_steps([Step(input_ids[0].tolist(), cache, last_only)])[0][None]
-        cache.check_room(input_ids.shape[1])
-        rope = self.rope_span(cache.length, input_ids.shape[1])  # cos, sin [T, D]
-        x = self.model.embed_tokens(input_ids).to(self.dtype)  # [B, T, hidden]
-        x = self.model.layers(x, rope, cache)
-        cache.wrote(input_ids.shape[1], input_ids[0].tolist() if input_ids.shape[0] == 1 else None)
-        x = self.model.norm(x[:, -1:] if last_only else x)
-        return self.lm_head(x).float()
-
-    @property
-    def fused_tail(self) -> bool:
-        """Whether the kernel layer stack runs whole forwards, this model's final norm and lm_head included
-        (quasar.kernels.plan builds it so; a stack run layer by layer, or a module swapped in later, goes through the
-        modules one by one again)."""
-        layers = self.model.layers
-        return hasattr(layers, "logits") and getattr(layers, "tail", None) == (self.model.norm, self.lm_head)
-
-    @property
-    def batches_rows(self) -> bool:
-        """Whether `forward_steps` runs several sequences' rows through one forward (quasar's kernels: every row
-        independent of the others), rather than one forward per sequence (the torch path's fixed shapes)."""
-        return hasattr(self.model.layers, "forward_segments")
+        return self.forward_modules(input_ids, cache, last_only)
 
     def forward_steps(self, steps: Sequence[Step]) -> list[torch.Tensor]:
         """Several sequences' steps (distinct caches) -> each one's float32 logits [T, V] ([1, V] with last_only),
-        bitwise what each gets alone; appends to every cache."""
-        fused = self.fused_tail
-        if not fused and (not self.batches_rows or len(steps) == 1):
-            return [self(torch.tensor([s.tokens], device=self.device), s.cache, s.last_only)[0] for s in steps]
+        bitwise what each gets alone; appends to every cache. How, the plan says: the whole forward in one kernel
+        call (fused), every sequence's rows through one pass of the modules (batches_rows), or one pass each."""
+        if not self.plan.fused and (not self.plan.batches_rows or len(steps) == 1):
+            return [self.forward_modules(torch.tensor([s.tokens], device=self.device), s.cache, s.last_only)[0]
+                    for s in steps]
         rows = [len(s.tokens) for s in steps]
         caches = [s.cache for s in steps]
         for cache, n in zip(caches, rows):
@@ -308,7 +291,7 @@ class Transformer(nn.Module):
         ends = list(itertools.accumulate(rows))
         scored = [range(end - 1 if s.last_only else end - n, end) for s, n, end in zip(steps, rows, ends)]
         picked = [i for r in scored for i in r]
-        if fused:  # the whole forward in one kernel call
+        if self.plan.fused:  # the whole forward in one kernel call
             rope = self.rope_table(max(c.length + n for c, n in zip(caches, rows)))  # cos, sin [L, D]
             ids = [t for s in steps for t in s.tokens]  # [N]
             logits = self.model.layers.logits(ids, self.model.embed_tokens.weight, rope, caches, rows, picked)
@@ -321,3 +304,14 @@ class Transformer(nn.Module):
         for step in steps:
             step.cache.wrote(len(step.tokens), step.tokens)
         return list(logits.split([len(r) for r in scored]))
+
+    def forward_modules(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """input_ids [B, T] through the modules one by one (each layer a module call, as hooks see them) -> logits
+        [B, T, V] (or [B, 1, V]), float32; appends to the cache."""
+        cache.check_room(input_ids.shape[1])
+        rope = self.rope_span(cache.length, input_ids.shape[1])  # cos, sin [T, D]
+        x = self.model.embed_tokens(input_ids).to(self.dtype)  # [B, T, hidden]
+        x = self.model.layers(x, rope, cache)
+        cache.wrote(input_ids.shape[1], input_ids[0].tolist() if input_ids.shape[0] == 1 else None)
+        x = self.model.norm(x[:, -1:] if last_only else x)
+        return self.lm_head(x).float()

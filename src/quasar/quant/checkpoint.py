@@ -28,10 +28,6 @@ log = logging.getLogger("quasar")
 WEIGHTS = "model.safetensors"
 
 
-def is_quantized_dir(path: Path) -> bool:
-    return path.is_dir() and (path / "config.json").exists() and "quantization" in read_config(path)
-
-
 def _state(model: Transformer) -> dict[str, torch.Tensor]:
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):

@@ -70,7 +70,7 @@ def _layer_outputs(model: nn.Module | Any, ids: torch.Tensor) -> tuple[torch.Ten
     stack.__class__ = Layers  # the same kernels, called layer by layer: the same floats
     handles = [layer.register_forward_hook(lambda m, a, out: outputs.append(out.float())) for layer in stack]
     try:
-        logits = model(ids, model.new_cache(ids.shape[1]))
+        logits = model.forward_modules(ids, model.new_cache(ids.shape[1]))
     finally:
         stack.__class__ = fused
         for h in handles:

@@ -13,6 +13,7 @@ from quasar.quant.bf16 import use_bf16_linears_
 from quasar.quant.calibration import Calibration, CalibrationSpec, calibrate, calibration_texts, token_windows
 from quasar.quant.schemes import check_targets, config_dict, quantize_, scheme_config, target_linears
 from quasar.quant.smoothquant import SmoothConfig, parse_alpha, row_sites, smooth_
+from quasar.spec import VerifierSpec
 from quasar.version import __version__
 
 log = logging.getLogger("quasar")
@@ -20,9 +21,8 @@ log = logging.getLogger("quasar")
 
 # The group size of plain `w8a8`: the finest scales that keep the speed (the table in docs/quantization.md).
 DEFAULT_W8A8_GROUP = 32
-# How a w8a8 name says where its lm_head lives: in W8A8 like the layers (the default: llama.cpp's Q8_0 quantizes
-# its output layer too, and it stays inside the fidelity bound) or in bf16 (the paper's float lm_head).
-LM_HEAD_PARTS = {"lm8": True, "lmbf16": False}
+# A w8a8 verifier's lm_head is W8A8 like the layers by default (llama.cpp's Q8_0 quantizes its output layer too, and
+# it stays inside the fidelity bound); ':lmbf16' keeps it in bf16 (the paper's float lm_head).
 SCHEME_FORMS = ("w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16] or w8a16 "
                 "(e.g. w8a8, w8a8:g32, w8a8:pc:0.5, w8a8:lmbf16)")
 
@@ -51,12 +51,16 @@ class QuantRecipe:
         return SmoothConfig(alpha=self.alpha, output_groups=self.output_groups, group_size=self.group_size)
 
     @property
-    def name(self) -> str:
-        """The verifier name that gives this recipe: 'w8a8:g64', 'w8a8:pc:0.5', 'w8a8:g32:lmbf16', 'w8a16'."""
+    def spec(self) -> VerifierSpec:
+        """The verifier that gives this recipe: w8a8:g64, w8a8:pc:0.5, w8a8:g32:lmbf16, w8a16."""
         if self.scheme != "w8a8":
-            return self.scheme
-        alpha = "" if self.alpha == "auto" else f":{'none' if self.alpha is None else self.alpha}"
-        return f"w8a8:{f'g{self.group_size}' if self.group_size else 'pc'}{alpha}{'' if self.lm_head else ':lmbf16'}"
+            return VerifierSpec(self.scheme)
+        alpha = None if self.alpha == "auto" else "none" if self.alpha is None else self.alpha
+        return VerifierSpec("w8a8", self.group_size, alpha, None if self.lm_head else "lmbf16")
+
+    @property
+    def name(self) -> str:
+        return str(self.spec)
 
     def scheme_config(self) -> Any:
         options = {"group_size": self.group_size} if self.scheme == "w8a8" else {}
@@ -75,34 +79,20 @@ class QuantRecipe:
         }
 
 
-def parse_scheme(name: str, calib: CalibrationSpec | None = None, **options: Any) -> QuantRecipe:
-    """A scheme name -> its recipe: 'w8a8' (group size DEFAULT_W8A8_GROUP, alpha auto, the lm_head in W8A8 with
-    the layers' group size), 'w8a8:g32', 'w8a8:pc' (per channel and token, the paper's), 'w8a8:g64:0.5',
-    'w8a8:none' (no smoothing), 'w8a8:lmbf16' (the lm_head in bf16, as the paper keeps it; 'lm8' names the
-    default), 'w8a16' (weights only, bf16 lm_head)."""
-    scheme, *parts = name.split(":")
-    if scheme not in ("w8a8", "w8a16") or (scheme == "w8a16" and parts):
-        raise ValueError(f"unknown quantization scheme {name!r}; use {SCHEME_FORMS}")
-    group, alpha = DEFAULT_W8A8_GROUP, "auto"
-    for part in parts:
-        if part in LM_HEAD_PARTS:
-            options["lm_head"] = LM_HEAD_PARTS[part]
-        elif part == "pc":
-            group = 0
-        elif part[:1] == "g" and part[1:].isdigit():
-            group = int(part[1:])
-            if group < 32 or group % 32:
-                raise ValueError(f"scheme {name!r}: the group size must be a multiple of 32, not {group}")
-        else:
-            try:
-                alpha = parse_alpha(part)
-            except ValueError:
-                raise ValueError(
-                    f"scheme {name!r}: {part!r} is neither pc, gN, lm8, lmbf16 nor an alpha; use {SCHEME_FORMS}"
-                ) from None
-    if scheme == "w8a16":
+def recipe_for(spec: VerifierSpec, calib: CalibrationSpec | None = None, **options: Any) -> QuantRecipe:
+    """A quantized verifier's recipe: plain 'w8a8' is group size DEFAULT_W8A8_GROUP, alpha auto, the lm_head in W8A8
+    with the layers' group size; 'w8a8:pc' per channel and token (the paper's); 'w8a8:none' no smoothing;
+    'w8a8:lmbf16' the lm_head in bf16 (as the paper keeps it); 'w8a16' weights only, bf16 lm_head. `options` (the
+    `quasar quantize` flags) override what the name leaves unnamed."""
+    if not spec.quantized:
+        raise ValueError(f"{spec} is not a quantization scheme; use {SCHEME_FORMS}")
+    alpha = options.pop("alpha", None) or spec.alpha or "auto"
+    if spec.lm_head is not None:
+        options["lm_head"] = spec.int8_lm_head
+    if spec.kind == "w8a16":
         return QuantRecipe("w8a16", None, calib or CalibrationSpec(), group_size=0, **options)
-    return QuantRecipe("w8a8", alpha, calib or CalibrationSpec(), group_size=group, **options)
+    group = DEFAULT_W8A8_GROUP if spec.group is None else spec.group
+    return QuantRecipe("w8a8", parse_alpha(str(alpha)), calib or CalibrationSpec(), group_size=group, **options)
 
 
 def calibrate_model(loaded: LoadedModel, spec: CalibrationSpec, smoothing: SmoothConfig) -> Calibration:

@@ -24,7 +24,7 @@ from quasar.serve.scheduler import Job, QueueFullError, Scheduler, WorkerStopped
 log = logging.getLogger("quasar")
 
 
-class Guard:
+class AuthMiddleware:
     """ASGI middleware: bearer-token check on /v1/* and a request counter by route and status.
 
     The route label is one of the app's `endpoints`, or 'other': a client cannot add label values.
@@ -184,7 +184,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
         finally:
             scheduler.cancel(job)  # the client went away mid-stream: stop generating, free the place
 
-    app.add_middleware(Guard, api_key=api_key, metrics=metrics, endpoints=frozenset(r.path for r in app.routes))
+    app.add_middleware(AuthMiddleware, api_key=api_key, metrics=metrics, endpoints=frozenset(r.path for r in app.routes))
     return app
 
 

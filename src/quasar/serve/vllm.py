@@ -8,7 +8,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from quasar.api import DecodeConfig
+from quasar.decoding.drafters.base import DrafterOptions
+from quasar.spec import AUTO, NO_DRAFTER, EngineSpec
 
 
 @dataclass(frozen=True)
@@ -26,28 +27,28 @@ class VllmServe:
 VLLM_K = 5  # vLLM's draft length is fixed; quasar's 'auto' maps to the paper's setting
 
 
-def speculative_config(decode: DecodeConfig) -> dict[str, object] | None:
+def speculative_config(spec: EngineSpec, options: DrafterOptions) -> dict[str, object] | None:
     """quasar's drafter settings as vLLM's --speculative-config (prompt lookup = vLLM's 'ngram' method)."""
-    if decode.drafter == "none":
+    if spec.drafter == NO_DRAFTER:
         return None
-    if decode.drafter != "ngram":
-        raise ValueError(f"the vLLM hand-off supports --drafter none or ngram, not {decode.drafter!r}")
+    if spec.drafter != "ngram":
+        raise ValueError(f"the vLLM hand-off supports --drafter none or ngram, not {spec.drafter!r}")
     return {
         "method": "ngram",
-        "num_speculative_tokens": decode.k if isinstance(decode.k, int) else VLLM_K,
-        "prompt_lookup_min": decode.ngram_min,
-        "prompt_lookup_max": decode.ngram_max,
+        "num_speculative_tokens": VLLM_K if spec.k == AUTO else spec.k,
+        "prompt_lookup_min": options.ngram_min,
+        "prompt_lookup_max": options.ngram_max,
     }
 
 
-def vllm_command(serve: VllmServe, decode: DecodeConfig) -> list[str]:
+def vllm_command(serve: VllmServe, spec: EngineSpec, options: DrafterOptions) -> list[str]:
     argv = [serve.executable, "serve", str(serve.model_dir), "--served-model-name", serve.served_name,
             "--dtype", serve.dtype, "--host", serve.host, "--port", str(serve.port)]
     if serve.max_context:
         argv += ["--max-model-len", str(serve.max_context)]
     if serve.api_key:
         argv += ["--api-key", serve.api_key]
-    spec = speculative_config(decode)
-    if spec is not None:
-        argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    config = speculative_config(spec, options)
+    if config is not None:
+        argv += ["--speculative-config", json.dumps(config, separators=(",", ":"))]
     return argv

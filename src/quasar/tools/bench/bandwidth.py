@@ -1,7 +1,7 @@
 """The memory wall, measured: a read-bandwidth probe and verify-forward time vs number of scored tokens.
 
 At batch 1 a verify forward reads every weight once, so its time is about bytes_read / bandwidth
-whatever the number of scored tokens k+1 (SPEC.md). The probe reads a buffer far larger than the
+whatever the number of scored tokens k+1 (docs/metrics.md). The probe reads a buffer far larger than the
 last-level cache (a plain sum), so it measures memory, not cache. For the same reason each timed forward
 starts cold: a sweep of the probe's size first pushes the last forward's weights out of the caches.
 """

@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from quasar.builder import Verifiers
 from quasar.model.loading import LoadedModel, float_directory
 from quasar.decoding.outputs import RequestOutput
 from quasar.decoding.prompt import Messages
 from quasar.decoding.sampling import SamplingParams
-from quasar.verifiers.registry import load_verifier
+from quasar.spec import VerifierSpec
 
 log = logging.getLogger("quasar")
 
@@ -44,18 +45,18 @@ class MethodOptions:
 
 @dataclass
 class Pool:
-    """Loaded verifiers by name, shared by every method that verifies with them."""
+    """The methods' options and the verifiers they load, each loaded once and shared by every method that verifies
+    with it."""
 
     options: MethodOptions
-    verifiers: dict[str, LoadedModel] = field(default_factory=dict)
+    verifiers: Verifiers = field(init=False)
 
-    def verifier(self, name: str) -> LoadedModel:
-        if name not in self.verifiers:
-            log.info("loading verifier %s", name)
-            quantized = self.options.quantized and name.split(":")[0] in ("w8a8", "w8a16")
-            model = self.options.quantized if quantized else self.options.model
-            self.verifiers[name] = load_verifier(model, name, self.options.cache_dir)
-        return self.verifiers[name]
+    def __post_init__(self) -> None:
+        o = self.options
+        self.verifiers = Verifiers(o.model, o.cache_dir, o.quantized)
+
+    def verifier(self, spec: VerifierSpec | str) -> LoadedModel:
+        return self.verifiers.get(VerifierSpec.parse(spec) if isinstance(spec, str) else spec)
 
     def directory(self) -> Path:
         """The model's Hugging Face-style directory (GGUF sources are converted once, cached)."""

@@ -5,7 +5,7 @@ A record is one method's answer to one question at one temperature:
    "choices": [{"turns", "new_tokens", "wall_time", "decoding_steps", "accept_lengths", "token_ids", "stats"}]}
 with one entry per turn in every list except `accept_lengths` (flat over turns, as in Spec-Bench).
 
-Definitions (SPEC.md): mean accepted tokens = tokens emitted per verify step (plain decoding 1.0);
+Definitions (docs/metrics.md): mean accepted tokens = tokens emitted per verify step (plain decoding 1.0);
 acceptance rate = accepted draft tokens / proposed draft tokens; speedup = tokens/s of a method over
 tokens/s of its baseline on the same prompts (total tokens / total wall time, as Spec-Bench).
 """
@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
+
+from quasar.spec import EngineSpec
 
 Record = dict[str, Any]
 BASELINES = ("ar:bf16", "ngram+bf16")  # the plain float baseline and the paper's baseline
@@ -96,9 +98,10 @@ def summarize(records: list[Record], baselines: tuple[str, ...] = BASELINES) -> 
 def reference_method(method: str) -> str | None:
     """The plain-decoding method whose greedy tokens `method` must reproduce: 'ngram+w8a8' -> 'ar:w8a8',
     'hf:pld' -> 'hf:ar', 'llamacpp:pld:f16' -> 'llamacpp:ar:f16'; None for plain methods."""
-    if "+" in method:
-        return "ar:" + method.rpartition("+")[2]
     peer, sep, rest = method.partition(":pld")
+    if peer.partition(":")[0] not in ("hf", "llamacpp"):  # quasar's engine: plain decoding with its top verifier
+        spec = EngineSpec.parse(method)
+        return str(EngineSpec((spec.top,))) if spec.speculative else None
     return f"{peer}:ar{rest}" if sep else None
 
 

@@ -48,8 +48,8 @@ class BenchOptions:
 def memory_wall(pool: Pool) -> dict[str, Any]:
     """Read bandwidth and, per loaded verifier, verify-forward time vs scored tokens."""
     measured = {"bandwidth_bytes_per_s": bandwidth.read_bandwidth(), "curves": {}}
-    for name, loaded in pool.verifiers.items():
-        measured["curves"][name] = {
+    for spec, loaded in pool.verifiers.loaded.items():
+        measured["curves"][str(spec)] = {
             "bytes": bandwidth.bytes_per_forward(loaded.model),
             "seconds": bandwidth.verify_forward_times(loaded.model),
         }

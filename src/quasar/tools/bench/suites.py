@@ -1,4 +1,4 @@
-"""Benchmark suites built from the packaged real data sets (SPEC.md), every data file sha256-checked.
+"""Benchmark suites built from the packaged real data sets (docs/metrics.md), every data file sha256-checked.
 
 Categories: MT-bench's 8 (both turns), HumanEval, GSM8K (test split) and a long-context category
 (summarise, rewrite or answer about a passage of the FastChat documentation shipped with MT-bench).

@@ -78,7 +78,7 @@ class MMLU:
         return data.mmlu(limit)
 
     def stream(self, engine: Engine) -> StreamCache | None:
-        if not engine.target.model.batches_rows:  # the torch path's floats depend on how a prompt is split
+        if not engine.target.model.plan.batches_rows:  # the torch path's floats depend on how a prompt is split
             return None
         if engine not in self.streams:
             self.streams[engine] = StreamCache(engine.target.model, initial_len=1024)

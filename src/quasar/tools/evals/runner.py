@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from quasar.verifiers import registry as verifiers
-from quasar.api import DecodeConfig, build_decoder
+from quasar.builder import Verifiers, build_engine
+from quasar.spec import NO_DRAFTER, EngineSpec, VerifierSpec
 from quasar.decoding.batch import Batch
 from quasar.decoding.engine import Engine, PromptTooLongError, Request
 from quasar.tools.evals.task import ForwardTask, GenerativeTask, ItemResult, Task, TaskOptions, is_generative
@@ -188,12 +188,9 @@ class EvalReport:
         return out
 
 
-def check_verifiers(names: tuple[str, ...]) -> None:
-    """Fail before any work when a verifier name is unknown (the loaders come from other modules)."""
-    known = verifiers.available()
-    unknown = [n for n in names if n.partition(":")[0] not in known]
-    if unknown:
-        raise ValueError(f"unknown verifier(s) {', '.join(unknown)}; available: {', '.join(known)}")
+def check_verifiers(names: tuple[str, ...]) -> list[VerifierSpec]:
+    """Each name's VerifierSpec, before any work: an unknown or malformed name fails here."""
+    return [VerifierSpec.parse(name) for name in names]
 
 
 def check_drafter(name: str) -> None:
@@ -270,7 +267,7 @@ def score_task(engine: Engine, task_name: str, items: list[Any], verifier: str, 
     a generative task decodes up to `batch` items at once. checkpoint(partial score) at most every CHECKPOINT_S
     seconds."""
     task = get_task(task_name)
-    path = engine.target.model.backend
+    path = engine.target.model.plan.paths
     score = done or TaskScore(task_name, verifier, [], 0.0, path)
     todo = items[score.n :]
     if todo and score.path.rpartition(THEN)[2] != path:
@@ -341,10 +338,9 @@ def evaluate(config: EvalConfig, on_score: Callable[[EvalReport], None] | None =
         engine = None
         if todo:
             log.info("loading verifier %s of %s", verifier, config.model)
-            target = verifiers.load_verifier(config.model, verifier, config.cache_dir)
             generates = any(is_generative(get_task(n)) for n in todo)  # else no drafter is loaded
-            decoder = build_decoder(target, DecodeConfig(drafter if generates else "none"), config.cache_dir)
-            engine = Engine(target, decoder, max_context=config.max_context)
+            spec = EngineSpec((VerifierSpec.parse(verifier),), drafter if generates else NO_DRAFTER)
+            engine = build_engine(spec, Verifiers(config.model, config.cache_dir), max_context=config.max_context)
         for name in config.tasks:
             def checkpoint(partial: TaskScore, key: tuple[str, str] = (verifier, name)) -> None:
                 report.scores[key] = partial

@@ -1,0 +1,49 @@
+"""What many tests share: engines and decoders by name, the CLI as a subprocess."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import torch
+
+from quasar.builder import Verifiers, build_decoder, build_engine
+from quasar.decoding.autoregressive import Steps
+from quasar.decoding.engine import Decoder, Engine
+from quasar.model.llama import Step, Transformer
+from quasar.model.loading import LoadedModel
+from quasar.spec import AUTO, EngineSpec, VerifierSpec
+
+
+def engine_for(name: str, model: str = "default", k: int | str = AUTO, guard: float | None = None) -> Engine:
+    """The engine an EngineSpec name gives ('ngram+w8a8', 'ar:bf16', 'ngram+w8a8+bf16', ...)."""
+    return build_engine(EngineSpec.parse(name, k=k, guard=guard), Verifiers(model))
+
+
+def decoder_for(drafter: str, target: LoadedModel, k: int | str = AUTO, middle: LoadedModel | None = None) -> Decoder:
+    """The decoder of `drafter` ('none', 'ngram', ...) for an already loaded target (and a cascade's middle)."""
+    levels = (VerifierSpec("fp32"),) * (1 if middle is None else 2)  # the loaded models stand for the levels
+    return build_decoder(EngineSpec(levels, drafter, k), target, middle=middle)
+
+
+def run_cli(*args: str, stdin: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m quasar ARGS...`, its output captured as text."""
+    return subprocess.run([sys.executable, "-m", "quasar", *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+@torch.inference_mode()
+def drive(model: Transformer, steps: Steps) -> Iterator[list[int]]:
+    """Run a decoder alone: each forward it asks for, at once; yields the token lists it emits."""
+    logits = None
+    while True:
+        try:
+            item = steps.send(logits)
+        except StopIteration:
+            return
+        if isinstance(item, Step):
+            logits = model.forward_steps([item])[0]
+        else:
+            logits = None
+            yield item
