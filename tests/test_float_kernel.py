@@ -11,7 +11,8 @@ from conftest import needs_kernels
 
 from quasar.kernels import native, plan
 from quasar.kernels.layers import pack_channels
-from quasar.quant.bf16 import BF16Linear, KernelBF16Linear, pack_panels
+from quasar.kernels.quant_layers import KernelBF16Linear, pack_panels
+from quasar.quant.bf16 import BF16Linear
 
 pytestmark = needs_kernels
 E = torch.empty(0)
@@ -206,7 +207,7 @@ def test_bf16_input_layer_on_torch_and_on_the_kernel_agree():
     on_kernel = plan.on_kernel(layer)(x)
     assert isinstance(layer, KernelBF16Linear) and layer.kernel_args()[0] == 2
     assert torch.allclose(on_kernel, on_torch, rtol=1e-4, atol=1e-4)
-    assert BF16Linear.from_linear(torch.nn.Linear(48, 8), bf16_inputs=True).kernel_form() is None  # N % 16
+    assert plan.kernel_form(BF16Linear.from_linear(torch.nn.Linear(48, 8), bf16_inputs=True)) is None  # N % 16
 
 
 def test_float32_input_layer_reads_packed_bf16_weights_where_n_allows():

@@ -12,7 +12,8 @@ from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
-from quasar.model.loading import ModelLoadError, default_model_path, gguf_directory, load, sha256_file, unpermute_rope
+from quasar.files import sha256_file
+from quasar.model.loading import ModelLoadError, default_model_path, gguf_directory, load, unpermute_rope
 
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 K_BLOCKS = {Q.Q4_K: (144, [0, 2]), Q.Q5_K: (176, [0, 2]), Q.Q6_K: (210, [208])}  # bytes/256 values, fp16 scale offsets

@@ -8,7 +8,8 @@ import torch
 from conftest import needs_kernels
 
 from quasar.kernels import native, plan
-from quasar.quant.int8 import Int8Linear, KernelInt8Linear, pack_int8_panels, quantize_groups
+from quasar.kernels.quant_layers import KernelInt8Linear, pack_int8_panels
+from quasar.quant.int8 import Int8Linear, quantize_groups
 
 pytestmark = needs_kernels
 PATHS = native.kernel().int8_paths() if native.kernel() is not None else []
@@ -58,7 +59,7 @@ def test_grouped_linear_matches_the_torch_reference(G, M, K, N, bias):
     the same layer: the same int8 activations and scales, sums that differ only in float rounding order."""
     torch.manual_seed(M + G)
     linear = torch.nn.Linear(K, N, bias=bias)
-    fused = plan.on_kernel(Int8Linear.from_float(linear, backend="avx2", group_size=G))
+    fused = plan.on_kernel(Int8Linear.from_float(linear, group_size=G))
     reference_layer = Int8Linear.from_float(linear, backend="reference", group_size=G)
     assert fused.weight_scale.shape == (N, K // G)
     x = torch.randn(M, K) * 3
@@ -73,7 +74,7 @@ def test_grouped_linear_matches_the_torch_reference(G, M, K, N, bias):
 
 def test_grouped_rows_do_not_depend_on_the_other_rows():
     torch.manual_seed(0)
-    layer = plan.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, 1536), backend="avx2", group_size=64))
+    layer = plan.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, 1536), group_size=64))
     x = torch.randn(8, 576)
     together = layer(x)
     for m in range(1, 8):
@@ -95,7 +96,7 @@ def test_kernel_quantization_matches_quantize_groups():
     one input, the output of channel n is exactly x_int8[:, n] * x_scale of its group."""
     torch.manual_seed(4)
     K, G = 128, 32
-    layer = Int8Linear(K, K, bias=False, backend="avx2", group_size=G)
+    layer = Int8Linear(K, K, bias=False, group_size=G)
     layer.weight = torch.eye(K, dtype=torch.int8)
     layer.weight_scale = torch.ones(K, K // G)
     plan.on_kernel(layer)
@@ -119,7 +120,7 @@ def test_grouped_linear_is_exact_with_dyadic_scales(G, N, M, K=192):
     holds a +-127 multiple of 2^-e quantize exactly (scale 2^-e), and power-of-two weight scales keep every
     float sum exact, whatever the layout's summation order."""
     gen = torch.Generator().manual_seed(G + N + M)
-    layer = Int8Linear(K, N, bias=False, backend="avx2", group_size=G)
+    layer = Int8Linear(K, N, bias=False, group_size=G)
     layer.weight = torch.randint(-128, 128, (N, K), generator=gen, dtype=torch.int8)
     layer.weight_scale = 2.0 ** -torch.randint(0, 3, (N, K // G), generator=gen).float()
     q = torch.randint(-127, 128, (M, K), generator=gen, dtype=torch.int8)
@@ -141,7 +142,7 @@ def test_grouped_linear_is_exact_across_chunks_of_k(M):
 
 def test_weights_are_packed_once_at_load():
     kernel = native.kernel()
-    layer = plan.on_kernel(Int8Linear.from_float(torch.nn.Linear(64, 32), backend="avx2", group_size=32))
+    layer = plan.on_kernel(Int8Linear.from_float(torch.nn.Linear(64, 32), group_size=32))
     w, scale = layer.kernel_weight
     path = kernel.int8_path()
     if path in ("dpbusd", "maddubs"):  # panels of 16 channels x 4 inputs: unsigned bytes w + 128, or signed w
@@ -206,7 +207,7 @@ def test_every_prefetch_policy_gives_the_same_results(group_size):
     never of values."""
     kernel = native.kernel()
     torch.manual_seed(group_size)
-    layer = plan.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, 320), backend="avx2", group_size=group_size))
+    layer = plan.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, 320), group_size=group_size))
     x = torch.randn(7, 576) * 3
     before = kernel.prefetch()
     try:

@@ -8,8 +8,10 @@ import torch
 from conftest import needs_kernels
 
 from quasar.kernels import native, plan
-from quasar.quant.bf16 import BF16Linear, KernelBF16Linear
-from quasar.quant.int8 import INT_MM, Int8Linear, Int8WeightOnlyLinear, KernelInt8Linear, quantize_tokens
+from quasar.kernels.quant_layers import KernelBF16Linear
+from quasar.quant.bf16 import BF16Linear
+from quasar.kernels.quant_layers import KernelInt8Linear
+from quasar.quant.int8 import INT_MM, Int8Linear, Int8WeightOnlyLinear, quantize_tokens
 
 pytestmark = needs_kernels
 
@@ -19,7 +21,7 @@ def test_fused_kernel_is_bit_identical_to_the_reference(M, K, N, bias):
     torch.manual_seed(M)
     linear = torch.nn.Linear(K, N, bias=bias)
     reference = Int8Linear.from_float(linear, backend="reference")
-    fused = plan.on_kernel(Int8Linear.from_float(linear, backend="avx2"))
+    fused = plan.on_kernel(Int8Linear.from_float(linear))
     x = torch.randn(M, K) * 3
     x[0] = 0  # an all-zero row gives the bias (or zeros), not NaN
     y = fused(x)
@@ -59,13 +61,13 @@ def test_int32_product_is_exact_over_the_whole_int8_range(path, M, K):
 
 def test_rows_do_not_depend_on_the_other_rows():
     torch.manual_seed(0)
-    layer = plan.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, 1536), backend="avx2"))
+    layer = plan.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, 1536)))
     x = torch.randn(6, 576)
     together = layer(x)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(6)])
     assert torch.equal(together, alone)
     q, _ = quantize_tokens(x)
-    assert torch.equal(INT_MM["avx2"](q, layer.weight), INT_MM["reference"](q, layer.weight))
+    assert torch.equal(layer.kernel.int8_mm(q, layer.weight), INT_MM["reference"](q, layer.weight))
 
 
 # ---- float activations x int8 (W8A16) or bfloat16 weights -------------------------------------------

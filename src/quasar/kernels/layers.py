@@ -39,6 +39,10 @@ class KernelLinear(KernelModule, Linear):
 
     packed: torch.Tensor
 
+    @staticmethod
+    def takes(layer: Linear) -> bool:
+        return layer.weight.dtype == torch.float32 and layer.weight.device.type == "cpu" and layer.out_features % 16 == 0
+
     @classmethod
     def adopt(cls, module: nn.Module, kernel: Any) -> nn.Module:
         super().adopt(module, kernel)
@@ -91,7 +95,7 @@ def drop_plain_weights_(model: nn.Module) -> int:
 
 class PanelEmbedding(Embedding):
     """An embedding tied to an lm_head whose table the kernels read packed in panels of 16 rows ([V/16, D, 16]
-    or [V/16, D/2, 16, 2], pack_channels or quant.bf16.pack_panels): a lookup gathers each token's row from
+    or [V/16, D/2, 16, 2], pack_channels or kernels/quant_layers.pack_panels): a lookup gathers each token's row from
     its panel, the same values as the plain table's row."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

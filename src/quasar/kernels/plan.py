@@ -2,7 +2,7 @@
 model's ExecutionPlan (quasar.model.execution).
 
 `prepare_(model)` swaps modules (as torchao and gpt-fast do): where quasar's kernels run (quasar.kernels.native) and
-every linear of the model offers a kernel form (`kernel_form()`: float32, bf16, int8 and W8A16 layers), norms,
+every linear of the model has a kernel form that takes it (KERNEL_FORMS: float32, bf16, int8 and W8A16 layers), norms,
 attention and the layer stack become their kernel forms (kernels/layers.py) and decode/verify steps run
 all layers in one kernel call. Anywhere else (CUDA, no compiler, a shape the kernels do not take) the model stays on the
 torch modules of model/llama.py, which keep every decode/verify step at one fixed shape. Either way greedy
@@ -28,8 +28,11 @@ from quasar.kernels.layers import (
     drop_plain_weights_,
     layer_tensors,
 )
+from quasar.kernels.quant_layers import KernelBF16Linear, KernelInt8Linear, KernelInt8WeightOnlyLinear
 from quasar.model.execution import ON_TORCH, ExecutionPlan
 from quasar.model.llama import Attention, Layers, Linear, RMSNorm, Transformer
+from quasar.quant.bf16 import BF16Linear
+from quasar.quant.int8 import Int8Linear, Int8WeightOnlyLinear
 
 
 def kernel_for(model: Transformer, cache_dir: str | Path | None = None) -> Any | None:
@@ -47,7 +50,7 @@ def prepare_(model: Transformer, fuse: bool = True, cache_dir: str | Path | None
     the model's weights, so the linears the kernels read packed (fp32, bf16 inputs) keep only that copy
     (kernels/layers.drop_plain_weights_). fuse=False keeps the layers as separate module calls."""
     kernel = kernel_for(model, cache_dir)
-    forms = {m: kernel_form(m) for m in model.modules() if isinstance(m, nn.Linear) or hasattr(m, "in_features")}
+    forms = {m: kernel_form(m) for m in model.modules() if isinstance(m, (nn.Linear, Int8Linear, Int8WeightOnlyLinear))}
     if kernel is None or any(form is None for form in forms.values()):
         model.plan = ON_TORCH
         return model.plan
@@ -83,14 +86,21 @@ def kernel_paths(kernel: Any, modules: dict[nn.Module, type], bf16_attention: bo
     return "kernels:" + "+".join(paths)
 
 
+# each linear class -> its kernel form, which says which of its layers it takes
+KERNEL_FORMS: dict[type, type] = {
+    Linear: KernelLinear,  # float32 weights (the fp32 verifier)
+    BF16Linear: KernelBF16Linear,
+    Int8Linear: KernelInt8Linear,
+    Int8WeightOnlyLinear: KernelInt8WeightOnlyLinear,
+}
+
+
 def kernel_form(linear: nn.Module) -> type | None:
     """The kernel class a linear becomes (its own class if it is one already), None if it has none."""
     if isinstance(linear, KernelModule):
         return type(linear)
-    if type(linear) is Linear:  # float32 weights (the fp32 verifier)
-        usable = linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu" and linear.out_features % 16 == 0
-        return KernelLinear if usable else None
-    return linear.kernel_form() if hasattr(linear, "kernel_form") else None
+    form = KERNEL_FORMS.get(type(linear))
+    return form if form is not None and form.takes(linear) else None
 
 
 def on_kernel(module: nn.Module, kernel: Any | None = None) -> nn.Module:

@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from quasar.files import ModelLoadError, atomic_directory, cache_root, sha256_file, sha256_memo
+from quasar.files import ModelLoadError, atomic_directory, cache_root, sha256_memo
 from quasar.model.config import CAUSAL_LM_CLASSES, ModelConfig
 from quasar.model.llama import Transformer, rope_inv_freq
 

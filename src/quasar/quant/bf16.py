@@ -14,17 +14,14 @@ the kernel at load (KernelBF16Linear).
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quasar.kernels.layers import KernelModule, pack_channels
 from quasar.model.llama import Linear, at_fixed_shape
 from quasar.quant.schemes import swap_module_
 
-NO_TENSOR = torch.empty(0)
 
 
 class BF16Linear(Linear):
@@ -47,60 +44,6 @@ class BF16Linear(Linear):
         if self.bf16_inputs:
             x = x.to(torch.bfloat16).to(x.dtype)
         return at_fixed_shape(lambda rows: F.linear(rows, self.weight.to(x.dtype), bias), x)
-
-    def kernel_form(self) -> type | None:
-        if self.weight.device.type != "cpu":
-            return None
-        if self.bf16_inputs:  # panels of 16 channels, inputs in pairs
-            return None if self.out_features % 16 or self.in_features % 2 else KernelBF16Linear
-        return None if self.in_features % 16 else KernelBF16Linear
-
-
-class KernelBF16Linear(KernelModule, BF16Linear):
-    """The kernel reads the weight packed in panels of 16 channels, made at load: [N/16, K/2, 16, 2] with bf16
-    inputs, [N/16, K, 16] with float32 ones (plain [N, K] where N is not a multiple of 16); a loaded verifier
-    then drops the plain weight unless a tied embedding reads it (kernels/layers.drop_plain_weights_)."""
-
-    packed: torch.Tensor | None
-
-    @classmethod
-    def adopt(cls, layer: BF16Linear, kernel: Any) -> KernelBF16Linear:
-        super().adopt(layer, kernel)
-        if layer.bf16_inputs:
-            layer.packed = pack_panels(layer.weight)
-        else:
-            layer.packed = None if layer.out_features % 16 else pack_channels(layer.weight)
-        return layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float()  # [M, K]
-        kind, weight, scale, bias = self.kernel_args()
-        if kind == 2:
-            y = self.kernel.bf16_linear(rows, weight, bias)  # [M, N] float32
-        elif kind == 3:
-            y = self.kernel.fp32_linear(rows, weight, bias)
-        else:
-            y = self.kernel.float_act_linear(rows, weight, scale, bias)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-
-    def kernel_bias(self) -> torch.Tensor:
-        return NO_TENSOR if self.bias is None else self.bias.float()
-
-    def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kind, weight, scale, bias) for the fused decoder-layer kernel: kind 2 = bfloat16 inputs (bf16_linear),
-        3 = float32 inputs on packed weights (fp32_linear), 1 = float32 inputs on the plain weight."""
-        if self.bf16_inputs:
-            return 2, self.packed, NO_TENSOR, self.kernel_bias()
-        if self.packed is not None:
-            return 3, self.packed, NO_TENSOR, self.kernel_bias()
-        return 1, self.weight, NO_TENSOR, self.kernel_bias()
-
-
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """w [N, K] -> [N/16, K/2, 16, 2]: 16 channels side by side, each with its pair of inputs (csrc/float_dot.cpp)."""
-    N, K = weight.shape
-    return weight.view(N // 16, 16, K // 2, 2).transpose(1, 2).contiguous()
-
 
 def use_bf16_linears_(model: nn.Module, names: list[str] | None = None, bf16_inputs: bool = False) -> list[str]:
     """Swap the named float linears (default: all) for BF16Linear in place (with bfloat16 inputs if asked);

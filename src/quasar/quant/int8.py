@@ -16,9 +16,9 @@ is exact, so verifying k draft tokens together gives bit-identical rows to decod
 
 Int32 products of the torch path (table `INT_MM`): `int_mm` (torch._int_mm; weight stored [N, K] and passed
 as `.t()`; rows padded above 16 on CUDA), `blocked_float` (float32 GEMMs over K blocks of <= 1024, where every
-partial sum is an integer below 2^24 and therefore exact), `avx2` (quasar's kernel as a plain product) and
-`reference` (int64, for tests); `auto` is `int_mm` on CUDA, else `blocked_float`. All give the same integers.
-On a CPU where quasar's kernels run, quasar.kernels.plan moves `auto`/`avx2` layers onto KernelInt8Linear at load:
+partial sum is an integer below 2^24 and therefore exact) and `reference` (int64, for tests); `auto` is
+`int_mm` on CUDA, else `blocked_float`. All give the same integers.
+On a CPU where quasar's kernels run, quasar.kernels.plan moves `auto` layers onto KernelInt8Linear at load:
 activation quantization, exact int32 dot products (AVX-512 VNNI's vpdpbusd where the CPU has it, else AVX2),
 rescale and bias in one call per linear.
 """
@@ -26,18 +26,14 @@ rescale and bias in one call per linear.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quasar.kernels import native
-from quasar.kernels.layers import KernelModule
 from quasar.model.llama import at_fixed_shape
 
 QMAX = 127
-NO_BIAS = torch.empty(0)
 EXACT_FLOAT_BLOCK = 1024  # 1024 * 127 * 127 < 2**24: float32 sums of this many int8 products are exact
 
 
@@ -119,14 +115,6 @@ def reference_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.long() @ w.long().t()).to(torch.int32)
 
 
-def avx2_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """quasar's CPU kernel (csrc/linear_avx2.cpp) as a plain int32 product: exact, weights streamed once."""
-    kernel = native.kernel()
-    if kernel is None:
-        raise RuntimeError(f"quasar's CPU kernels are not available here: {native.status()}")
-    return kernel.int8_mm(x, w)
-
-
 def auto_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The torch path's product (layers that run on quasar's kernels never get here): int_mm on CUDA."""
     return int_mm(x, w) if x.is_cuda else blocked_float_mm(x, w)
@@ -137,10 +125,8 @@ INT_MM: dict[str, IntMM] = {
     "auto": auto_mm,
     "int_mm": int_mm,
     "blocked_float": blocked_float_mm,
-    "avx2": avx2_mm,
     "reference": reference_mm,
 }
-KERNEL_BACKENDS = ("auto", "avx2")  # Int8Linear backends that quasar.kernels.plan may move onto the fused kernel
 
 
 # ---- layers ----------------------------------------------------------------------------------------
@@ -182,76 +168,9 @@ class Int8Linear(nn.Module):
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def kernel_form(self) -> type | None:
-        """The class this layer takes on quasar's CPU kernel (quasar.kernels.plan), None where it cannot run there."""
-        if self.backend not in KERNEL_BACKENDS or self.weight.device.type != "cpu" or self.in_features % 16:
-            return None
-        return KernelInt8Linear
-
     def extra_repr(self) -> str:
         groups = f", group_size={self.group_size}" if self.group_size else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, backend={self.backend}{groups}"
-
-
-def pack_int8_panels(weight: torch.Tensor, scale: torch.Tensor, unsigned: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] int8, scale [N, K/G] -> (w [N/16, K/4, 16, 4], scale [N/16, K/G, 16]): 16 channels x 4 inputs per
-    64 bytes (csrc/int8_panel.cpp), as unsigned bytes w + 128 (the dpbusd path: w's bits with the sign bit
-    flipped) or as the signed bytes w (maddubs, AVX2)."""
-    N, K = weight.shape
-    values = weight.view(torch.uint8) ^ 0x80 if unsigned else weight
-    return (values.view(N // 16, 16, K // 4, 4).permute(0, 2, 1, 3).contiguous(),
-            scale.view(N // 16, 16, -1).permute(0, 2, 1).contiguous())
-
-
-class KernelInt8Linear(KernelModule, Int8Linear):
-    """Int8Linear on quasar's CPU kernel: quantization, exact int32 dot products, rescale and bias in one call.
-    A group-wise layer's weights are packed 16 channels x 4 inputs per 64 bytes at load ([N/16, K/4, 16, 4],
-    scales [N/16, K/G, 16]; csrc/int8_panel.cpp): unsigned bytes w + 128 on the dpbusd path, signed bytes on
-    maddubs; beside the plain ones, which checkpoints and exports keep using; a loaded verifier keeps the packed
-    copy alone."""
-
-    kernel_weight: tuple[torch.Tensor, torch.Tensor]  # (weight, scale) as the kernel reads them
-
-    @classmethod
-    def adopt(cls, layer: Int8Linear, kernel: Any) -> KernelInt8Linear:
-        super().adopt(layer, kernel)
-        path = kernel.int8_path()
-        if layer.group_size and layer.out_features % 16 == 0 and path in ("dpbusd", "maddubs"):
-            layer.kernel_weight = pack_int8_panels(layer.weight, layer.weight_scale, unsigned=path == "dpbusd")
-        else:
-            layer.kernel_weight = (layer.weight, layer.weight_scale)
-        return layer
-
-    def drop_plain_(self) -> bool:
-        """Keep only the packed copy (the weight and scale buffers become it): for a model nobody reads in the
-        plain layout afterwards (kernels/layers.drop_plain_weights_); whether there was a second copy."""
-        if self.kernel_weight[0] is self.weight:
-            return False
-        self.weight, self.weight_scale = self.kernel_weight
-        return True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float()  # [M, K]
-        y = self.kernel.w8a8_linear(rows, *self.kernel_weight, NO_BIAS if self.bias is None else self.bias)  # [M, N]
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-
-    def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kind 0 = W8A8, weight, scale, bias) for quasar's fused decoder-layer kernel."""
-        return 0, *self.kernel_weight, NO_BIAS if self.bias is None else self.bias
-
-    @staticmethod
-    def forward_many(layers: list[KernelInt8Linear], x: torch.Tensor) -> list[torch.Tensor]:
-        """layer(x) for each layer with x quantized once (bitwise the same as one call each)."""
-        if any(layer.group_size != layers[0].group_size for layer in layers):
-            return [layer(x) for layer in layers]
-        rows = x.reshape(-1, layers[0].in_features).float()  # [M, K]
-        ys = layers[0].kernel.w8a8_linear_many(
-            rows,
-            [layer.kernel_weight[0] for layer in layers],
-            [layer.kernel_weight[1] for layer in layers],
-            [NO_BIAS if layer.bias is None else layer.bias for layer in layers],
-        )
-        return [y.to(x.dtype).reshape(*x.shape[:-1], layer.out_features) for y, layer in zip(ys, layers)]
 
 
 class Int8WeightOnlyLinear(nn.Module):
@@ -281,21 +200,5 @@ class Int8WeightOnlyLinear(nn.Module):
 
         return at_fixed_shape(op, x)
 
-    def kernel_form(self) -> type | None:
-        return None if self.weight.device.type != "cpu" or self.in_features % 16 else KernelInt8WeightOnlyLinear
-
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
-
-
-class KernelInt8WeightOnlyLinear(KernelModule, Int8WeightOnlyLinear):
-    """W8A16 on quasar's CPU kernel: weights widened in registers, float32 sums in a fixed order."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float()  # [M, K]
-        y = self.kernel.float_act_linear(rows, self.weight, self.weight_scale, NO_BIAS if self.bias is None else self.bias)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-
-    def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kind 1 = float activations, weight, scale, bias) for the fused decoder-layer kernel."""
-        return 1, self.weight, self.weight_scale, NO_BIAS if self.bias is None else self.bias
