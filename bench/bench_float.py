@@ -1,4 +1,4 @@
-"""Float references at memory speed (issue 18): quasar's fp32 and bf16 verifiers against transformers and
+"""Float references at memory speed: quasar's fp32 and bf16 verifiers against transformers and
 llama.cpp at the same precision, with quasar's w8a8 beside them, on the same model and the same tokens.
 
     python bench/bench_float.py [--model default] [--w8a8 DIR] [--engines quasar:fp32,transformers:fp32,...]
@@ -160,7 +160,7 @@ def main() -> None:
           f"float {kernel.float_path() if kernel else '-'}", flush=True)
     generator = torch.Generator().manual_seed(0)
     times: dict[str, dict[str, list[float]]] = {name: {"prefill": [], "decode": [], "verify": []} for name in engines}
-    for round_ in range(args.rounds + 1):  # round 0 warms up
+    for round_ in range(args.rounds + 1):  # the first round warms up
         ids = torch.randint(100, 20000, (args.prompt_len + VERIFY,), generator=generator).tolist()
         for name, engine in engines.items():
             start = time.perf_counter()

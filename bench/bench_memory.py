@@ -1,5 +1,5 @@
 """Peak resident memory of each verifier, loaded in a fresh process and run for one decode step
-(issue 7, target 6: a W8A8 verifier from its quantized checkpoint <= 0.7x the bf16 model).
+(e.g. a W8A8 verifier loaded from its quantized checkpoint against the bf16 model).
 
     python bench/bench_memory.py --model qwen2.5-coder-1.5b --w8a8 DIR [--verifiers bf16,w8a8]
 

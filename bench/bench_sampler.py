@@ -1,6 +1,6 @@
 """The verify step's sampler at T > 0, old against new, on the default model's vocabulary size (49,152).
 
-`sorted` is the path quasar had before issue 19: temperature, top-k, softmax, a full sort for top-p, then
+`sorted` is the plain baseline: temperature, top-k, softmax, a full sort for top-p, then
 torch.multinomial over the vocabulary, for every row of the step. `quasar` is quasar.decoding.sampling: one threshold
 per filter (on quasar's kernel top-k and top-p find theirs by octaves of the weights and a selection inside
 one octave; torch's partial selection elsewhere), weights computed only for the rows rejection sampling
@@ -31,7 +31,7 @@ SETTINGS = {
 
 
 def sorted_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Before issue 19 (kept here as the baseline): every row, a full sort for top-p."""
+    """The baseline: every row, a full sort for top-p."""
     logits = logits.float() / params.temperature
     if params.top_k > 0:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]

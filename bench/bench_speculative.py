@@ -1,4 +1,4 @@
-"""Speculative decoding side by side on the default model (issue 4's "Measure").
+"""Speculative decoding side by side on the default model.
 
     python bench/bench_speculative.py [--max-new-tokens 128] [--pruned 8] [--k 5] [--json out.json]
 

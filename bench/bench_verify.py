@@ -1,4 +1,4 @@
-"""One verify forward, verifier by verifier, against the memory wall (issue 7, targets 1 and 5).
+"""One verify forward, verifier by verifier, against the memory wall.
 
     python bench/bench_verify.py [--model default] [--w8a8 DIR] [--no-float] [--context 256] [--rounds 30]
                                  [--also w8a8:pc,w8a8:g64] [--int8-path auto|dpbusd|maddubs] [--prefetch l1,l2]

@@ -1,4 +1,4 @@
-"""quasar against vLLM's CPU build on the same prompts (issue 7, target 7).
+"""quasar against vLLM's CPU build on the same prompts.
 
     python bench/bench_vllm.py --vllm-python VENV/bin/python [--model default] [--prompts 5]
                                [--max-new-tokens 128] [--runs NAME,...] [--work DIR] [--json FILE]
@@ -18,7 +18,7 @@ ngram, 5 draft tokens, lookup 1..3. quasar's methods alternate prompt by prompt 
 the vLLM configurations run one after another, so slow phases of the machine hit them unevenly: the
 script prints each run's time so that can be seen. `--runs` picks some of the six configurations (on a
 bigger model each vLLM configuration takes many minutes on two cores), e.g.
-`--runs vllm:w8a8+ngram,ngram+w8a8` for the issue's ratio alone.
+`--runs vllm:w8a8+ngram,ngram+w8a8` for the W8A8 + ngram ratio alone.
 """
 
 from __future__ import annotations
