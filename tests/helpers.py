@@ -5,13 +5,17 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 from quasar.builder import Verifiers, build_decoder, build_engine
 from quasar.decoding.autoregressive import Steps
 from quasar.decoding.engine import Decoder, Engine
-from quasar.model.llama import Step, Transformer
+from quasar.files import cache_root, use_cache_dir
+from quasar.decoding.step import Step, run_steps
+from quasar.model.llama import Transformer
 from quasar.model.loading import LoadedModel
 from quasar.spec import AUTO, EngineSpec, VerifierSpec
 
@@ -25,6 +29,32 @@ def decoder_for(drafter: str, target: LoadedModel, k: int | str = AUTO, middle: 
     """The decoder of `drafter` ('none', 'ngram', ...) for an already loaded target (and a cascade's middle)."""
     levels = (VerifierSpec("fp32"),) * (1 if middle is None else 2)  # the loaded models stand for the levels
     return build_decoder(EngineSpec(levels, drafter, k), target, middle=middle)
+
+
+@contextmanager
+def cache_at(path: Path) -> Iterator[Path]:
+    """The process's cache folder set to a fresh `path` for a block (its kernels/ the user cache's: nothing is
+    compiled again), then back to the one before."""
+    kernels = cache_root() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True)
+    if not (path / "kernels").exists():
+        (path / "kernels").symlink_to(kernels, target_is_directory=True)
+    previous = use_cache_dir(path)
+    try:
+        yield path
+    finally:
+        use_cache_dir(previous)
+
+
+def assert_rows_alone(op, x: torch.Tensor, y: torch.Tensor | None = None, prefixes: bool = False) -> None:
+    """op(x) [M, ...] (or the given y) equals, row by row and bit for bit, op of each row alone (and with
+    prefixes, op of every first m rows): a row's result depends on its own input only."""
+    y = op(x) if y is None else y
+    for m in range(len(x)):
+        assert torch.equal(op(x[m : m + 1])[0], y[m]), f"row {m} alone differs"
+        if prefixes and m:
+            assert torch.equal(op(x[:m]), y[:m]), f"the first {m} rows differ"
 
 
 def run_cli(*args: str, stdin: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -43,7 +73,7 @@ def drive(model: Transformer, steps: Steps) -> Iterator[list[int]]:
         except StopIteration:
             return
         if isinstance(item, Step):
-            logits = model.forward_steps([item])[0]
+            logits = run_steps(model, [item])[0]
         else:
             logits = None
             yield item

@@ -13,7 +13,7 @@ from conftest import needs_kernels
 from helpers import decoder_for, engine_for
 from quasar.decoding.batch import Batch
 from quasar.decoding.engine import Engine
-from quasar.model.llama import Step
+from quasar.decoding.step import Step, run_steps
 from quasar.decoding.sampling import SamplingParams
 
 TEXTS = ["def fib(n):", "The capital of France is", "Write a story about a cat. " * 12, "import numpy as np\n" * 4,
@@ -67,11 +67,11 @@ def test_forward_steps_give_each_sequence_its_logits_alone(verifier):
             first = model(torch.tensor([prompt]), cache, last_only=True)[0]
             alone.append((first, model(torch.tensor([[7, 8, 9]]), cache)[0]))
         caches = [model.new_cache(256) for _ in prompts]
-        one = model.forward_steps([Step(prompts[0], caches[0], True), Step(prompts[1][:10], caches[1], True),
+        one = run_steps(model, [Step(prompts[0], caches[0], True), Step(prompts[1][:10], caches[1], True),
                                    Step(prompts[2], caches[2], True)])
-        two = model.forward_steps([Step([7, 8, 9], caches[0]), Step(prompts[1][10:], caches[1], True),
+        two = run_steps(model, [Step([7, 8, 9], caches[0]), Step(prompts[1][10:], caches[1], True),
                                    Step([7, 8, 9], caches[2])])
-        three = model.forward_steps([Step([7, 8, 9], caches[1])])
+        three = run_steps(model, [Step([7, 8, 9], caches[1])])
     assert [tuple(t.shape) for t in one] == [(1, model.config.vocab_size)] * 3
     assert torch.equal(one[0], alone[0][0]) and torch.equal(two[1], alone[1][0]) and torch.equal(one[2], alone[2][0])
     assert torch.equal(two[0], alone[0][1]) and torch.equal(three[0], alone[1][1]) and torch.equal(two[2], alone[2][1])
@@ -209,7 +209,7 @@ def test_a_seeded_request_keeps_its_drafts_uncut_and_an_unseeded_one_may_lose_th
         steps = decoder(model, model.new_cache(64), [1, 2, 1, 2, 1, 2, 1], params, StopRule(params, (), 8),
                         GenerationStats())
         prefill = next(steps)
-        steps.send(model.forward_steps([prefill])[0])  # -> the first token
+        steps.send(run_steps(model, [prefill])[0])  # -> the first token
         cuts[name] = steps.send(None).cut  # the first verify step
         steps.close()
     assert cuts == {"greedy": True, "seeded": False, "unseeded": True}

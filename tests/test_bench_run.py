@@ -201,7 +201,7 @@ def test_quantized_checkpoint_serves_the_int8_verifiers_only(monkeypatch):
     from quasar import builder
 
     calls = []
-    monkeypatch.setattr(builder, "load_verifier", lambda model, spec, cache_dir: calls.append((model, str(spec))) or spec)
+    monkeypatch.setattr(builder, "load_verifier", lambda model, spec: calls.append((model, str(spec))) or spec)
     pool = Pool(MethodOptions(model="float-model", quantized="ckpt"))
     for name in ("bf16", "w8a8", "w8a16", "w8a8:0.5"):
         pool.verifier(name)

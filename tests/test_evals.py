@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 from conftest import needs_kernels
+from helpers import run_cli
 
 from quasar.cli import main
 from quasar.decoding.engine import Engine
@@ -379,13 +380,9 @@ def test_eval_config_rejects_repeated_verifiers_and_bad_limits():
         EvalConfig(limit=0)
 
 
-def quasar(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "quasar", *args], check=False, capture_output=True, text=True, timeout=300)
-
-
 def test_eval_command_prints_json(tiny_model_dir, tmp_path):
     out = tmp_path / "report.json"
-    result = quasar("eval", "--model", str(tiny_model_dir), "--tasks", "mmlu", "--limit", "3", "--json", "--out", str(out))
+    result = run_cli("eval", "--model", str(tiny_model_dir), "--tasks", "mmlu", "--limit", "3", "--json", "--out", str(out))
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     assert summary["rows"][0]["task"] == "mmlu" and summary["rows"][0]["n"] == 3

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import share_kernels
+from helpers import cache_at
 import torch
 import transformers
 from safetensors import safe_open
@@ -35,11 +35,18 @@ LOOSE = 0.05  # the same, compressed-tensors' absmax/127.5 activation grid vs qu
 PROMPT = "The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein published"
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path):
+    """Each test's quantized checkpoints in a fresh cache."""
+    with cache_at(tmp_path / "cache") as cache:
+        yield cache
+
+
 @pytest.fixture(scope="module")
 def w8a8(tiny_model_dir, tmp_path_factory) -> LoadedModel:
     """The per-channel/per-token scheme vLLM's int8 kernels run (the default `w8a8` is group-wise)."""
-    cache = share_kernels(tmp_path_factory.mktemp("cache"))
-    return load_verifier(tiny_model_dir, "w8a8:pc:lmbf16", cache_dir=cache, owned=False)  # as `quasar export` loads it
+    with cache_at(tmp_path_factory.mktemp("cache")):
+        return load_verifier(tiny_model_dir, "w8a8:pc:lmbf16", owned=False)  # as `quasar export` loads it
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +152,7 @@ def test_export_refuses_group_scales_vllm_cannot_run(tiny_model_dir, tmp_path):
     from quasar.cli import main
     from quasar.tools.export import export
 
-    grouped = load_verifier(tiny_model_dir, "w8a8:g32", cache_dir=tmp_path / "cache")
+    grouped = load_verifier(tiny_model_dir, "w8a8:g32")
     with pytest.raises(ValueError, match="per group of 32 inputs"):
         export(grouped, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -166,7 +173,7 @@ def test_the_int8_lm_head_is_never_exported_as_float(tiny_model_dir, tmp_path):
     nearest, why = vllm_scheme(VerifierSpec.parse("w8a8:pc"))
     assert str(nearest) == "w8a8:pc:lmbf16" and "keeps its lm_head in W8A8" in why and "per group" not in why
     assert vllm_scheme(VerifierSpec.parse("w8a8:pc:lmbf16")) == (VerifierSpec.parse("w8a8:pc:lmbf16"), None)
-    int8_head = load_verifier(tiny_model_dir, "w8a8:pc", cache_dir=tmp_path / "cache", owned=False)
+    int8_head = load_verifier(tiny_model_dir, "w8a8:pc", owned=False)
     with pytest.raises(ValueError, match="lm_head is in W8A8.*--verifier w8a8:pc:lmbf16"):
         export(int8_head, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -175,7 +182,7 @@ def test_the_int8_lm_head_is_never_exported_as_float(tiny_model_dir, tmp_path):
 def test_a_verifier_loaded_to_run_is_refused_with_the_way_out(tiny_model_dir, tmp_path):
     from quasar.tools.export import export
 
-    running = load_verifier(tiny_model_dir, "w8a8:pc:lmbf16", cache_dir=tmp_path / "cache")  # tied: packed once
+    running = load_verifier(tiny_model_dir, "w8a8:pc:lmbf16")  # tied: packed once
     with pytest.raises(ValueError, match="packed copy: load the verifier with load_verifier"):
         export(running, tmp_path / "out")
     assert not (tmp_path / "out").exists()

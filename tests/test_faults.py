@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGUFWriter
+from helpers import cache_at, run_cli
 
 from quasar.files import cache_root
 from quasar.model.loading import load
@@ -76,9 +77,7 @@ def kill_when(tmp_path: Path, argv: list[str], moment: Callable[[], bool], stall
 
 
 def quasar(*argv: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "quasar", *argv], capture_output=True, text=True, timeout=300, check=False
-    )
+    proc = run_cli(*argv, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
@@ -169,7 +168,8 @@ def test_quantize_killed_while_converting_and_while_saving(tmp_path, fresh_cache
     assert stalled is not None and stalled.is_relative_to(tmp_path) and not stalled.is_relative_to(fresh_cache)
     assert not out.exists()  # the half-written checkpoint is not at --out
     [entry] = visible(conversions)  # the second run finished the conversion before it was killed
-    assert load(gguf, "fp32", fresh_cache).directory == conversions / entry
+    with cache_at(fresh_cache):
+        assert load(gguf, "fp32").directory == conversions / entry
     for memo in (fresh_cache / "sha256").glob("*"):
         json.loads(memo.read_text())
 

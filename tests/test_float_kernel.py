@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_rows_alone
 from conftest import needs_kernels
 
 from quasar.kernels import native, plan
@@ -65,8 +66,7 @@ def test_float_activations_are_the_same_on_every_path_and_row_by_row(kernel, M, 
     y = assert_same_everywhere(on_every_path(kernel, lambda: kernel.float_act_linear(x, w, scale, bias)))
     expected = (x.double() @ w.double().T) * scale.double() + bias.double()
     assert torch.allclose(y.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
-    alone = torch.cat([kernel.float_act_linear(x[m : m + 1], w, scale, bias) for m in range(M)])
-    assert torch.equal(alone, y)
+    assert_rows_alone(lambda rows: kernel.float_act_linear(rows, w, scale, bias), x, y)
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 64, 48), (5, 6, 32), (13, 576, 80), (9, 1536, 144)])  # K past a chunk of 512
@@ -78,8 +78,7 @@ def test_bf16_inputs_are_the_same_on_every_path_and_row_by_row(kernel, M, K, N):
     y = assert_same_everywhere(on_every_path(kernel, lambda: kernel.bf16_linear(x, packed, bias), vdpbf16ps_paths(kernel)))
     exact = x.to(torch.bfloat16).double() @ w.double().T + bias.double()  # the products of bf16 are exact
     assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
-    alone = torch.cat([kernel.bf16_linear(x[m : m + 1], packed, bias) for m in range(M)])
-    assert torch.equal(alone, y)
+    assert_rows_alone(lambda rows: kernel.bf16_linear(rows, packed, bias), x, y)
 
 
 def test_bf16_inputs_flush_denormals_as_vdpbf16ps_on_every_path(kernel):
@@ -116,8 +115,7 @@ def test_amx_bf16_is_close_to_the_exact_sum_and_row_by_row(kernel, M, K):
     y = kernel.bf16_linear(x, packed, bias)
     exact = x.to(torch.bfloat16).double() @ w.double().T + bias.double()
     assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
-    alone = torch.cat([kernel.bf16_linear(x[m : m + 1], packed, bias) for m in range(M)])
-    assert torch.equal(alone, y)
+    assert_rows_alone(lambda rows: kernel.bf16_linear(rows, packed, bias), x, y)
     split = M // 3 + 1
     assert torch.equal(torch.cat([kernel.bf16_linear(x[:split], packed, bias), kernel.bf16_linear(x[split:], packed, bias)]), y)
     kernel.use_float_path("avx512")  # a K that is no whole number of tiles runs as on avx512
@@ -179,8 +177,7 @@ def test_packed_fp32_is_the_same_on_every_path_and_row_by_row(kernel, M, K, N, d
     assert torch.allclose(y, chain + bias, rtol=1e-5, atol=1e-5)  # addcmul rounds each product, an FMA does not
     expected = x.double() @ w.double().T + bias.double()
     assert torch.allclose(y.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
-    alone = torch.cat([kernel.fp32_linear(x[m : m + 1], packed, bias) for m in range(M)])
-    assert torch.equal(alone, y)
+    assert_rows_alone(lambda rows: kernel.fp32_linear(rows, packed, bias), x, y)
 
 
 def test_bf16_inputs_round_as_torch_does_ties_to_even_and_nan(kernel):

@@ -147,6 +147,8 @@ def test_attention_is_the_same_on_every_float_path(D, H, H_kv, T, start):
     cos, sin = torch.randn(T, D), torch.randn(T, D)
     cache = torch.randn(2, H_kv, start + T + 3, D)
     kernel = native.kernel()
+    if len(kernel.float_paths()) < 2:
+        pytest.skip(f"this CPU runs one float path ({kernel.float_paths()[0]}): nothing to compare")
     outs = []
     try:
         for path in kernel.float_paths():

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import tiny_hf_model
+from helpers import cache_at
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
@@ -88,16 +89,18 @@ def tiny_gguf(tmp_path_factory):
     return path, raw
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
+@pytest.fixture(scope="module", autouse=True)
+def own_cache(tmp_path_factory):
+    """Each GGUF of these tests converted into a fresh cache."""
+    with cache_at(tmp_path_factory.mktemp("cache")) as cache:
+        yield cache
 
 
-def test_cached_tensors_equal_the_gguf_package_dequantization(tiny_gguf, cache_dir):
+def test_cached_tensors_equal_the_gguf_package_dequantization(tiny_gguf):
     """Bit-identical through dequantize -> safetensors cache -> read back, for every tensor type."""
     path, raw = tiny_gguf
     assert {qtype for _, qtype in raw.values()} >= set(TYPES)
-    directory = gguf_directory(path, sha256_file(path), cache_dir)
+    directory = gguf_directory(path, sha256_file(path))
     ours = load_file(str(directory / "model.safetensors"))
     from quasar.model.loading import hf_name
 
@@ -108,11 +111,11 @@ def test_cached_tensors_equal_the_gguf_package_dequantization(tiny_gguf, cache_d
         assert torch.equal(ours[hf_name(name)], expected.reshape(ours[hf_name(name)].shape)), name
 
 
-def test_tiny_gguf_logits_match_transformers_gguf_loader(tiny_gguf, cache_dir):
+def test_tiny_gguf_logits_match_transformers_gguf_loader(tiny_gguf):
     from transformers import AutoModelForCausalLM
 
     path, _ = tiny_gguf
-    ours = load(path, "fp32", cache_dir=cache_dir).model
+    ours = load(path, "fp32").model
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     ids = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -126,8 +129,9 @@ def test_truncated_gguf_is_refused(tiny_gguf, tmp_path):
         bad = tmp_path / f"cut{cut}.gguf"
         bad.write_bytes(data[:cut])
         with pytest.raises(ModelLoadError, match="truncated|not a readable GGUF"):
-            load(bad, cache_dir=tmp_path)
-    assert not (tmp_path / "gguf").exists() or not list((tmp_path / "gguf").glob("*/config.json"))
+            with cache_at(tmp_path / "cache"):
+                load(bad)
+    assert not list((tmp_path / "cache" / "gguf").glob("*/config.json"))
 
 
 def test_default_model_sha256_is_pinned():

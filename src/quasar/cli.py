@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from quasar.files import use_cache_dir
 from quasar.version import __version__
 
 COMMANDS = {  # name -> one-line help; quasar.commands.<name> (with register(subparsers)) is imported only to run it
@@ -57,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(chosen(argv)).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="quasar: %(message)s")
+    chosen_cache = getattr(args, "cache_dir", None)  # the commands that take --cache-dir
+    previous = use_cache_dir(chosen_cache) if chosen_cache else None
     try:
         return args.run(args) or 0
     except KeyboardInterrupt:
@@ -72,3 +75,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"quasar: error: unexpected {type(e).__name__}: {first_line} (`quasar -v ...` shows the traceback)",
               file=sys.stderr)
         return 1
+    finally:
+        if chosen_cache:
+            use_cache_dir(previous)

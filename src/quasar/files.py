@@ -1,5 +1,5 @@
-"""File helpers every layer needs, in one leaf module (it imports nothing from quasar): the cache root,
-sha256 (memoised by path, size and mtime), atomic files and directories, and the load error.
+"""File helpers every layer needs, in one leaf module (it imports nothing from quasar): the cache folder (process
+configuration, set once), sha256 (memoised by path, size and mtime), atomic files and directories, and the load error.
 
 Atomic means a reader, or a re-run after a crash (even SIGKILL), sees the old content or the new content,
 never a half-written one: everything is written into a temporary sibling and renamed into place.
@@ -20,10 +20,21 @@ class ModelLoadError(ValueError):
     """A model path that cannot be loaded; the message says why and what to do."""
 
 
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """The user cache: `cache_dir`, else $XDG_CACHE_HOME/quasar, else ~/.cache/quasar."""
-    if cache_dir is not None:
-        return Path(cache_dir)
+_cache_dir: Path | None = None  # the process's cache folder, where use_cache_dir set one
+
+
+def use_cache_dir(path: str | Path | None) -> Path | None:
+    """Set the folder every later cache read and write of this process uses (the CLI's --cache-dir, the API's
+    cache_dir=); None: the user cache again. Returns the folder set before."""
+    global _cache_dir
+    previous, _cache_dir = _cache_dir, None if path is None else Path(path).expanduser()
+    return previous
+
+
+def cache_root() -> Path:
+    """The cache: the folder use_cache_dir set, else $XDG_CACHE_HOME/quasar, else ~/.cache/quasar."""
+    if _cache_dir is not None:
+        return _cache_dir
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quasar"
 
 
@@ -35,12 +46,12 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def sha256_memo(path: Path, cache_dir: str | Path | None = None) -> str:
+def sha256_memo(path: Path) -> str:
     """sha256_file(path), remembered in the cache under the file's (absolute path, size, mtime): a file that
     changes gets a new entry, so a memo can be stale only if a file is rewritten with its old size and mtime."""
     stat = path.stat()
     identity = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()
-    memo = cache_root(cache_dir) / "sha256" / f"{hashlib.sha256(identity).hexdigest()[:32]}.json"
+    memo = cache_root() / "sha256" / f"{hashlib.sha256(identity).hexdigest()[:32]}.json"
     try:
         return json.loads(memo.read_text())["sha256"]
     except (OSError, ValueError, KeyError):

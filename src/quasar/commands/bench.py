@@ -66,7 +66,7 @@ def options(args: argparse.Namespace) -> BenchOptions:
     return BenchOptions(
         suite=args.suite, methods=args.methods, out=args.out, per_category=args.limit, categories=args.categories,
         run=RunConfig(temperatures=args.temperatures, max_new_tokens=max_new, seed=args.seed),
-        model=MethodOptions(model=args.model, cache_dir=args.cache_dir, max_context=args.max_context,
+        model=MethodOptions(model=args.model, max_context=args.max_context,
                             k=args.k, quantized=args.quantized),
         memory_wall=args.memory_wall, plots=args.plots, overwrite=args.overwrite,
     )

@@ -90,8 +90,8 @@ def build_engine(args: argparse.Namespace):  # -> quasar.decoding.engine.Engine
     from quasar.builder import Verifiers, build_engine
     from quasar.decoding.drafters.base import DrafterOptions
 
-    options = DrafterOptions(args.ngram_min, args.ngram_max, args.cache_dir)
-    return build_engine(engine_spec(args), Verifiers(args.model, args.cache_dir), options, args.max_context)
+    options = DrafterOptions(args.ngram_min, args.ngram_max)
+    return build_engine(engine_spec(args), Verifiers(args.model), options, args.max_context)
 
 
 def add_decode_args(parser: argparse.ArgumentParser, drafter_default: str = "ngram") -> None:

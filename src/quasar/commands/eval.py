@@ -66,8 +66,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"cannot resume from {args.out}: {e}") from e
     config = EvalConfig(
         model=args.model, verifiers=args.verifier, tasks=args.tasks, limit=args.limit,
-        options=TaskOptions(max_new_tokens=args.max_new_tokens, timeout_s=args.timeout),
-        cache_dir=args.cache_dir, max_context=args.max_context,
+        options=TaskOptions(max_new_tokens=args.max_new_tokens, timeout_s=args.timeout), max_context=args.max_context,
     )
     keep = (lambda partial: save(partial, args.out)) if args.out else None
     report = evaluate(config, on_score=keep, resume=saved, on_progress=keep, batch=args.batch, drafter=args.drafter)

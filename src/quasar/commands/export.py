@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     verifier, note = vllm_scheme(verifier_spec(args))
     if note:
         print(f"quasar: {note}", file=sys.stderr)
-    target = load_verifier(args.model, verifier, args.cache_dir, owned=False)  # the export reads the plain layout
+    target = load_verifier(args.model, verifier, owned=False)  # the export reads the plain layout
     out = export(target, args.out, args.format)
     print(f"quasar: wrote {out}", file=sys.stderr)
     return 0

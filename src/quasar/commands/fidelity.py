@@ -67,14 +67,14 @@ def run(args: argparse.Namespace) -> int:
 
     if args.samples < 1 or args.eval_seq_len < 2:
         raise ValueError("--samples must be >= 1 and --eval-seq-len >= 2")
-    loaded = load(args.model, "fp32", args.cache_dir)
+    loaded = load(args.model, "fp32")
     variants = build_variants(loaded, args.verifier or list(DEFAULT_VARIANTS), calibration_spec(args))
     for directory in args.quantized:
         block = quantized_block(resolve(directory))
         if block is None:
             raise ValueError(f"--quantized {directory}: not a checkpoint made by `quasar quantize`")
-        variants[directory] = load_verifier(directory, checkpoint_spec(block), args.cache_dir).model
-    variants.update(peers(args.peer, args.model, args.eval_seq_len, args.cache_dir))
+        variants[directory] = load_verifier(directory, checkpoint_spec(block)).model
+    variants.update(peers(args.peer, args.model, args.eval_seq_len))
     windows = held_out_windows(loaded.tokenizer, args.data, args.samples, args.eval_seq_len)
     reports = compare(loaded.model, variants, windows)
     if args.json:

@@ -26,14 +26,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_install(args: argparse.Namespace) -> int:
-    path = model_store.install(args.name, args.cache_dir, force=args.force)
+    path = model_store.install(args.name, force=args.force)
     print(f"installed {args.name}: {path}")
     return 0
 
 
 def run_list(args: argparse.Namespace) -> int:
     for recipe in model_store.RECIPES.values():
-        path = model_store.model_path(recipe, args.cache_dir)
+        path = model_store.model_path(recipe)
         status = f"installed at {path}" if path.exists() else "not installed"
         print(f"{recipe.name:<22} {status:<40}  {recipe.description}")
     return 0

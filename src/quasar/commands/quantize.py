@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
                         ignore=tuple(args.keep_float))
     if Path(args.out).exists() and not args.overwrite:
         raise ValueError(f"{args.out} already exists; pass --overwrite to replace it")
-    loaded = load(args.model, "fp32", args.cache_dir)
+    loaded = load(args.model, "fp32")
     block = quantize_model(loaded, recipe)
     save_quantized(loaded, block, args.out, overwrite=args.overwrite)
     print(f"wrote {args.out} ({recipe.name}, {len(block['alphas'])} smoothing groups)")

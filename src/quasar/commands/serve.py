@@ -107,7 +107,7 @@ def hand_off(args: argparse.Namespace, name: str) -> int:
     if spec.middle is not None:
         raise ValueError(f"the vLLM hand-off serves one model; the cascade {spec.verifier_name} (--exact) runs on "
                          "quasar's engine")
-    model_dir, dtype = vllm_model(args.model, spec.top, args.cache_dir, args.export_dir)
+    model_dir, dtype = vllm_model(args.model, spec.top, args.export_dir)
     serve = VllmServe(model_dir, name, dtype, args.host, args.port, args.api_key, args.max_context, args.vllm)
     argv = vllm_command(serve, spec, DrafterOptions(args.ngram_min, args.ngram_max))
     if args.dry_run:
@@ -119,13 +119,13 @@ def hand_off(args: argparse.Namespace, name: str) -> int:
     return 0  # not reached
 
 
-def vllm_model(model: str, verifier: VerifierSpec, cache_dir: str | None, export_dir: str | None) -> tuple[Path, str]:
+def vllm_model(model: str, verifier: VerifierSpec, export_dir: str | None) -> tuple[Path, str]:
     """The directory vLLM should load and the dtype of its float parts."""
     from quasar.model.loading import cache_root, float_directory
     from quasar.verifiers.registry import load_verifier
 
     if verifier.kind in FLOAT_KINDS:  # the float Hugging Face directory, without loading the weights
-        return float_directory(model, cache_dir), {"fp32": "float32", "bf16": "bfloat16"}[verifier.kind]
+        return float_directory(model), {"fp32": "float32", "bf16": "bfloat16"}[verifier.kind]
     if verifier.kind != "w8a8":
         raise ValueError(f"the vLLM hand-off supports --verifier fp32, bf16 or w8a8, not {verifier}")
     from quasar.tools.export import export, vllm_scheme
@@ -133,9 +133,9 @@ def vllm_model(model: str, verifier: VerifierSpec, cache_dir: str | None, export
     verifier, note = vllm_scheme(verifier)
     if note:
         print(f"quasar: {note}", file=sys.stderr)
-    target = load_verifier(model, verifier, cache_dir, owned=False)  # the export reads the plain layout
+    target = load_verifier(model, verifier, owned=False)  # the export reads the plain layout
     name = str(verifier).replace(":", "-")
-    out = Path(export_dir) if export_dir else cache_root(cache_dir) / "exports" / f"{target.source_sha256}-{name}-ct"
+    out = Path(export_dir) if export_dir else cache_root() / "exports" / f"{target.source_sha256}-{name}-ct"
     if not (out / "config.json").exists():
         export(target, out)
     return out, "float32" if str(target.model.dtype) == "torch.float32" else "bfloat16"

@@ -14,7 +14,8 @@ from collections.abc import Generator
 import torch
 
 from quasar.model.kv_cache import KVCache
-from quasar.model.llama import Step, Transformer
+from quasar.decoding.step import Step
+from quasar.model.llama import Transformer
 from quasar.decoding.sampling import Sampler, SamplingParams
 from quasar.decoding.stats import GenerationStats
 

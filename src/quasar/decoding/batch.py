@@ -30,7 +30,7 @@ from collections import deque
 import torch
 
 from quasar.decoding.engine import Engine, Request
-from quasar.model.llama import Step
+from quasar.decoding.step import Step, run_steps
 
 log = logging.getLogger("quasar")
 
@@ -176,7 +176,7 @@ class Batch:
         with torch.inference_mode():
             try:
                 start = time.perf_counter()
-                logits = list(model.forward_steps(steps))
+                logits = list(run_steps(model, steps))
                 self.cost.add(sum(len(step.tokens) for step in steps), time.perf_counter() - start)
                 return logits
             except Exception as e:  # noqa: BLE001 (whatever failed, retried one by one below)
@@ -188,7 +188,7 @@ class Batch:
             for request, step, length in zip(requests, steps, lengths):
                 step.cache.trim(step.cache.length - length)
                 try:
-                    out.append(model.forward_steps([step])[0])
+                    out.append(run_steps(model, [step])[0])
                 except Exception as e:  # noqa: BLE001 (fails this request alone)
                     self.fail(request, e)
                     out.append(None)

@@ -33,14 +33,14 @@ from quasar.decoding.stats import GenerationStats
 from quasar.decoding.rejection import Verdict
 
 
-def guard_model(model: str | Path, verifier: LoadedModel, cache_dir: str | Path | None = None) -> Transformer:
+def guard_model(model: str | Path, verifier: LoadedModel) -> Transformer:
     """The bf16 model of `model` on its plan, with the quantized `verifier`'s v -> o smoothing factors folded in
     (see above); the verifier's o_proj weights are read from its checkpoint, not from the loaded layers (the
     kernels keep those packed)."""
     from quasar.kernels.plan import prepare_
     from quasar.verifiers.float import load_bf16
 
-    float_ = load_bf16(model, cache_dir=cache_dir).model
+    float_ = load_bf16(model).model
     config = float_.config
     with torch.no_grad(), safe_open(verifier.directory / WEIGHTS, "pt") as weights:
         for i, f in enumerate(float_.model.layers):
@@ -48,7 +48,7 @@ def guard_model(model: str | Path, verifier: LoadedModel, cache_dir: str | Path 
             w = dequantize(weights.get_tensor(f"{name}.weight"), weights.get_tensor(f"{name}.weight_scale"))
             fold_value_scales_(f.self_attn, value_scales(w, f.self_attn.o_proj.weight, config.num_key_value_heads,
                                                          config.head_dim))
-    prepare_(float_, cache_dir=cache_dir)
+    prepare_(float_)
     return float_
 
 

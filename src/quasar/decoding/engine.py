@@ -14,7 +14,8 @@ from quasar.decoding.detokenize import IncrementalDetokenizer
 from quasar.decoding.autoregressive import Steps, StopRule, autoregressive
 from quasar.model.kv_cache import CachePool, KVCache
 from quasar.model.loading import LoadedModel
-from quasar.model.llama import Step, Transformer
+from quasar.decoding.step import Step, run_steps
+from quasar.model.llama import Transformer
 from quasar.decoding.outputs import RequestOutput
 from quasar.decoding.prompt import Messages, encode
 from quasar.decoding.sampling import SamplingParams
@@ -201,7 +202,7 @@ class Engine:
                     if request.step is None:
                         return
                     with torch.inference_mode():
-                        logits = self.target.model.forward_steps([request.step])[0]
+                        logits = run_steps(self.target.model, [request.step])[0]
                     request.advance(logits)
             finally:
                 request.finish()

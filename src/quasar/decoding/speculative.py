@@ -15,7 +15,8 @@ from quasar.decoding.drafters.base import Draft, Drafter
 from quasar.decoding.autoregressive import Steps, StopRule
 from quasar.decoding.confidence_guard import ConfidenceGuard
 from quasar.model.kv_cache import KVCache
-from quasar.model.llama import Step, Transformer
+from quasar.decoding.step import Step
+from quasar.model.llama import Transformer
 from quasar.decoding.sampling import Sampler, SamplingParams, TargetRows
 from quasar.decoding.stats import GenerationStats
 from quasar.spec import AUTO, MAX_DRAFT

@@ -86,13 +86,13 @@ def cannot_build() -> str | None:
     return None
 
 
-def build_dir(cache_dir: str | Path | None = None, sources: list[Path] | None = None) -> Path:
+def build_dir(sources: list[Path] | None = None) -> Path:
     """Where the kernels for these sources, flags and torch version are built: one directory per digest."""
     sources = SOURCES if sources is None else sources
     headers = sorted(p for d in {s.parent for s in sources} for p in d.glob("*.h"))
     inputs = b"".join(p.read_bytes() for p in sorted(sources) + headers)
     inputs += " ".join(CFLAGS + LDFLAGS + [torch.__version__]).encode()
-    return cache_root(cache_dir) / "kernels" / f"cpu-{hashlib.sha256(inputs).hexdigest()[:16]}"
+    return cache_root() / "kernels" / f"cpu-{hashlib.sha256(inputs).hexdigest()[:16]}"
 
 
 @contextmanager
@@ -129,9 +129,9 @@ def build(directory: Path, sources: list[Path] = SOURCES) -> Any:
             )
 
 
-def try_build(cache_dir: str | Path | None = None, sources: list[Path] = SOURCES) -> tuple[Any | None, KernelStatus]:
+def try_build(sources: list[Path] = SOURCES) -> tuple[Any | None, KernelStatus]:
     """(module, status): the module where it built, else None with the reason it cannot or the build error."""
-    directory = build_dir(cache_dir, sources)
+    directory = build_dir(sources)
     reason = cannot_build()
     if reason is not None and not (cpu_has_avx2() and any(directory.glob("*.so"))):  # a finished build needs no compiler
         return None, KernelStatus("cannot", reason)
@@ -160,13 +160,13 @@ def take_forced_paths(module: Any) -> None:
         log.info("%s=%s: quasar's kernels take that path", variable, name)
 
 
-def kernel(cache_dir: str | Path | None = None) -> Any | None:
+def kernel() -> Any | None:
     """The compiled extension module, or None where it cannot be used (see status()). Built on first call,
-    into cache_dir's kernels/ folder (the user cache by default); one build per process. It runs on the fastest
+    into the cache's kernels/ folder (quasar.files.cache_root); one build per process. It runs on the fastest
     paths the CPU has, or on those QUASAR_INT8_PATH / QUASAR_FLOAT_PATH name (ValueError if the CPU lacks one)."""
     global _status, _module
     if _status is None:
-        module, status = try_build(cache_dir)
+        module, status = try_build()
         if status.state == "failed":
             log.error("quasar's CPU kernels failed to build; running on plain torch (much slower): %s", status.reason)
         if module is not None:
@@ -183,8 +183,8 @@ def loaded() -> Any | None:
     return _module
 
 
-def status(cache_dir: str | Path | None = None) -> KernelStatus:
+def status() -> KernelStatus:
     """Whether the kernels are loaded, cannot be built here, or failed to build (with the error)."""
-    kernel(cache_dir)
+    kernel()
     assert _status is not None
     return _status

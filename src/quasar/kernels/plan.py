@@ -12,7 +12,6 @@ speculative decoding gives plain decoding's tokens bit for bit; nothing asks aga
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,21 +34,21 @@ from quasar.quant.bf16 import BF16Linear
 from quasar.quant.int8 import Int8Linear, Int8WeightOnlyLinear
 
 
-def kernel_for(model: Transformer, cache_dir: str | Path | None = None) -> Any | None:
+def kernel_for(model: Transformer) -> Any | None:
     """quasar's kernel module where this model can run on it (CPU, float32 activations, head_dim % 8 == 0)."""
     if model.device.type != "cpu" or model.dtype != torch.float32 or model.config.head_dim % 8:
         return None
-    return native.kernel(cache_dir)
+    return native.kernel()
 
 
-def prepare_(model: Transformer, fuse: bool = True, cache_dir: str | Path | None = None,
+def prepare_(model: Transformer, fuse: bool = True,
              owned: bool = False) -> ExecutionPlan:
     """Put model on quasar's kernels where every part of it can run there, else leave it on torch; returns the plan
     (paths 'kernels:dpbusd+avx512bf16', 'kernels:avx2', ... or 'torch'), also kept as model.plan. Idempotent: a model
     already on the kernels (a layer-skip view of one, say) only gets its stack rebuilt. owned: nothing else reads
     the model's weights, so the linears the kernels read packed (fp32, bf16 inputs) keep only that copy
     (kernels/layers.drop_plain_weights_). fuse=False keeps the layers as separate module calls."""
-    kernel = kernel_for(model, cache_dir)
+    kernel = kernel_for(model)
     forms = {m: kernel_form(m) for m in model.modules() if isinstance(m, (nn.Linear, Int8Linear, Int8WeightOnlyLinear))}
     if kernel is None or any(form is None for form in forms.values()):
         model.plan = ON_TORCH

@@ -70,7 +70,8 @@ class KVCache:
 
     def wrote(self, n: int, tokens: list[int] | None = None) -> None:
         """Record that the last forward wrote n positions before `length`, holding `tokens` (None: not known, or not
-        one sequence's): the model calls it, so that a cache pool can hand a later prompt what it shares with them."""
+        one sequence's): quasar.decoding.step.run_steps calls it, so that a cache pool can hand a later prompt what it
+        shares with them."""
         start = self.length - n
         del self.held[start:]
         if tokens is not None and len(self.held) == start:

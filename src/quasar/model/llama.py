@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -206,16 +206,18 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class Step(NamedTuple):
-    """One sequence's next forward: `tokens` appended to its `cache`; logits of every token, or of the last.
-    `cut`: a busy batch may run only a prefix of the tokens (at least one) and return that prefix's logits;
-    `chances`: for each token after the first, the chance that its row is of use (a draft token's acceptance)."""
+class Rows(Protocol):
+    """What forward_steps reads of a step: the tokens to append to a cache and whether only the last is scored."""
 
     tokens: list[int]
     cache: KVCache
+    last_only: bool
+
+
+class Tokens(NamedTuple):
+    tokens: list[int]
+    cache: KVCache
     last_only: bool = False
-    cut: bool = False
-    chances: tuple[float, ...] = ()
 
 
 class Transformer(nn.Module):
@@ -274,10 +276,10 @@ class Transformer(nn.Module):
         """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only), float32; appends to the cache. One
         sequence is a step (forward_steps); a batch of B equal-length rows sharing one cache runs on the modules."""
         if input_ids.shape[0] == 1:
-            return self.forward_steps([Step(input_ids[0].tolist(), cache, last_only)])[0][None]
+            return self.forward_steps([Tokens(input_ids[0].tolist(), cache, last_only)])[0][None]
         return self.forward_modules(input_ids, cache, last_only)
 
-    def forward_steps(self, steps: Sequence[Step]) -> list[torch.Tensor]:
+    def forward_steps(self, steps: Sequence[Rows]) -> list[torch.Tensor]:
         """Several sequences' steps (distinct caches) -> each one's float32 logits [T, V] ([1, V] with last_only),
         bitwise what each gets alone; appends to every cache. How, the plan says: the whole forward in one kernel
         call (fused), every sequence's rows through one pass of the modules (batches_rows), or one pass each."""
@@ -301,8 +303,6 @@ class Transformer(nn.Module):
             x = self.model.embed_tokens(ids).to(self.dtype)  # [N, hidden]
             x = self.model.layers.forward_segments(x, rope, caches, rows)
             logits = self.lm_head(self.model.norm(x[torch.tensor(picked, device=self.device)])).float()  # [picked, V]
-        for step in steps:
-            step.cache.wrote(len(step.tokens), step.tokens)
         return list(logits.split([len(r) for r in scored]))
 
     def forward_modules(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
@@ -312,6 +312,5 @@ class Transformer(nn.Module):
         rope = self.rope_span(cache.length, input_ids.shape[1])  # cos, sin [T, D]
         x = self.model.embed_tokens(input_ids).to(self.dtype)  # [B, T, hidden]
         x = self.model.layers(x, rope, cache)
-        cache.wrote(input_ids.shape[1], input_ids[0].tolist() if input_ids.shape[0] == 1 else None)
         x = self.model.norm(x[:, -1:] if last_only else x)
         return self.lm_head(x).float()

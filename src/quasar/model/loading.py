@@ -56,14 +56,14 @@ def default_model_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
 
 
-def resolve(spec: str | Path, cache_dir: str | Path | None = None) -> Path:
+def resolve(spec: str | Path) -> Path:
     """'default', an installed model name (`quasar models install`), a GGUF file or a model directory -> a path."""
     from quasar.tools.model_store import installed_model
 
     if str(spec) == "default":
         path = default_model_path()
     else:
-        path = installed_model(str(spec), cache_dir) or Path(spec).expanduser()
+        path = installed_model(str(spec)) or Path(spec).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path}")
     if path.is_dir() and not (path / "config.json").exists():
@@ -266,9 +266,9 @@ def convert_gguf(path: Path, out: Path) -> None:
     tokenizer.save_pretrained(str(out))
 
 
-def gguf_directory(path: Path, sha256: str, cache_dir: str | Path | None = None) -> Path:
+def gguf_directory(path: Path, sha256: str) -> Path:
     """The cached conversion of a GGUF file, made on first use."""
-    target = cache_root(cache_dir) / "gguf" / sha256
+    target = cache_root() / "gguf" / sha256
     if not (target / "config.json").exists():
         log.info("first load of %s: dequantizing into %s", path.name, target)
         atomic_directory(target, lambda tmp: convert_gguf(path, tmp), replace=False)
@@ -278,20 +278,20 @@ def gguf_directory(path: Path, sha256: str, cache_dir: str | Path | None = None)
 # ---- entry point ---------------------------------------------------------------------------------
 
 
-def source_sha256(path: Path, cache_dir: str | Path | None = None) -> str:
+def source_sha256(path: Path) -> str:
     """The identity of a model's source weights (a GGUF file's sha256, or one over a directory's safetensors
     files), memoised by path, size and mtime so that a warm start does not re-read gigabytes."""
     if path.is_file():
-        return sha256_memo(path, cache_dir)
+        return sha256_memo(path)
     files = safetensors_files(path)
-    return hashlib.sha256(b"".join(sha256_memo(f, cache_dir).encode() for f in files)).hexdigest()
+    return hashlib.sha256(b"".join(sha256_memo(f).encode() for f in files)).hexdigest()
 
 
-def float_directory(spec: str | Path, cache_dir: str | Path | None = None) -> Path:
+def float_directory(spec: str | Path) -> Path:
     """A float model's Hugging Face-style directory, without loading its weights: a GGUF source converted once
     (cached), a directory as it is. For peers that load the same weights themselves (transformers, vLLM)."""
-    path = resolve(spec, cache_dir)
-    return gguf_directory(path, sha256_memo(path, cache_dir), cache_dir) if path.is_file() else path
+    path = resolve(spec)
+    return gguf_directory(path, sha256_memo(path)) if path.is_file() else path
 
 
 def quantized_block(path: Path) -> dict[str, Any] | None:
@@ -299,18 +299,18 @@ def quantized_block(path: Path) -> dict[str, Any] | None:
     return read_config(path).get("quantization") if path.is_dir() else None
 
 
-def load(spec: str | Path, dtype: str = "fp32", cache_dir: str | Path | None = None) -> LoadedModel:
+def load(spec: str | Path, dtype: str = "fp32") -> LoadedModel:
     """Load 'default', a GGUF file or a Hugging Face directory as a float model (fp32 or bf16 weights)."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
-    path = resolve(spec, cache_dir)
+    path = resolve(spec)
     block = quantized_block(path)
     if block is not None:
         raise ModelLoadError(f"{path} is a quantized checkpoint ({block['scheme']}, made by `quasar quantize`), "
                              f"not a float model; run it with --verifier {block['scheme']}")
-    sha = source_sha256(path, cache_dir)
+    sha = source_sha256(path)
     if str(spec) == "default" and sha != DEFAULT_MODEL_SHA256:
         raise ModelLoadError(f"{path} has sha256 {sha}, expected {DEFAULT_MODEL_SHA256}; reinstall it")
-    directory = gguf_directory(path, sha, cache_dir) if path.is_file() else path
+    directory = gguf_directory(path, sha) if path.is_file() else path
     model, tokenizer = load_directory(directory, DTYPES[dtype])
     return LoadedModel(model, tokenizer, path, directory, sha)

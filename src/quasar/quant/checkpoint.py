@@ -55,11 +55,11 @@ def save_quantized(loaded: LoadedModel, block: dict[str, Any], out: str | Path, 
     return out
 
 
-def _check(directory: Path, block: dict[str, Any], cache_dir: str | Path | None) -> None:
+def _check(directory: Path, block: dict[str, Any]) -> None:
     weights = directory / WEIGHTS
     if not weights.exists():
         raise ModelLoadError(f"{directory} is a quantized checkpoint without {WEIGHTS}")
-    if sha256_memo(weights, cache_dir) != block.get("weights_sha256"):
+    if sha256_memo(weights) != block.get("weights_sha256"):
         raise ModelLoadError(
             f"{weights} does not match the sha256 recorded in its config.json: the quantized checkpoint is "
             "corrupt or was modified; re-create it with `quasar quantize --overwrite`"
@@ -94,13 +94,13 @@ def _prepare_state(model: Transformer, state: dict[str, torch.Tensor], quantized
     return out
 
 
-def load_quantized(directory: str | Path, cache_dir: str | Path | None = None) -> LoadedModel:
+def load_quantized(directory: str | Path) -> LoadedModel:
     """Load a directory written by save_quantized: int8 layers, float32 embeddings and norms, and the lm_head
     in bf16 unless it is quantized (checkpoints store it so; older ones, in float32, are rounded here alike)."""
     directory = Path(directory)
     hf = read_config(directory)
     block = hf["quantization"]
-    _check(directory, block, cache_dir)
+    _check(directory, block)
     model, quantized = _build(ModelConfig.from_hf(hf), block)
     state = _prepare_state(model, read_safetensors([directory / WEIGHTS]), quantized, torch.float32)
     model.load_state_dict(state, strict=False, assign=True)

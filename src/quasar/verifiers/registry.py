@@ -15,7 +15,7 @@ from quasar.model.loading import LoadedModel
 from quasar.registry import lookup
 from quasar.spec import VERIFIER_FORMS, VerifierSpec
 
-# kind -> "module:function" loading (model, spec, cache_dir) -> LoadedModel
+# kind -> "module:function" loading (model, spec) -> LoadedModel
 VERIFIERS: dict[str, str] = {
     "fp32": "quasar.verifiers.float:load_fp32",
     "bf16": "quasar.verifiers.float:load_bf16",
@@ -25,12 +25,12 @@ VERIFIERS: dict[str, str] = {
 }
 
 
-def load_verifier(model: str | Path, spec: VerifierSpec | str, cache_dir: str | Path | None = None,
+def load_verifier(model: str | Path, spec: VerifierSpec | str,
                   owned: bool = True) -> LoadedModel:
     """The verifier `spec` names ('fp32', 'bf16', 'w8a8', 'w8a8:pc', 'pruned:8', ... or its VerifierSpec) on its
     plan. owned: only the verifier reads its weights, so the kernels' packed copy is the only one kept; False for a
     model whose state dict is read in the plain layout afterwards (exports)."""
     spec = VerifierSpec.parse(spec) if isinstance(spec, str) else spec
-    loaded = lookup(VERIFIERS, spec.kind, "verifier", VERIFIER_FORMS)(model, spec, cache_dir=cache_dir)
-    prepare_(loaded.model, cache_dir=cache_dir, owned=owned)
+    loaded = lookup(VERIFIERS, spec.kind, "verifier", VERIFIER_FORMS)(model, spec)
+    prepare_(loaded.model, owned=owned)
     return loaded

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import torch
@@ -40,7 +39,6 @@ class Drafter(Protocol):
 class DrafterOptions:
     ngram_min: int = 1  # shortest suffix an n-gram drafter matches
     ngram_max: int = 3  # longest suffix an n-gram drafter matches (the paper: n in 1..3)
-    cache_dir: str | Path | None = None  # for 'model:PATH' drafters loaded from GGUF
 
     def __post_init__(self) -> None:
         if not 1 <= self.ngram_min <= self.ngram_max:

@@ -81,6 +81,6 @@ def check_same_tokenizer(draft: LoadedModel, target: LoadedModel) -> None:
 def build(arg: str | None, target: LoadedModel, options: DrafterOptions) -> ModelDrafter:
     if not arg:
         raise ValueError("the model drafter needs a path: 'model:PATH' (a Hugging Face directory or .gguf)")
-    draft = load_verifier(arg, "bf16", options.cache_dir)  # bf16 weights (on CPU: quasar's fused kernels)
+    draft = load_verifier(arg, "bf16")  # bf16 weights (on CPU: quasar's fused kernels)
     check_same_tokenizer(draft, target)
     return ModelDrafter(draft.model, target.model.config.vocab_size)

@@ -36,7 +36,6 @@ class Method(Protocol):
 @dataclass(frozen=True)
 class MethodOptions:
     model: str = "default"
-    cache_dir: str | None = None
     max_context: int | None = None
     k: int | str = 5  # draft length for DRAFTER+V (the paper: 5)
     quantized: str | None = None  # a `quasar quantize` checkpoint for the w8a8 / w8a16 verifier
@@ -53,11 +52,11 @@ class Pool:
 
     def __post_init__(self) -> None:
         o = self.options
-        self.verifiers = Verifiers(o.model, o.cache_dir, o.quantized)
+        self.verifiers = Verifiers(o.model, o.quantized)
 
     def verifier(self, spec: VerifierSpec | str) -> LoadedModel:
         return self.verifiers.get(VerifierSpec.parse(spec) if isinstance(spec, str) else spec)
 
     def directory(self) -> Path:
         """The model's Hugging Face-style directory (GGUF sources are converted once, cached)."""
-        return float_directory(self.options.model, self.options.cache_dir)
+        return float_directory(self.options.model)

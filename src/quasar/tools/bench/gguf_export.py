@@ -60,14 +60,14 @@ def write_copy(source: Path, target: Path, precision: str) -> None:
     os.replace(tmp, target)
 
 
-def exported_gguf(model: str | Path, precision: str, cache_dir: str | Path | None = None) -> Path:
+def exported_gguf(model: str | Path, precision: str) -> Path:
     """The cached `precision` ('f16', 'bf16' or 'q8_0') copy of a GGUF model, made on first use."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown GGUF precision {precision!r}; choose from {', '.join(PRECISIONS)}")
-    source = resolve(model, cache_dir)
+    source = resolve(model)
     if not source.is_file():
         raise ValueError("the llama.cpp peers need a GGUF model (--model default or a .gguf file)")
-    target = cache_root(cache_dir) / "gguf-export" / f"{sha256_memo(source, cache_dir)}-{precision}.gguf"
+    target = cache_root() / "gguf-export" / f"{sha256_memo(source)}-{precision}.gguf"
     if not target.exists():
         log.info("writing a %s copy of %s for llama.cpp into %s", precision, source.name, target)
         target.parent.mkdir(parents=True, exist_ok=True)

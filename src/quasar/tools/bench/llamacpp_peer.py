@@ -23,12 +23,12 @@ def available() -> bool:
 class LlamaCppScorer:
     """`logits(ids [1, T]) -> [1, T, V]` float32 from llama.cpp, the same windows quasar scores."""
 
-    def __init__(self, model: str | Path, precision: str, max_tokens: int, cache_dir: str | Path | None = None) -> None:
+    def __init__(self, model: str | Path, precision: str, max_tokens: int) -> None:
         from llama_cpp import Llama
 
         from quasar.tools.bench.gguf_export import exported_gguf
 
-        path = exported_gguf(model, precision, cache_dir)
+        path = exported_gguf(model, precision)
         self.llm = Llama(str(path), n_ctx=max_tokens, n_batch=max_tokens, n_threads=torch.get_num_threads(),
                          logits_all=True, verbose=False)
 
@@ -39,7 +39,7 @@ class LlamaCppScorer:
         return torch.from_numpy(scores.copy())[None]
 
 
-def peers(names: list[str], model: str | Path, max_tokens: int, cache_dir: str | Path | None = None) -> dict[str, LlamaCppScorer]:
+def peers(names: list[str], model: str | Path, max_tokens: int) -> dict[str, LlamaCppScorer]:
     """'llamacpp' (or 'llamacpp:q8_0') -> {'llama.cpp q8_0': scorer}; an empty dict with one line on stderr when
     llama-cpp-python is missing, or when it fails a probe run in a child process (bench.peers.llama_cpp_fails)."""
     import sys
@@ -58,8 +58,8 @@ def peers(names: list[str], model: str | Path, max_tokens: int, cache_dir: str |
 
     scorers = {}
     for p in dict.fromkeys(wanted):
-        if why := llama_cpp_fails(str(exported_gguf(model, p, cache_dir)), torch.get_num_threads()):
+        if why := llama_cpp_fails(str(exported_gguf(model, p)), torch.get_num_threads()):
             print(f"skipping llama.cpp {p}: {why}", file=sys.stderr)
             continue
-        scorers[f"llama.cpp {p}"] = LlamaCppScorer(model, p, max_tokens, cache_dir)
+        scorers[f"llama.cpp {p}"] = LlamaCppScorer(model, p, max_tokens)
     return scorers

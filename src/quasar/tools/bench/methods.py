@@ -54,7 +54,7 @@ def engine_method(name: str, pool: Pool) -> Method:
         spec = EngineSpec.parse(name, k=parse_k(pool.options.k))
     except ValueError as e:
         raise ValueError(f"unknown method {name!r} ({e}); choose from {FORMS}") from None
-    options = DrafterOptions(cache_dir=pool.options.cache_dir)
+    options = DrafterOptions()
     return EngineMethod(name, build_engine(spec, pool.verifiers, options, pool.options.max_context))
 
 

@@ -146,13 +146,13 @@ class LlamaCppMethod:
 
         from quasar.tools.bench.gguf_export import exported_gguf
 
-        if not resolve(pool.options.model, pool.options.cache_dir).is_file():
+        if not resolve(pool.options.model).is_file():
             raise PeerMissingError("the llama.cpp peers need a GGUF model (--model default or a .gguf file)")
         self.name = name
         self.path = f"llama.cpp {llama_cpp.__version__} {precision.upper()}"
         self.tokenizer = load_tokenizer(pool.directory())
         draft = LlamaPromptLookupDecoding(num_pred_tokens=pld_tokens) if pld_tokens else None
-        path = exported_gguf(pool.options.model, precision, pool.options.cache_dir)
+        path = exported_gguf(pool.options.model, precision)
         if why := llama_cpp_fails(str(path), torch.get_num_threads()):
             raise PeerMissingError(why)
         n_ctx = pool.options.max_context or 4096

@@ -90,7 +90,6 @@ class EvalConfig:
     tasks: tuple[str, ...] = ("gsm8k", "humaneval", "mmlu")
     limit: int | None = None  # items per task; None: the whole set
     options: TaskOptions = field(default_factory=TaskOptions)
-    cache_dir: str | Path | None = None
     max_context: int | None = None
 
     def __post_init__(self) -> None:
@@ -340,7 +339,7 @@ def evaluate(config: EvalConfig, on_score: Callable[[EvalReport], None] | None =
             log.info("loading verifier %s of %s", verifier, config.model)
             generates = any(is_generative(get_task(n)) for n in todo)  # else no drafter is loaded
             spec = EngineSpec((VerifierSpec.parse(verifier),), drafter if generates else NO_DRAFTER)
-            engine = build_engine(spec, Verifiers(config.model, config.cache_dir), max_context=config.max_context)
+            engine = build_engine(spec, Verifiers(config.model), max_context=config.max_context)
         for name in config.tasks:
             def checkpoint(partial: TaskScore, key: tuple[str, str] = (verifier, name)) -> None:
                 report.scores[key] = partial

@@ -1,0 +1,32 @@
+"""What a decoder asks of the model: a Step (one sequence's next tokens on its cache), and the one way steps run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from quasar.model.kv_cache import KVCache
+from quasar.model.llama import Transformer
+
+
+class Step(NamedTuple):
+    """One sequence's next forward: `tokens` appended to its `cache`; logits of every token, or of the last.
+    `cut`: a busy batch may run only a prefix of the tokens (at least one) and return that prefix's logits;
+    `chances`: for each token after the first, the chance that its row is of use (a draft token's acceptance)."""
+
+    tokens: list[int]
+    cache: KVCache
+    last_only: bool = False
+    cut: bool = False
+    chances: tuple[float, ...] = ()
+
+
+def run_steps(model: Transformer, steps: Sequence[Step]) -> list[torch.Tensor]:
+    """The model's forward of several steps (each one's logits as alone), then each cache records the tokens
+    it now holds, so that a cache pool can hand a later prompt what it shares with them."""
+    logits = model.forward_steps(steps)
+    for step in steps:
+        step.cache.wrote(len(step.tokens), step.tokens)
+    return logits
