@@ -2,7 +2,7 @@
 
 Three levels. A cheap drafter (n-gram, ...) proposes; the W8A8 model verifies those proposals as in plain
 speculative decoding; the tokens the W8A8 level emits form a block that the float verifier (the engine's
-model) checks in one forward (quasar.decoding.speculative with this drafter). The W8A8 model agrees with the float
+model) checks in one forward (quasar.decoding.speculative with this drafter); both levels take the same step (speculative.verify_step). The W8A8 model agrees with the float
 model on about 95% of tokens, so float blocks are long while the float model runs about once per block.
 
 The output is the float verifier's: at T = 0 its greedy output token for token; at T > 0 the W8A8 level's
@@ -24,7 +24,8 @@ from quasar.decoding.drafters.base import Draft, Drafter
 from quasar.model.kv_cache import StreamCache
 from quasar.model.llama import FIXED_ROWS, Transformer
 from quasar.decoding.sampling import Sampler, SamplingParams
-from quasar.decoding.speculative import AUTO, DraftLength, judge
+from quasar.decoding.speculative import AUTO, DraftLength, verify_step
+from quasar.decoding.step import run_alone
 from quasar.decoding.stats import GenerationStats
 from quasar.decoding.rejection import DenseDraft
 
@@ -91,21 +92,15 @@ class CascadeDrafter:
             feed = self.stream.follow(self.tokens + block, most=FIXED_ROWS)  # a prompt is prefilled there
             self.stats.prefill_s += time.perf_counter() - start
             n = min(self.length.k, FIXED_ROWS - len(feed)) if self.inner else 0  # tokens past k are carried
-            start = time.perf_counter()
-            draft = self.draft(block, n, params, generator) if n > 0 else Draft([])
-            verifying = time.perf_counter()
-            ids = torch.tensor([[*feed, *draft.tokens]], device=self.model.device)  # [1, len(feed) + n]
-            logits = self.model(ids, cache)[0, len(feed) - 1 :]  # [n + 1, V]
-            self.stream.fed(ids[0].tolist())
-            verdict, target = judge(draft, logits, params, self.sampler, generator)
+            draft, verdict, target = run_alone(self.model, verify_step(
+                lambda m: self.draft(block, m, params, generator) if m > 0 else Draft([]), n, feed, cache, params,
+                self.sampler, generator, self.length, self.stats))
+            self.stream.fed([*feed, *draft.tokens])
             if target is not None:  # sampling: each block token's distribution goes on as the draft's
                 rows += [target.probs(i) for i in range(verdict.accepted + 1)]
             self.stream.trim(len(draft) - verdict.accepted)
             block += [*draft.tokens[: verdict.accepted], verdict.token]
-            self.stats.draft_s += verifying - start
-            self.stats.verify_s += time.perf_counter() - verifying
             self.stats.record_step(len(draft), verdict.accepted, verdict.accepted + 1)
-            self.length.update(len(draft), verdict.accepted)
         self.carry, self.carried_after = (block[k:], rows[k:]), k
         return Draft(block[:k], None if params.greedy else DenseDraft(torch.stack(rows[:k])))
 

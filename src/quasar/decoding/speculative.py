@@ -7,6 +7,7 @@ with greedy sampling it is the verifier's greedy output token for token.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,10 @@ from quasar.decoding.stats import GenerationStats
 from quasar.spec import AUTO, MAX_DRAFT
 from quasar.decoding.rejection import Verdict, greedy_verdict, rejection_sample
 
+
+
+# yields the Step that verifies a draft, gets its logits; returns (the draft as scored, the verdict, target rows)
+VerifyStep = Generator[Step, torch.Tensor, tuple[Draft, Verdict, TargetRows | None]]
 
 
 class DraftLength:
@@ -74,6 +79,30 @@ def judge(draft: Draft, logits: torch.Tensor, params: SamplingParams, sampler: S
     return rejection_sample(draft.tokens, draft.probs, target, generator), target
 
 
+def verify_step(propose: Callable[[int], Draft], k: int, feed: list[int], cache: KVCache, params: SamplingParams,
+                sampler: Sampler, generator: torch.Generator, length: DraftLength, stats: GenerationStats,
+                cut: bool = False, guard: ConfidenceGuard | None = None) -> VerifyStep:
+    """One speculative step, the engine's verifier's and a cascade's middle level's alike: up to k draft tokens
+    (propose(k)) after `feed` (the tokens `cache` has not seen, the draft continuing the last), the Step that
+    scores them yielded, the draft judged on the logits sent back (a full batch may score a prefix of it; `cut`
+    allows that), the guard's review, the time and the acceptance counted. Returns the draft as scored, the
+    verdict and, when sampling, the verifier's rows (for a cascade to pass on)."""
+    start = time.perf_counter()
+    draft = propose(k)
+    verifying = time.perf_counter()
+    logits = yield Step([*feed, *draft.tokens], cache, cut=cut, chances=length.chances(len(draft)))
+    logits = logits[len(feed) - 1 :]  # [scored, V] over [last, *draft]
+    if len(logits) <= len(draft):
+        draft = Draft(draft.tokens[: len(logits) - 1], draft.probs)
+    verdict, target = judge(draft, logits, params, sampler, generator)
+    if guard is not None:
+        verdict = guard.review(cache, [feed[-1], *draft.tokens], logits, verdict, sampler, stats)
+    stats.draft_s += verifying - start
+    stats.verify_s += time.perf_counter() - verifying
+    length.update(len(draft), verdict.accepted)
+    return draft, verdict, target
+
+
 @dataclass
 class Speculative:
     """A Decoder (see quasar.decoding.engine) that drafts with `drafter` and verifies with the engine's model."""
@@ -121,22 +150,11 @@ class Speculative:
                 return
             drafter.commit(pending)
             k = min(length.k, cache.max_len - cache.length - 1, stop.budget - stop.emitted - 1)
-            start = time.perf_counter()
-            draft = drafter.propose(k, params, sampler.generator)
-            verifying = time.perf_counter()
-            chances = length.chances(len(draft))
             before = cache.length
-            target_logits = yield Step([pending[-1], *draft.tokens], cache, cut=may_cut, chances=chances)
-            # target_logits: [scored, V]; a full batch may have scored only a prefix of the draft
-            if len(target_logits) <= len(draft):
-                draft = Draft(draft.tokens[: len(target_logits) - 1], draft.probs)
-            verdict, _ = judge(draft, target_logits, params, sampler, sampler.generator)
-            if self.guard is not None:
-                verdict = self.guard.review(cache, [pending[-1], *draft.tokens], target_logits, verdict, sampler, stats)
+            draft, verdict, _ = yield from verify_step(
+                lambda n: drafter.propose(n, params, sampler.generator), k, [pending[-1]], cache, params, sampler,
+                sampler.generator, length, stats, cut=may_cut, guard=self.guard)
             cache.trim(cache.length - (before + verdict.accepted + 1))  # keep [last, *accepted]
-            stats.draft_s += verifying - start
-            stats.verify_s += time.perf_counter() - verifying
             pending = draft.tokens[: verdict.accepted] + [verdict.token]
             tokens, reason = stop.cut(pending)
             stats.record_step(proposed=len(draft), accepted=min(verdict.accepted, len(tokens)), emitted=len(tokens))
-            length.update(len(draft), verdict.accepted)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Generator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,3 +30,15 @@ def run_steps(model: Transformer, steps: Sequence[Step]) -> list[torch.Tensor]:
     for step in steps:
         step.cache.wrote(len(step.tokens), step.tokens)
     return logits
+
+
+def run_alone(model: Transformer, steps: Generator[Step, torch.Tensor, Any]) -> Any:
+    """What a generator of Steps returns, each Step run at once on `model` (no batch, no cache pool: a cascade's
+    middle level drives its own steps so)."""
+    logits = None
+    while True:
+        try:
+            step = steps.send(logits)
+        except StopIteration as done:
+            return done.value
+        logits = model.forward_steps([step])[0]
