@@ -16,7 +16,7 @@
 // where scored alone it is not (float32 attention never reads them); a model whose values overflow has no output left.
 #include "attention_amx.h"
 #include "float_amx.h"
-#include "float_lanes.h"
+#include "simd_lanes.h"
 #include "kernels.h"
 
 #include <immintrin.h>
@@ -161,7 +161,7 @@ void amx_attend_rows(const std::vector<AttentionRow>& rows, const uint16_t* kp, 
       const __mmask16 in = first_lanes(keys - j);
       top16 = _mm512_mask_max_ps(top16, in, top16, _mm512_maskz_loadu_ps(in, s + j));
     }
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(top16) * scale);  // the largest scaled score
+    const __m512 top = _mm512_set1_ps(max16(top16) * scale);  // the largest scaled score
     __m512 total = _mm512_setzero_ps();
     uint16_t* p = w.p.data() + m * n32;
     for (int64_t j = 0; j < keys; j += 16) {

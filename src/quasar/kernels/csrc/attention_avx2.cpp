@@ -14,7 +14,7 @@
 // The bf16 verifier on the float path amx attends on AMX tiles instead (bf16 products: attention_amx.cpp), from
 // keys and values AttentionSteps packs for it once per layer.
 #include "attention_amx.h"
-#include "float_lanes.h"
+#include "simd_lanes.h"
 #include "kernels.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -25,13 +25,6 @@
 #include <vector>
 
 namespace {
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 inline float dot(const float* a, const float* b, int64_t D) {
   __m256 acc = _mm256_setzero_ps();
@@ -78,9 +71,7 @@ float softmax_numerators(float* scores, int64_t n) {
   __m256 top8 = _mm256_set1_ps(-INFINITY);  // the maximum is exact in any order: 8 lanes, then across them
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(scores + j));
-  __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
-  t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
-  float top = std::max(_mm_cvtss_f32(t4), _mm_cvtss_f32(_mm_movehdup_ps(t4)));
+  float top = max8(top8);
   for (; j < n; ++j) top = std::max(top, scores[j]);
   for (j = n; j < padded; ++j) scores[j] = top;  // exp(0) = 1, zeroed below
   __m256 total = _mm256_setzero_ps();
@@ -223,7 +214,7 @@ float softmax_numerators(float* scores, int64_t n) {
   __m512 top16 = _mm512_set1_ps(-INFINITY);
   int64_t j = 0;
   for (; j + 16 <= n; j += 16) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(scores + j));
-  float top = _mm512_reduce_max_ps(top16);
+  float top = max16(top16);
   for (; j < n; ++j) top = std::max(top, scores[j]);
   for (j = n; j < padded; ++j) scores[j] = top;  // exp(0) = 1, zeroed below
   const __m512 top_v = _mm512_set1_ps(top);

@@ -3,7 +3,7 @@
 //
 // - float_act_linear: float32 x times plain [N, K] bfloat16, int8 (W8A16, with a per-channel scale) or
 //   float32 weights, widened to float32 in registers (a shape the packed products do not take). An
-//   output is 16 lanes, lane j summing the k = j (mod 16) in k order with FMAs, then hsum_ps(lanes 0-7,
+//   output is 16 lanes, lane j summing the k = j (mod 16) in k order with FMAs, then hsum8x2(lanes 0-7,
 //   lanes 8-15). AVX2 keeps the 16 lanes in two registers, AVX-512 in one: the same float either way.
 // - bf16_linear: x rounded to bfloat16 (to nearest even, as torch's x.to(torch.bfloat16)) times bfloat16
 //   weights packed in panels of 16 channels ([N/16][K/2][16][2]: each channel's input pairs side by side),
@@ -29,7 +29,7 @@
 // float, so the chunks change no result).
 #include "kernels.h"
 #include "blocking.h"
-#include "float_lanes.h"
+#include "simd_lanes.h"
 #include "float_amx.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -102,7 +102,7 @@ void act32_tile_avx2(const float* x, const W* w, float* y, int64_t m0, int64_t n
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[(m0 + r) * N + n0 + c] = hsum_ps(acc[0][r][c], acc[1][r][c]);
+    for (int c = 0; c < C; ++c) y[(m0 + r) * N + n0 + c] = hsum8x2(acc[0][r][c], acc[1][r][c]);
 }
 
 inline int32_t pair_at(const uint16_t* p) {  // two bfloat16 as one 32-bit lane
@@ -253,11 +253,6 @@ inline __m512 widen16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
 
-// The 16 lanes as hsum_ps sums the AVX2 path's two registers.
-inline float sum16(__m512 a) {
-  return hsum_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-}
-
 // R <= 4, C <= 4: 16 accumulators, 4 activations and a weight of the 32 registers.
 template <int R, int C, typename W>
 void act32_tile(const float* x, const W* w, float* y, int64_t m0, int64_t n0, int64_t N, int64_t K) {
@@ -278,7 +273,7 @@ void act32_tile(const float* x, const W* w, float* y, int64_t m0, int64_t n0, in
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[(m0 + r) * N + n0 + c] = sum16(acc[r][c]);
+    for (int c = 0; c < C; ++c) y[(m0 + r) * N + n0 + c] = hsum16(acc[r][c]);
 }
 
 template <typename W>

@@ -16,19 +16,13 @@
 #include "int8_dot.h"
 #include "blocking.h"
 #include "vnni.h"
+#include "simd_lanes.h"
 
 #include <immintrin.h>
 #include <algorithm>
 #include <cstring>
 
 namespace {
-
-inline int32_t hsum(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
 
 // ---- maddubs (AVX2) -------------------------------------------------------------------------------
 
@@ -63,7 +57,7 @@ void maddubs_block(const int8_t* q, const int8_t* w, int32_t* acc_out, int64_t m
         acc[i] = _mm256_add_epi32(acc[i], _mm256_inserti128_si256(_mm256_setzero_si256(), p, 0));
       }
     }
-    for (int i = 0; i < MB; ++i) acc_out[(m0 + i) * N + n] = hsum(acc[i]);
+    for (int i = 0; i < MB; ++i) acc_out[(m0 + i) * N + n] = hsum8_epi32(acc[i]);
   }
 }
 
@@ -90,7 +84,7 @@ struct Emulated256 {
     const __m256i hi = _mm256_madd_epi16(_mm256_unpackhi_epi8(a, z), _mm256_srai_epi16(_mm256_unpackhi_epi8(b, b), 8));
     return _mm256_add_epi32(acc, _mm256_hadd_epi32(lo, hi));
   }
-  static int32_t sum(reg v) { return hsum(v); }
+  static int32_t sum(reg v) { return hsum8_epi32(v); }
 };
 
 namespace emulated {

@@ -10,6 +10,7 @@
 #include "int8_dot.h"
 #include "blocking.h"
 #include "vnni.h"
+#include "simd_lanes.h"
 
 #include <immintrin.h>
 #include <algorithm>
@@ -26,12 +27,7 @@ struct Float256 {
   static reg set1(float v) { return _mm256_set1_ps(v); }
   static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
   static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(reg v) {  // always the same order
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
+  static float sum(reg v) { return hsum8(v); }
 };
 
 // AVX2: |w| times q carrying w's sign, pairs summed by madd (needs |q| <= 127).
@@ -113,14 +109,7 @@ struct Float512 {
   static reg set1(float v) { return _mm512_set1_ps(v); }
   static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
   static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(reg v) {  // halves added in a fixed order, then Float256's order
-    const __m256 lo = _mm512_castps512_ps256(v), hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    __m256 s8 = _mm256_add_ps(lo, hi);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
+  static float sum(reg v) { return hsum16(v); }
 };
 
 #include "dpbusd_path.h"

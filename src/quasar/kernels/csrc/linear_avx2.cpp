@@ -11,7 +11,7 @@
 // bytes) stay in cache.
 #include "kernels.h"
 #include "blocking.h"
-#include "float_lanes.h"
+#include "simd_lanes.h"
 #include "int8_dot.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -337,7 +337,7 @@ void norm_row(const float* x, const float* weight, int64_t K, double eps, float*
     const __m256 v = _mm256_loadu_ps(x + k);
     acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
   }
-  const float inv = 1.f / std::sqrt(hsum_ps(acc, _mm256_setzero_ps()) / static_cast<float>(K) + static_cast<float>(eps));
+  const float inv = 1.f / std::sqrt(hsum8x2(acc, _mm256_setzero_ps()) / static_cast<float>(K) + static_cast<float>(eps));
   const __m256 inv8 = _mm256_set1_ps(inv);
   for (int64_t k = 0; k < K; k += 8)
     _mm256_storeu_ps(y + k, _mm256_mul_ps(_mm256_loadu_ps(weight + k), _mm256_mul_ps(_mm256_loadu_ps(x + k), inv8)));
@@ -351,9 +351,7 @@ void quantize_group(const float* x, int64_t G, int8_t* q, float* scale) {
   const __m256 sign_bit = _mm256_set1_ps(-0.f), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
   __m256 top = _mm256_setzero_ps();
   for (int64_t k = 0; k < G; k += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(x + k)));
-  __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-  const float absmax = std::max(_mm_cvtss_f32(t), _mm_cvtss_f32(_mm_movehdup_ps(t)));
+  const float absmax = max8(top);
   const float s = absmax > 0.f ? absmax / 127.f : 1.f;
   *scale = s;
   const __m256 s8 = _mm256_set1_ps(s);
