@@ -18,6 +18,7 @@
 #include "float_amx.h"
 #include "simd_lanes.h"
 #include "kernels.h"
+#include "targets.h"
 
 #include <immintrin.h>
 
@@ -28,8 +29,7 @@ bool bf16_attention(bool bf16_products, int64_t head_dim) {
   return bf16_products && head_dim % 64 == 0 && float_path_for(true) == "amx";
 }
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
+QUASAR_TARGET_PUSH(QUASAR_AMX_BF16_AVX512)
 namespace {
 
 // Every tile 16 rows of 64 bytes. Scores: 0, 1 the sums of two row tiles, 2 the keys, 4, 5 the rows' queries.
@@ -206,4 +206,4 @@ void amx_attend_rows(const std::vector<AttentionRow>& rows, const uint16_t* kp, 
       _mm512_storeu_ps(rows[m].out + d, _mm512_div_ps(_mm512_loadu_ps(w.o.data() + m * D + d), norm16));
   }
 }
-#pragma GCC pop_options
+QUASAR_TARGET_POP

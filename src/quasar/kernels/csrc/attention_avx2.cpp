@@ -16,6 +16,7 @@
 #include "attention_amx.h"
 #include "simd_lanes.h"
 #include "kernels.h"
+#include "targets.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
@@ -147,8 +148,7 @@ void attend_rows(const std::vector<Row>& rows, const float* keys, const float* v
 // the key broadcast to both), half_sums8 adds each half of eight keys at once in hsum8's order. Weighted
 // values: 16 output dims a register, each lane the same chain over keys as the AVX2 code, R rows sharing
 // every value load.
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+QUASAR_TARGET_PUSH(QUASAR_AVX512)
 namespace avx512 {
 namespace {
 
@@ -320,7 +320,7 @@ void attend_rows(const std::vector<Row>& rows, const float* keys, const float* v
 
 }  // namespace
 }  // namespace avx512
-#pragma GCC pop_options
+QUASAR_TARGET_POP
 
 AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, int64_t H, int64_t threads,
                                bool bf16_products)

@@ -12,34 +12,13 @@
 // tiles of one row, no padding, and streams its weights a little faster than the FMA path.
 #include "float_amx.h"
 #include "blocking.h"
+#include "targets.h"
 
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 
-namespace {
-
-bool cpu_has_amx_bf16() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  return (d >> 24 & 1) && (d >> 22 & 1);  // AMX-TILE, AMX-BF16
-}
-
-// Linux keeps the 8 KB tile state off until a process asks for it (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
-bool tiles_granted() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
-
-}  // namespace
-
-bool amx_bf16_usable() {
-  static const bool usable = cpu_has_amx_bf16() && tiles_granted();
-  return usable;
-}
-
-#pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16")
+QUASAR_TARGET_PUSH(QUASAR_AMX_BF16)
 namespace {
 
 // Tiles 0-3: sums of (row tile r, panel c) at 2r + c; 4, 5: the row tiles' inputs; 6, 7: the panels' weights
@@ -148,4 +127,4 @@ void amx_bf16_panels(const uint16_t* x, const uint16_t* wp, float* y, int64_t M,
   }
   _tile_release();
 }
-#pragma GCC pop_options
+QUASAR_TARGET_POP

@@ -16,6 +16,7 @@
 #include "int8_dot.h"
 #include "blocking.h"
 #include "vnni.h"
+#include "targets.h"
 #include "simd_lanes.h"
 
 #include <immintrin.h>
@@ -92,8 +93,7 @@ using V = Emulated256;
 #include "dpbusd_block.h"
 }  // namespace emulated
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+QUASAR_TARGET_PUSH(QUASAR_AVX512_VNNI)
 namespace vnni {
 struct Vnni512 {
   using reg = __m512i;
@@ -111,34 +111,9 @@ struct Vnni512 {
 using V = Vnni512;
 #include "dpbusd_block.h"
 }  // namespace vnni
-#pragma GCC pop_options
-
-bool cpu_has_vnni512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-}
+QUASAR_TARGET_POP
 
 }  // namespace
-
-std::vector<std::string> int8_paths() {
-  static const bool vnni = cpu_has_vnni512();
-  std::vector<std::string> paths;
-  if (vnni) paths.push_back("dpbusd");
-  paths.push_back("maddubs");
-  paths.push_back("dpbusd-emulated");
-  return paths;
-}
-
-Int8Path parse_int8_path(const std::string& name) {
-  const auto paths = int8_paths();
-  const std::string chosen = name == "auto" ? paths.front() : name;
-  TORCH_CHECK(std::find(paths.begin(), paths.end(), chosen) != paths.end(), "int8 path '", name,
-              "' is not available on this CPU; available: auto, ", c10::Join(", ", paths));
-  if (chosen == "dpbusd") return Int8Path::Dpbusd;
-  if (chosen == "dpbusd-emulated") return Int8Path::DpbusdEmulated;
-  return Int8Path::Maddubs;
-}
 
 void prepare_rows(Int8Path path, const int8_t* q, int64_t count, std::vector<uint8_t>& u) {
   if (path == Int8Path::Maddubs) return;

@@ -10,6 +10,7 @@
 #include "int8_dot.h"
 #include "blocking.h"
 #include "vnni.h"
+#include "targets.h"
 #include "simd_lanes.h"
 
 #include <immintrin.h>
@@ -80,8 +81,7 @@ using F = Float256;
 #include "group_block.h"
 }  // namespace emulated
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")
+QUASAR_TARGET_PUSH(QUASAR_AVX512_VNNI)
 namespace vnni {
 
 // The emulated base with the real instruction (AVX2 helpers inline into AVX-512 code; not the reverse), and
@@ -161,7 +161,7 @@ void pair_block(const uint8_t* x, const float* x_scale2, const int8_t* w, const 
 }
 
 }  // namespace vnni
-#pragma GCC pop_options
+QUASAR_TARGET_POP
 
 // Channels [n0, n1) in tiles small enough to stay in L2 while every row block reads them.
 constexpr int64_t kTile = 8;

@@ -1,6 +1,7 @@
 // quasar's CPU kernels, as the other kernel files and bindings.cpp see them.
 #pragma once
 #include <torch/extension.h>
+#include "cpu.h"
 
 #include <memory>
 #include <string>
@@ -14,13 +15,6 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scal
 std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::Tensor> w,
                                             std::vector<torch::Tensor> w_scale, std::vector<torch::Tensor> bias);
 torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w, const std::string& path);
-// Chooses the int8 path of every later W8A8 linear ("auto" or one of int8_paths()); returns its name.
-std::string use_int8_path(const std::string& name);
-std::string int8_path();  // the path W8A8 linears run on now
-// Chooses how the int8 weight loops prefetch ("auto": per CPU vendor and rows, see prefetch_policy in int8_dot.h;
-// "l1" or "l2" for every loop); returns prefetch(), which names the setting now (and is accepted back).
-std::string use_prefetch(const std::string& name);
-std::string prefetch();
 torch::Tensor int8_group_mm(torch::Tensor q, torch::Tensor x_scale, torch::Tensor w, torch::Tensor w_scale,
                             const std::string& path);
 // Float-activation linears (float_dot.cpp): float32 x times float32, bfloat16 or int8 w (float_act_linear);
@@ -38,11 +32,6 @@ void round_bf16_into(const float* x, int64_t count, torch::Tensor& out, int64_t 
 torch::Tensor bf16_linear_rounded(torch::Tensor xr, torch::Tensor w, torch::Tensor bias);
 // float32 x times float32 w packed in panels of 16 channels, one FMA chain per output (fp32_linear).
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
-std::vector<std::string> float_paths();  // this CPU's: "amx", "avx512bf16", "avx512", "avx2", fastest first
-std::string use_float_path(const std::string& name);  // "auto" or one of float_paths(); returns its name
-std::string float_path();  // the path float-activation linears run on now
-std::string float_path_for(bool bf16_pairs);  // the path bf16_linear (true) or the other products run on now
-bool float_path_avx512();  // whether that path has 512-bit registers (attention follows it)
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 // One row of rms_norm (y may be x), and quantize_tokens on each group of G values (G % 16 == 0) of x [M, K] -> q
 // [M, K], scale [M, K / G]: the row operations of the W8A8 linears (linear_avx2.cpp), for region_forward.cpp too.

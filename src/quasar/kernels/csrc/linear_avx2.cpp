@@ -16,7 +16,6 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 
 namespace {
@@ -170,66 +169,6 @@ torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w, const std::string& path)
   auto low = x.eq(-128);
   if (low.any().item<bool>()) out += int8_mm(low.to(torch::kInt8).neg(), w, path);  // d: -1 where x was -128
   return out;
-}
-
-// The path every W8A8 linear runs on: the fastest this CPU has, unless a benchmark chose another (to
-// measure on this machine what a CPU without VNNI would run; every path gives the same results).
-std::atomic<int>& linear_path_slot() {
-  static std::atomic<int> slot{static_cast<int>(parse_int8_path("auto"))};
-  return slot;
-}
-
-Int8Path linear_path() { return static_cast<Int8Path>(linear_path_slot().load(std::memory_order_relaxed)); }
-
-std::string int8_path() {
-  const Int8Path p = linear_path();
-  return p == Int8Path::Dpbusd ? "dpbusd" : p == Int8Path::Maddubs ? "maddubs" : "dpbusd-emulated";
-}
-
-std::string use_int8_path(const std::string& name) {
-  const Int8Path chosen = parse_int8_path(name);
-  linear_path_slot().store(static_cast<int>(chosen));
-  return int8_path();
-}
-
-namespace {
-
-// The setting: a fixed policy, or "auto" (kAuto): the vendor's rule, per loop (prefetch_policy(rows, maddubs)).
-constexpr int kAuto = 2;
-
-bool amd_cpu() {
-  __builtin_cpu_init();
-  return __builtin_cpu_is("amd");
-}
-
-std::atomic<int>& prefetch_slot() {
-  static std::atomic<int> slot{kAuto};
-  return slot;
-}
-
-}  // namespace
-
-Prefetch prefetch_policy(int64_t rows, bool maddubs) {
-  const int setting = prefetch_slot().load(std::memory_order_relaxed);
-  if (setting != kAuto) return static_cast<Prefetch>(setting);
-  static const bool amd = amd_cpu();
-  if (!amd) return Prefetch::L1;
-  return maddubs && rows <= 1 ? Prefetch::L1 : Prefetch::L2;
-}
-
-Prefetch prefetch_policy() { return prefetch_policy(2, false); }
-
-std::string prefetch() {
-  const int setting = prefetch_slot().load(std::memory_order_relaxed);
-  if (setting != kAuto) return setting == static_cast<int>(Prefetch::L2) ? "l2" : "l1";
-  return amd_cpu() ? "auto: l2, l1 at one row on maddubs" : "auto: l1";
-}
-
-std::string use_prefetch(const std::string& name) {
-  const bool automatic = name == "auto" || name.rfind("auto:", 0) == 0;  // what prefetch() says restores it
-  TORCH_CHECK(automatic || name == "l1" || name == "l2", "prefetch policy '", name, "' unknown; choose auto, l1 or l2");
-  prefetch_slot().store(automatic ? kAuto : static_cast<int>(name == "l2" ? Prefetch::L2 : Prefetch::L1));
-  return prefetch();
 }
 
 // Group-wise int8 product without the quantization, for tests: q [M, K] int8 (|q| <= 127 on "maddubs"),

@@ -22,6 +22,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "targets.h"
+
 // Sum of the 8 lanes of v in the fixed order above.
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -34,7 +36,7 @@ inline float hsum8(__m256 v) {
 inline float hsum8x2(__m256 a, __m256 b) { return hsum8(_mm256_add_ps(a, b)); }
 
 // Sum of the 16 lanes of v: its 256-bit halves as hsum8x2 sums two AVX2 registers.
-__attribute__((target("avx512f"))) inline float hsum16(__m512 v) {
+__attribute__((target(QUASAR_AVX512F))) inline float hsum16(__m512 v) {
   return hsum8x2(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
@@ -46,7 +48,7 @@ inline float max8(__m256 v) {
 }
 
 // Maximum of the 16 lanes of v.
-__attribute__((target("avx512f"))) inline float max16(__m512 v) { return _mm512_reduce_max_ps(v); }
+__attribute__((target(QUASAR_AVX512F))) inline float max16(__m512 v) { return _mm512_reduce_max_ps(v); }
 
 // Sum of the 8 int32 lanes of v (exact: any order gives the same int32).
 inline int32_t hsum8_epi32(__m256i v) {
@@ -82,7 +84,7 @@ inline __m256 exp8(__m256 x) {
 
 // exp8 on 16 floats (AVX-512, for the attentions' softmax): the same constants and operations lane by lane (floor as a
 // round toward -inf), so the same floats.
-__attribute__((target("avx512f"))) inline __m512 exp16(__m512 x) {
+__attribute__((target(QUASAR_AVX512F))) inline __m512 exp16(__m512 x) {
   using namespace cephes_exp;
   x = _mm512_max_ps(x, _mm512_set1_ps(kLowest));
   __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),

@@ -6,12 +6,12 @@
 // exact int32 result are the same.
 #pragma once
 #include <immintrin.h>
+#include "targets.h"
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512vnni")
+QUASAR_TARGET_PUSH(QUASAR_AVX512_VNNI)
 // acc[j] + sum_{i<4} uint8(u[4j+i]) * int8(s[4j+i]) for each of the 16 int32 lanes.
 inline __m512i dpbusd512(__m512i acc, __m512i u, __m512i s) {
   __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
   return acc;
 }
-#pragma GCC pop_options
+QUASAR_TARGET_POP
