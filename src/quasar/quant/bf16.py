@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quasar.kernels.layers import KernelModule, pack_channels
+from quasar.kernels.layers import KernelModule, LinearKind, pack_channels
 from quasar.model.llama import Linear, at_fixed_shape
 from quasar.quant.schemes import swap_module_
 
@@ -75,9 +75,9 @@ class KernelBF16Linear(KernelModule, BF16Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()  # [M, K]
         kind, weight, scale, bias = self.kernel_args()
-        if kind == 2:
+        if kind == LinearKind.BF16:
             y = self.kernel.bf16_linear(rows, weight, bias)  # [M, N] float32
-        elif kind == 3:
+        elif kind == LinearKind.PACKED_FP32:
             y = self.kernel.fp32_linear(rows, weight, bias)
         else:
             y = self.kernel.float_act_linear(rows, weight, scale, bias)
@@ -86,14 +86,14 @@ class KernelBF16Linear(KernelModule, BF16Linear):
     def kernel_bias(self) -> torch.Tensor:
         return NO_TENSOR if self.bias is None else self.bias.float()
 
-    def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kind, weight, scale, bias) for the fused decoder-layer kernel: kind 2 = bfloat16 inputs (bf16_linear),
-        3 = float32 inputs on packed weights (fp32_linear), 1 = float32 inputs on the plain weight."""
+    def kernel_args(self) -> tuple[LinearKind, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kind, weight, scale, bias) for the fused decoder-layer kernel: bfloat16 inputs (bf16_linear), float32
+        inputs on packed weights (fp32_linear), or float32 inputs on the plain weight."""
         if self.bf16_inputs:
-            return 2, self.packed, NO_TENSOR, self.kernel_bias()
+            return LinearKind.BF16, self.packed, NO_TENSOR, self.kernel_bias()
         if self.packed is not None:
-            return 3, self.packed, NO_TENSOR, self.kernel_bias()
-        return 1, self.weight, NO_TENSOR, self.kernel_bias()
+            return LinearKind.PACKED_FP32, self.packed, NO_TENSOR, self.kernel_bias()
+        return LinearKind.FLOAT_ACTIVATIONS, self.weight, NO_TENSOR, self.kernel_bias()
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quasar.kernels import native
-from quasar.kernels.layers import KernelModule
+from quasar.kernels.layers import KernelModule, LinearKind
 from quasar.model.llama import at_fixed_shape
 
 QMAX = 127
@@ -235,9 +235,9 @@ class KernelInt8Linear(KernelModule, Int8Linear):
         y = self.kernel.w8a8_linear(rows, *self.kernel_weight, NO_BIAS if self.bias is None else self.bias)  # [M, N]
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kind 0 = W8A8, weight, scale, bias) for quasar's fused decoder-layer kernel."""
-        return 0, *self.kernel_weight, NO_BIAS if self.bias is None else self.bias
+    def kernel_args(self) -> tuple[LinearKind, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kind, weight, scale, bias) for quasar's fused decoder-layer kernel: W8A8."""
+        return LinearKind.W8A8, *self.kernel_weight, NO_BIAS if self.bias is None else self.bias
 
     @staticmethod
     def forward_many(layers: list[KernelInt8Linear], x: torch.Tensor) -> list[torch.Tensor]:
@@ -296,6 +296,6 @@ class KernelInt8WeightOnlyLinear(KernelModule, Int8WeightOnlyLinear):
         y = self.kernel.float_act_linear(rows, self.weight, self.weight_scale, NO_BIAS if self.bias is None else self.bias)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kind 1 = float activations, weight, scale, bias) for the fused decoder-layer kernel."""
-        return 1, self.weight, self.weight_scale, NO_BIAS if self.bias is None else self.bias
+    def kernel_args(self) -> tuple[LinearKind, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kind, weight, scale, bias) for the fused decoder-layer kernel: float activations."""
+        return LinearKind.FLOAT_ACTIVATIONS, self.weight, self.weight_scale, NO_BIAS if self.bias is None else self.bias

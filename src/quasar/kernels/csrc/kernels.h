@@ -2,8 +2,10 @@
 #pragma once
 #include <torch/extension.h>
 #include "cpu.h"
+#include "linear_kind.h"
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -112,17 +114,15 @@ class AttentionSteps {
 torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                                 const std::vector<Segment>& segments, int64_t layer, bool bf16_products);
 // One decoder layer (decoder_layer.cpp) over the rows of the segments, layer `layer` of each one's cache.
-torch::Tensor decoder_layer(torch::Tensor x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& kinds,
-                            double eps, const torch::Tensor& cos, const torch::Tensor& sin,
-                            const std::vector<Segment>& segments, int64_t layer);
+torch::Tensor decoder_layer(torch::Tensor x, const LayerWeights& w, double eps, const torch::Tensor& cos,
+                            const torch::Tensor& sin, const std::vector<Segment>& segments, int64_t layer);
 
 // Every layer of a small step in one parallel region, for models whose linears are all packed W8A8
 // (region_forward.cpp): plan_region is nullptr for any other model; run_region gives bitwise decoder_layer's results,
 // then the logits of the picked rows where the plan holds the head (else the hidden states).
 struct RegionPlan;
-std::shared_ptr<const RegionPlan> plan_region(const std::vector<std::vector<torch::Tensor>>& tensors,
-                                              const std::vector<std::vector<int64_t>>& kinds,
-                                              const std::vector<torch::Tensor>& head, int64_t head_kind);
+std::shared_ptr<const RegionPlan> plan_region(const std::vector<LayerWeights>& layers,
+                                              const std::optional<HeadWeights>& head);
 bool region_runs(const RegionPlan& plan, int64_t rows);  // whether run_region takes a step of this many rows
 bool region_has_head(const RegionPlan& plan);
 torch::Tensor run_region(const RegionPlan& plan, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -131,9 +131,8 @@ torch::Tensor run_region(const RegionPlan& plan, torch::Tensor x, const torch::T
 // All decoder layers of one model (see decoder_layer): built once, then one call per forward.
 class FusedLayers {
  public:
-  // head: empty, or the final norm's weight and the lm_head's weight, scale and bias (head_kind: a linear kind).
-  FusedLayers(std::vector<std::vector<torch::Tensor>> tensors, std::vector<std::vector<int64_t>> kinds, double eps,
-              std::vector<torch::Tensor> head, int64_t head_kind);
+  // head: the final norm and the lm_head, or none (forward_tokens then refuses).
+  FusedLayers(std::vector<LayerWeights> layers, double eps, std::optional<HeadWeights> head);
   torch::Tensor forward_segments(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                                  std::vector<torch::Tensor> caches_k, std::vector<torch::Tensor> caches_v,
                                  std::vector<int64_t> starts, std::vector<int64_t> rows) const;
@@ -149,10 +148,8 @@ class FusedLayers {
   std::vector<Segment> segments(const std::vector<torch::Tensor>& caches_k, const std::vector<torch::Tensor>& caches_v,
                                 const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t total) const;
 
-  std::vector<std::vector<torch::Tensor>> tensors_;
-  std::vector<std::vector<int64_t>> kinds_;
+  std::vector<LayerWeights> layers_;
   double eps_;
-  std::vector<torch::Tensor> head_;
-  int64_t head_kind_;
+  std::optional<HeadWeights> head_;
   std::shared_ptr<const RegionPlan> region_;  // nullptr: not all packed W8A8
 };

@@ -45,7 +45,9 @@ struct RegionPlan {
 
 namespace {
 
-std::optional<PackedLinear> packed(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias) {
+std::optional<PackedLinear> packed(const LinearWeights& linear) {
+  if (linear.kind != LinearKind::W8A8) return std::nullopt;
+  const torch::Tensor &w = linear.weight, &scale = linear.scale, &bias = linear.bias;
   const bool bytes = w.dtype() == torch::kInt8 || w.dtype() == torch::kUInt8;
   if (w.dim() != 4 || !bytes || !w.is_contiguous() || !w.device().is_cpu() || w.size(2) != 16 || w.size(3) != 4 ||
       scale.dim() != 3 || scale.dtype() != torch::kFloat32 || !scale.is_contiguous() || scale.size(2) != 16)
@@ -119,16 +121,15 @@ void add_range(const float* y, float* x, int64_t M, int64_t N, int64_t n0, int64
 
 }  // namespace
 
-std::shared_ptr<const RegionPlan> plan_region(const std::vector<std::vector<torch::Tensor>>& tensors,
-                                              const std::vector<std::vector<int64_t>>& kinds,
-                                              const std::vector<torch::Tensor>& head, int64_t head_kind) {
+std::shared_ptr<const RegionPlan> plan_region(const std::vector<LayerWeights>& layers,
+                                              const std::optional<HeadWeights>& head) {
   auto plan = std::make_shared<RegionPlan>();
-  for (size_t l = 0; l < tensors.size(); ++l) {
-    const auto& t = tensors[l];
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const LayerWeights& w = layers[l];
     std::vector<PackedLinear> lin;
-    for (int i = 0; i < 7; ++i) {
-      auto p = kinds[l][i] == 0 ? packed(t[4 + 3 * i], t[5 + 3 * i], t[6 + 3 * i]) : std::nullopt;
-      if (!p || ((!plan->layers.empty() || i) && p->unsigned_bytes != plan->unsigned_bytes)) return nullptr;
+    for (const LinearWeights* linear : w.linears()) {
+      auto p = packed(*linear);
+      if (!p || ((!plan->layers.empty() || !lin.empty()) && p->unsigned_bytes != plan->unsigned_bytes)) return nullptr;
       plan->unsigned_bytes = p->unsigned_bytes;
       lin.push_back(*p);
     }
@@ -139,23 +140,25 @@ std::shared_ptr<const RegionPlan> plan_region(const std::vector<std::vector<torc
                         down.N == hidden && k.N == v.N && gate.N % down.G == 0;
     const auto& before = plan->layers.empty() ? down : plan->layers[0].down;  // one group size for down's input
     if (!shapes || down.G != before.G || (l && (hidden != plan->hidden || gate.N != plan->I))) return nullptr;
-    const int64_t qk = t[2].numel();  // qk-norm: one weight of the head dim for q, one for k
-    if (!float_vector(t[0], hidden) || !float_vector(t[1], hidden) || !float_vector(t[3], qk) ||
-        (qk && (!float_vector(t[2], qk) || q.N % qk || k.N % qk)) || (l && qk != plan->qk_norm_dim))
+    const int64_t qk = w.q_norm.numel();  // qk-norm: one weight of the head dim for q, one for k
+    if (!float_vector(w.input_norm, hidden) || !float_vector(w.post_attention_norm, hidden) ||
+        !float_vector(w.k_norm, qk) || (qk && (!float_vector(w.q_norm, qk) || q.N % qk || k.N % qk)) ||
+        (l && qk != plan->qk_norm_dim))
       return nullptr;
     plan->qk_norm_dim = qk;
     plan->hidden = hidden;
     plan->I = gate.N;
-    plan->layers.push_back(RegionLayer{t[0].data_ptr<float>(), t[1].data_ptr<float>(),
-                                       t[2].numel() ? t[2].data_ptr<float>() : nullptr,
-                                       t[3].numel() ? t[3].data_ptr<float>() : nullptr, q, k, v, o, gate, up, down});
+    plan->layers.push_back(RegionLayer{w.input_norm.data_ptr<float>(), w.post_attention_norm.data_ptr<float>(),
+                                       qk ? w.q_norm.data_ptr<float>() : nullptr,
+                                       w.k_norm.numel() ? w.k_norm.data_ptr<float>() : nullptr, q, k, v, o, gate, up,
+                                       down});
   }
   if (plan->layers.empty()) return nullptr;
-  if (head.size() == 4 && head_kind == 0) {
-    auto p = packed(head[1], head[2], head[3]);
-    if (p && p->unsigned_bytes == plan->unsigned_bytes && p->K == plan->hidden && float_vector(head[0], plan->hidden)) {
+  if (head) {
+    auto p = packed(head->lm_head);
+    if (p && p->unsigned_bytes == plan->unsigned_bytes && p->K == plan->hidden && float_vector(head->norm, plan->hidden)) {
       plan->head = p;
-      plan->final_norm = head[0].data_ptr<float>();
+      plan->final_norm = head->norm.data_ptr<float>();
     }
   }
   return plan;
