@@ -120,7 +120,7 @@ def reference_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def avx2_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """quasar's CPU kernel (csrc/linear_avx2.cpp) as a plain int32 product: exact, weights streamed once."""
+    """quasar's CPU kernel (csrc/w8a8_linear.cpp) as a plain int32 product: exact, weights streamed once."""
     kernel = native.kernel()
     if kernel is None:
         raise RuntimeError(f"quasar's CPU kernels are not available here: {native.status()}")

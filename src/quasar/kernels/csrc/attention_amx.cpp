@@ -1,5 +1,5 @@
 // The bf16 verifier's attention on Intel AMX tiles: bfloat16 products, float32 sums, as a BF16 model's attention
-// runs in transformers (SDPA) and llama.cpp, where the float32 attention of attention_avx2.cpp ran at the FMAs'
+// runs in transformers (SDPA) and llama.cpp, where the float32 attention (attention_avx2.cpp) ran at the FMAs'
 // rate and took a third to a half of a 1,024-token bf16 prefill of the default model (perf, and alone).
 //
 // A step first rounds the keys and values it reads to bfloat16 into tile layouts, once per kv head and layer for
@@ -14,7 +14,7 @@
 // One exception: a row multiplies the values of the step's later tokens by exactly 0, so a value that is NaN, or
 // beyond bfloat16's range (Inf once rounded), in a later token of the same verify block or prefill makes the row NaN
 // where scored alone it is not (float32 attention never reads them); a model whose values overflow has no output left.
-#include "attention_amx.h"
+#include "attention_rows.h"
 #include "float_amx.h"
 #include "simd_lanes.h"
 #include "kernels.h"

@@ -1,6 +1,5 @@
-// The Python module of quasar's CPU kernels (linear_avx2.cpp, float_dot.cpp, int8_dot.cpp, int8_group.cpp, attention_avx2.cpp,
-// attention_amx.cpp, decoder_layer.cpp, region_forward.cpp, logits.cpp).
-#include "attention_amx.h"
+// The Python module of quasar's CPU kernels (docs/kernels.md maps which file holds which operation).
+#include "attention_rows.h"
 #include "int8_dot.h"
 #include "kernels.h"
 

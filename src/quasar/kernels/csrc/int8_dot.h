@@ -1,4 +1,4 @@
-// The int8 dot-product kernels (int8_dot.cpp), as linear_avx2.cpp and bindings.cpp see them.
+// The int8 dot-product kernels (int8_dot.cpp), as w8a8_linear.cpp and bindings.cpp see them.
 #pragma once
 #include <torch/extension.h>
 #include "blocking.h"
@@ -25,7 +25,7 @@ void int8_panel_dot_maddubs(const int8_t* q, const float* x_scale, const int8_t*
                             int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1);
 // The panels of a packed W8A8 linear that start in [n0, n1) into out [M, N]: int8_panel_dot for uint8 w + 128
 // (unsigned_bytes), int8_panel_dot_maddubs for int8 w, then bias [N] (or nullptr) added on those panels' channels
-// (linear_avx2.cpp; the W8A8 linears and region_forward.cpp).
+// (w8a8_linear.cpp; the W8A8 linears and packed_w8a8_step.cpp).
 void packed_panel_range(const void* wp, bool unsigned_bytes, const float* wsp, const float* bias, const int8_t* q,
                         const int32_t* start, const float* x_scale, float* out, int64_t M, int64_t N, int64_t K,
                         int64_t G, int64_t n0, int64_t n1);

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-// A new, unwritten tensor like torch::empty's, for a kernel to fill whole (results.cpp): blocks of 1 MB and more are
+// A new, unwritten tensor like torch::empty's, for a kernel to fill whole (result_pool.cpp): blocks of 1 MB and more are
 // handed back to the next result of the same size instead of to malloc (a forward repeats its sizes every layer).
 torch::Tensor kernel_result(at::IntArrayRef sizes, const torch::TensorOptions& options);
 
@@ -36,7 +36,7 @@ torch::Tensor bf16_linear_rounded(torch::Tensor xr, torch::Tensor w, torch::Tens
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 // One row of rms_norm (y may be x), and quantize_tokens on each group of G values (G % 16 == 0) of x [M, K] -> q
-// [M, K], scale [M, K / G]: the row operations of the W8A8 linears (linear_avx2.cpp), for region_forward.cpp too.
+// [M, K], scale [M, K / G]: the row operations of the W8A8 linears (norm_quant.cpp), for packed_w8a8_step.cpp too.
 void norm_row(const float* x, const float* weight, int64_t K, double eps, float* y);
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* q, float* scale);
 // logits [R, V] float32 -> torch.argmax(logits, -1) (logits.cpp).
@@ -57,7 +57,7 @@ struct Segment {
   torch::Tensor cache_k, cache_v;
   int64_t start, rows;
 };
-// Rope, cache writes and attention of one step's rows over their sequences' caches (attention_avx2.cpp), in parts any
+// Rope, cache writes and attention of one step's rows over their sequences' caches (attention.cpp), in parts any
 // thread may run: rope(t0, t1) for every row first, then attend(i) for each work item i < items(), in any order and
 // on any thread (the results never depend on which runs what). Built once per step, for every layer.
 class AttentionSteps {
@@ -118,7 +118,7 @@ torch::Tensor decoder_layer(torch::Tensor x, const LayerWeights& w, double eps, 
                             const torch::Tensor& sin, const std::vector<Segment>& segments, int64_t layer);
 
 // Every layer of a small step in one parallel region, for models whose linears are all packed W8A8
-// (region_forward.cpp): plan_region is nullptr for any other model; run_region gives bitwise decoder_layer's results,
+// (packed_w8a8_step.cpp): plan_region is nullptr for any other model; run_region gives bitwise decoder_layer's results,
 // then the logits of the picked rows where the plan holds the head (else the hidden states).
 struct RegionPlan;
 std::shared_ptr<const RegionPlan> plan_region(const std::vector<LayerWeights>& layers,
@@ -140,7 +140,7 @@ class FusedLayers {
                                torch::Tensor sin_table, std::vector<torch::Tensor> caches_k,
                                std::vector<torch::Tensor> caches_v, std::vector<int64_t> starts,
                                std::vector<int64_t> rows, std::vector<int64_t> picked) const;
-  // Whether a step of this many rows runs every layer in one parallel region (region_forward.cpp).
+  // Whether a step of this many rows runs every layer in one parallel region (packed_w8a8_step.cpp).
   bool one_region(int64_t rows) const;
 
  private:
