@@ -60,8 +60,7 @@ AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, 
   // prefill's scores stay small), and further only when there are fewer items than threads; rows of an item
   // share every key block read. A decode or verify step finds its keys and values in memory, not in the caches
   // (the weights' stream evicted them), so each part of a kv head's rows reads them again: two parts per thread
-  // made forwards of the default model 6% / 17% / 23% slower at 256 / 768 / 1,536 cached tokens (one row) and
-  // 6% / 4% / 12% (six rows) than one item per kv head, alternated in one process. How rows are grouped never
+  // made forwards slower than one item per kv head, the more so the longer the cache. How rows are grouped never
   // changes a result.
   constexpr int64_t kItemRows = 32;
   int64_t base_items = 0;

@@ -1,6 +1,6 @@
 // The bf16 verifier's attention on Intel AMX tiles: bfloat16 products, float32 sums, as a BF16 model's attention
-// runs in transformers (SDPA) and llama.cpp, where the float32 attention (attention_avx2.cpp) ran at the FMAs'
-// rate and took a third to a half of a 1,024-token bf16 prefill of the default model (perf, and alone).
+// runs in transformers (SDPA) and llama.cpp, where the float32 attention (attention_avx2.cpp) runs at the FMAs'
+// rate and took a large share of a long bf16 prefill.
 //
 // A step first rounds the keys and values it reads to bfloat16 into tile layouts, once per kv head and layer for
 // all of its rows (amx_pack_block), then each work item (rows of one kv head) computes

@@ -92,7 +92,7 @@ void int8_panel_dot_maddubs(const int8_t* q, const float* x_scale, const int8_t*
       maddubs_panel_tile<decltype(rows)::value, decltype(policy)::value>(
           q, x_scale, wp, wsp, out, m, p, N, K, G, k0, k1);
     };
-    if (M <= 1)  // one panel at a time: wider tiles measured slower at 1 row (13.7 / 14.5 / 15.0 ms per forward)
+    if (M <= 1)  // one panel at a time: wider tiles measured slower at 1 row
       panel_tiles<1, 1>(M, p0, p1, K, 16, G, tile);
     else  // 4 rows: their 8 int32 sums, 2 weight registers and their absolute values fill the 16 registers
       panel_tiles<4, 1>(M, p0, p1, K, 16, G, tile);

@@ -1,10 +1,9 @@
 // Small steps (decode, verify, a few sequences' rows) of a model whose linears are all packed W8A8, every layer in
 // one OpenMP parallel region.
 //
-// A one-row step of the default model streams ~150 MB of weights in ~10 ms, in ~250 linears and attentions. Called
-// one by one (decoder_layer.cpp), each opens its own parallel region, and between them one thread alone allocates
-// the next tensors, normalizes, quantizes and runs ATen's silu, multiply and add while the others wait: about a
-// third of the worker thread's time. Here the threads stay together for the whole step: each normalizes and
+// A one-row step streams the whole model's weights in a few hundred linears and attentions. Called one by one (decoder_layer.cpp), each opens its own parallel region, and between them one thread alone allocates
+// the next tensors, normalizes, quantizes and runs ATen's silu, multiply and add while the others wait: a large
+// share of the worker threads' time. Here the threads stay together for the whole step: each normalizes and
 // quantizes a linear's few input rows itself (the same bytes on every thread), sums its share of the output
 // channels, and they meet at a barrier only where a result needs every thread's channels (6 per layer). The
 // arithmetic is the kernels' own (norm_row, quantize_rows, packed_panel_range, AttentionSteps, ATen's silu), each
