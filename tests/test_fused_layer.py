@@ -65,7 +65,7 @@ def test_fused_layer_equals_the_unfused_kernels(kind, model_dir):
 @pytest.mark.parametrize("kind", ["w8a8-g32", "w8a8-g32-head", "w8a8", "w8a16", "bf16", "fp32"])
 def test_small_steps_of_packed_w8a8_run_in_one_region(kind, model_dir):
     """A model whose linears are all packed W8A8 (group-wise, the default verifier's scheme) runs steps of up to 32
-    rows (decode, verify, a few sequences) with every layer in one parallel region (csrc/region_forward.cpp), and
+    rows (decode, verify, a few sequences) with every layer in one parallel region (csrc/packed_w8a8_step.cpp), and
     the lm_head there too when it is packed W8A8: the bitwise comparisons here cover that path (the prefill of 20
     rows too). Longer prefills and the other kinds (per-channel W8A8 included) keep one parallel region per kernel."""
     fused = make(kind, "", model_dir).model.layers.fused

@@ -8,6 +8,7 @@ the rows of several sequences at once, each attending over its own cache (contin
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import Any
 
 import torch
@@ -19,6 +20,24 @@ from quasar.model.llama import Attention, Embedding, Layers, Linear, RMSNorm
 NONE = torch.empty(0)
 
 
+class LinearKind(IntEnum):
+    """How a linear runs in the fused kernels: the C++ enum LinearKind (csrc/linear_kind.h), whose names and values
+    check_linear_kinds compares with these when a process first takes the kernels."""
+
+    W8A8 = 0  # int8 weight, per-token int8 activations (w8a8_linear)
+    FLOAT_ACTIVATIONS = 1  # float32 activations, plain float32, int8 (per-channel scale) or bfloat16 weight
+    BF16 = 2  # bfloat16 activations, packed bfloat16 weight (bf16_linear)
+    PACKED_FP32 = 3  # float32 activations, packed float32 or widened bfloat16 weight (fp32_linear)
+
+
+def check_linear_kinds(kernel: Any) -> None:
+    """Raise if the kernels' LinearKind is not this one, name for name and value for value."""
+    theirs = {name: int(kind) for name, kind in kernel.LinearKind.__members__.items()}
+    ours = {kind.name: int(kind) for kind in LinearKind}
+    if theirs != ours:
+        raise RuntimeError(f"the kernels' LinearKind {theirs} is not quasar.kernels.layers.LinearKind {ours}")
+
+
 class KernelModule:
     """A module on quasar's kernels, made from its torch form in place (same parameters, new class). The
     kernel module (one per process) is a class attribute, so such a module still deep-copies."""
@@ -28,6 +47,8 @@ class KernelModule:
     @classmethod
     def adopt(cls, module: nn.Module, kernel: Any) -> nn.Module:
         assert KernelModule.kernel in (None, kernel), "one kernel module per process"
+        if KernelModule.kernel is None and kernel is not None:
+            check_linear_kinds(kernel)
         KernelModule.kernel = kernel
         module.__class__ = cls
         return module
@@ -54,9 +75,9 @@ class KernelLinear(KernelModule, Linear):
         y = self.kernel.fp32_linear(rows, self.packed, NONE if self.bias is None else self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kind 3 = packed float32, weight, scale, bias) for the fused decoder-layer kernel."""
-        return 3, self.packed, NONE, NONE if self.bias is None else self.bias
+    def kernel_args(self) -> tuple[LinearKind, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kind, weight, scale, bias) for the fused decoder-layer kernel: packed float32."""
+        return LinearKind.PACKED_FP32, self.packed, NONE, NONE if self.bias is None else self.bias
 
 
 def pack_channels(weight: torch.Tensor) -> torch.Tensor:
@@ -137,11 +158,9 @@ class FusedLayers(Layers):
     tail: tuple[nn.Module, nn.Module] | None  # (final norm, lm_head) the kernel object runs, if any
 
     def build(self, kernel: Any, eps: float, norm: nn.Module | None = None, head: nn.Module | None = None) -> None:
-        args = [layer_tensors(layer) for layer in self]
         self.tail = None if norm is None or head is None else (norm, head)
-        kind, *tensors = head.kernel_args() if self.tail else (-1,)
-        tail = [norm.weight, *tensors] if self.tail else []
-        self.fused = kernel.FusedLayers([a[0] for a in args], [a[1] for a in args], eps, tail, kind)
+        tail = kernel.HeadWeights(norm.weight, linear_weights(kernel, head)) if self.tail else None
+        self.fused = kernel.FusedLayers([layer_weights(kernel, layer) for layer in self], eps, tail)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache) -> torch.Tensor:
         if x.shape[0] != 1:
@@ -176,11 +195,37 @@ class FusedLayers(Layers):
             cache.advance(n)
 
 
-def layer_tensors(layer: nn.Module) -> tuple[list[torch.Tensor], list[int]]:
-    """The tensors and linear kinds FusedLayers takes for one decoder layer (every linear's `kernel_args()`)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    args = [linear.kernel_args() for linear in linears]
-    norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-    norms += [attn.q_norm.weight, attn.k_norm.weight] if hasattr(attn, "q_norm") else [NONE, NONE]
-    return norms + [t for a in args for t in a[1:]], [a[0] for a in args]
+LAYER_LINEARS = {  # LayerWeights' name for each linear of a decoder layer: (its module, its name there)
+    "q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"), "v": ("self_attn", "v_proj"), "o": ("self_attn", "o_proj"),
+    "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"), "down": ("mlp", "down_proj"),
+}
+
+
+def layer_linears(layer: nn.Module) -> dict[str, nn.Module]:
+    """A decoder layer's seven linears by LayerWeights' names, in the order of its forward."""
+    return {name: getattr(getattr(layer, part), attr) for name, (part, attr) in LAYER_LINEARS.items()}
+
+
+def layer_kinds(layer: nn.Module) -> list[LinearKind]:
+    """How each linear of a decoder layer runs in the fused kernels, in the order of its forward."""
+    return [linear.kernel_args()[0] for linear in layer_linears(layer).values()]
+
+
+def linear_weights(kernel: Any, linear: nn.Module) -> Any:
+    """A linear's `kernel_args()` as the kernels' LinearWeights."""
+    kind, weight, scale, bias = linear.kernel_args()
+    return kernel.LinearWeights(kernel.LinearKind.__members__[LinearKind(kind).name], weight, scale, bias)
+
+
+def layer_weights(kernel: Any, layer: nn.Module) -> Any:
+    """The kernels' LayerWeights of one decoder layer, built by name."""
+    weights = kernel.LayerWeights()
+    attn = layer.self_attn
+    weights.input_norm = layer.input_layernorm.weight
+    weights.post_attention_norm = layer.post_attention_layernorm.weight
+    qk_norm = hasattr(attn, "q_norm")
+    weights.q_norm = attn.q_norm.weight if qk_norm else NONE
+    weights.k_norm = attn.k_norm.weight if qk_norm else NONE
+    for name, linear in layer_linears(layer).items():
+        setattr(weights, name, linear_weights(kernel, linear))
+    return weights

@@ -1,8 +1,8 @@
 """quasar's AVX2 CPU kernels (csrc/: linears, attention, a whole decoder layer), compiled once on first use
 into the quasar cache.
 
-PyTorch's own int8 GEMM (`torch._int_mm`) has no fast path on x86 CPUs without AVX-512 VNNI (measured
-here: 10-50x slower than a float32 GEMM), its bf16 GEMM none without AVX512-BF16, and its float kernels
+PyTorch's own int8 GEMM (`torch._int_mm`) has no fast path on x86 CPUs without AVX-512 VNNI (many times
+slower than a float32 GEMM: docs/kernels.md), its bf16 GEMM none without AVX512-BF16, and its float kernels
 round a row differently depending on how many rows come with it. These kernels stream the weights once
 per call and compute every row of a result from its own input row only, so a verify step over k+1 rows
 costs about one weight read and gives the rows that decoding the tokens one by one gives. The int8 dot
@@ -39,7 +39,7 @@ SOURCES = sorted(CSRC.glob("*.cpp"))
 # OpenMP: at::parallel_for in an extension runs serially unless the extension itself is built with it.
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
-COMPILE_S = 75  # a first compile on 2 cores (measured 73 s), for the progress bar's estimate
+COMPILE_S = 75  # a first compile's seconds on 2 cores (docs/kernels.md), for the progress bar's estimate
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,9 @@ from quasar.kernels.layers import (
     KernelLinear,
     KernelModule,
     KernelRMSNorm,
+    LinearKind,
     drop_plain_weights_,
-    layer_tensors,
+    layer_kinds,
 )
 from quasar.kernels.quant_layers import KernelBF16Linear, KernelInt8Linear, KernelInt8WeightOnlyLinear
 from quasar.model.execution import ON_TORCH, ExecutionPlan
@@ -62,7 +63,7 @@ def prepare_(model: Transformer, fuse: bool = True,
         drop_plain_weights_(model)
     stack = model.model.layers
     for layer in stack:  # every linear of the layer takes bf16 inputs (the bf16 verifier): the fused layer's rule
-        layer.self_attn.bf16_products = all(kind == 2 for kind in layer_tensors(layer)[1])
+        layer.self_attn.bf16_products = all(kind == LinearKind.BF16 for kind in layer_kinds(layer))
     bf16_products = any(layer.self_attn.bf16_products for layer in stack)
     stack.__class__ = FusedLayers if fuse else Layers
     if fuse:
@@ -74,14 +75,15 @@ def prepare_(model: Transformer, fuse: bool = True,
 
 
 def kernel_paths(kernel: Any, modules: dict[nn.Module, type], bf16_attention: bool = False) -> str:
-    """'kernels:' and the instruction-set paths the linears run on: the int8 path of W8A8 ones (kind 0), the
+    """'kernels:' and the instruction-set paths the linears run on: the int8 path of W8A8 ones, the
     float path of the others ('kernels:dpbusd+avx512' for w8a8:lmbf16, a W8A8 model with a bf16 lm_head widened to
     float32; 'kernels:amx' for bf16, whose bf16 x bf16 products run on AMX tiles where the CPU has them), then
     'bf16-attention' where attention too runs on bfloat16 products ('kernels:amx+bf16-attention': the bf16 verifier on
     AMX; float32 attention everywhere else)."""
-    kinds = {module.kernel_args()[0] for module in modules if hasattr(module, "kernel_args")}
-    floats = [kernel.float_path_for(2 in kinds)] if kinds - {0} else []  # kind 2: bf16 x bf16 (bf16_linear)
-    paths = ([kernel.int8_path()] if 0 in kinds else []) + floats + (["bf16-attention"] if bf16_attention else [])
+    linear_forms = set(KERNEL_FORMS.values())
+    kinds = {module.kernel_args()[0] for module, form in modules.items() if form in linear_forms}
+    floats = [kernel.float_path_for(LinearKind.BF16 in kinds)] if kinds - {LinearKind.W8A8} else []
+    paths = ([kernel.int8_path()] if LinearKind.W8A8 in kinds else []) + floats + (["bf16-attention"] if bf16_attention else [])
     return "kernels:" + "+".join(paths)
 
 

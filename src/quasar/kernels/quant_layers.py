@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from quasar.kernels.layers import NONE, KernelModule, pack_channels
+from quasar.kernels.layers import NONE, KernelModule, LinearKind, pack_channels
 from quasar.quant.bf16 import BF16Linear
 from quasar.quant.int8 import Int8Linear, Int8WeightOnlyLinear
 
@@ -62,9 +62,9 @@ class KernelInt8Linear(KernelModule, Int8Linear):
         y = self.kernel.w8a8_linear(rows, *self.kernel_weight, NONE if self.bias is None else self.bias)  # [M, N]
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kind 0 = W8A8, weight, scale, bias) for quasar's fused decoder-layer kernel."""
-        return 0, *self.kernel_weight, NONE if self.bias is None else self.bias
+    def kernel_args(self) -> tuple[LinearKind, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kind, weight, scale, bias) for quasar's fused decoder-layer kernel: W8A8."""
+        return LinearKind.W8A8, *self.kernel_weight, NONE if self.bias is None else self.bias
 
     @staticmethod
     def forward_many(layers: list[KernelInt8Linear], x: torch.Tensor) -> list[torch.Tensor]:
@@ -93,9 +93,9 @@ class KernelInt8WeightOnlyLinear(KernelModule, Int8WeightOnlyLinear):
         y = self.kernel.float_act_linear(rows, self.weight, self.weight_scale, NONE if self.bias is None else self.bias)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kind 1 = float activations, weight, scale, bias) for the fused decoder-layer kernel."""
-        return 1, self.weight, self.weight_scale, NONE if self.bias is None else self.bias
+    def kernel_args(self) -> tuple[LinearKind, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kind, weight, scale, bias) for the fused decoder-layer kernel: float activations."""
+        return LinearKind.FLOAT_ACTIVATIONS, self.weight, self.weight_scale, NONE if self.bias is None else self.bias
 
 
 class KernelBF16Linear(KernelModule, BF16Linear):
@@ -125,9 +125,9 @@ class KernelBF16Linear(KernelModule, BF16Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()  # [M, K]
         kind, weight, scale, bias = self.kernel_args()
-        if kind == 2:
+        if kind == LinearKind.BF16:
             y = self.kernel.bf16_linear(rows, weight, bias)  # [M, N] float32
-        elif kind == 3:
+        elif kind == LinearKind.PACKED_FP32:
             y = self.kernel.fp32_linear(rows, weight, bias)
         else:
             y = self.kernel.float_act_linear(rows, weight, scale, bias)
@@ -136,14 +136,14 @@ class KernelBF16Linear(KernelModule, BF16Linear):
     def kernel_bias(self) -> torch.Tensor:
         return NONE if self.bias is None else self.bias.float()
 
-    def kernel_args(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kind, weight, scale, bias) for the fused decoder-layer kernel: kind 2 = bfloat16 inputs (bf16_linear),
-        3 = float32 inputs on packed weights (fp32_linear), 1 = float32 inputs on the plain weight."""
+    def kernel_args(self) -> tuple[LinearKind, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kind, weight, scale, bias) for the fused decoder-layer kernel: bfloat16 inputs (bf16_linear), float32
+        inputs on packed weights (fp32_linear), or float32 inputs on the plain weight."""
         if self.bf16_inputs:
-            return 2, self.packed, NONE, self.kernel_bias()
+            return LinearKind.BF16, self.packed, NONE, self.kernel_bias()
         if self.packed is not None:
-            return 3, self.packed, NONE, self.kernel_bias()
-        return 1, self.weight, NONE, self.kernel_bias()
+            return LinearKind.PACKED_FP32, self.packed, NONE, self.kernel_bias()
+        return LinearKind.FLOAT_ACTIVATIONS, self.weight, NONE, self.kernel_bias()
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 // The bf16 verifier's attention on Intel AMX tiles: bfloat16 products, float32 sums, as a BF16 model's attention
-// runs in transformers (SDPA) and llama.cpp, where the float32 attention of attention_avx2.cpp ran at the FMAs'
-// rate and took a third to a half of a 1,024-token bf16 prefill of the default model (perf, and alone).
+// runs in transformers (SDPA) and llama.cpp, where the float32 attention (attention_avx2.cpp) runs at the FMAs'
+// rate and took a large share of a long bf16 prefill.
 //
 // A step first rounds the keys and values it reads to bfloat16 into tile layouts, once per kv head and layer for
 // all of its rows (amx_pack_block), then each work item (rows of one kv head) computes
@@ -14,10 +14,11 @@
 // One exception: a row multiplies the values of the step's later tokens by exactly 0, so a value that is NaN, or
 // beyond bfloat16's range (Inf once rounded), in a later token of the same verify block or prefill makes the row NaN
 // where scored alone it is not (float32 attention never reads them); a model whose values overflow has no output left.
-#include "attention_amx.h"
+#include "attention_rows.h"
 #include "float_amx.h"
-#include "float_lanes.h"
+#include "simd_lanes.h"
 #include "kernels.h"
+#include "targets.h"
 
 #include <immintrin.h>
 
@@ -28,8 +29,7 @@ bool bf16_attention(bool bf16_products, int64_t head_dim) {
   return bf16_products && head_dim % 64 == 0 && float_path_for(true) == "amx";
 }
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
+QUASAR_TARGET_PUSH(QUASAR_AMX_BF16_AVX512)
 namespace {
 
 // Every tile 16 rows of 64 bytes. Scores: 0, 1 the sums of two row tiles, 2 the keys, 4, 5 the rows' queries.
@@ -161,7 +161,7 @@ void amx_attend_rows(const std::vector<AttentionRow>& rows, const uint16_t* kp, 
       const __mmask16 in = first_lanes(keys - j);
       top16 = _mm512_mask_max_ps(top16, in, top16, _mm512_maskz_loadu_ps(in, s + j));
     }
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(top16) * scale);  // the largest scaled score
+    const __m512 top = _mm512_set1_ps(max16(top16) * scale);  // the largest scaled score
     __m512 total = _mm512_setzero_ps();
     uint16_t* p = w.p.data() + m * n32;
     for (int64_t j = 0; j < keys; j += 16) {
@@ -206,4 +206,4 @@ void amx_attend_rows(const std::vector<AttentionRow>& rows, const uint16_t* kp, 
       _mm512_storeu_ps(rows[m].out + d, _mm512_div_ps(_mm512_loadu_ps(w.o.data() + m * D + d), norm16));
   }
 }
-#pragma GCC pop_options
+QUASAR_TARGET_POP

@@ -1,6 +1,5 @@
-// The Python module of quasar's CPU kernels (linear_avx2.cpp, float_dot.cpp, int8_dot.cpp, int8_group.cpp, attention_avx2.cpp,
-// attention_amx.cpp, decoder_layer.cpp, region_forward.cpp, logits.cpp).
-#include "attention_amx.h"
+// The Python module of quasar's CPU kernels (docs/kernels.md maps which file holds which operation).
+#include "attention_rows.h"
 #include "int8_dot.h"
 #include "kernels.h"
 
@@ -46,9 +45,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         NoGil());
   m.def("bf16_attention", &bf16_attention, "whether attention runs on bfloat16 products (AMX tiles) for a model whose "
         "linears take bfloat16 inputs (True: the bf16 verifier), at this head_dim, on the current float path");
+  pybind11::enum_<LinearKind>(m, "LinearKind", "how a linear runs: the kernel FusedLayers calls for it")
+      .value("W8A8", LinearKind::W8A8)
+      .value("FLOAT_ACTIVATIONS", LinearKind::FLOAT_ACTIVATIONS)
+      .value("BF16", LinearKind::BF16)
+      .value("PACKED_FP32", LinearKind::PACKED_FP32);
+  pybind11::class_<LinearWeights>(m, "LinearWeights", "one linear: its kind, weight, scale and bias (empty: none)")
+      .def(pybind11::init<LinearKind, torch::Tensor, torch::Tensor, torch::Tensor>(), pybind11::arg("kind"),
+           pybind11::arg("weight"), pybind11::arg("scale"), pybind11::arg("bias"))
+      .def_readwrite("kind", &LinearWeights::kind)
+      .def_readwrite("weight", &LinearWeights::weight)
+      .def_readwrite("scale", &LinearWeights::scale)
+      .def_readwrite("bias", &LinearWeights::bias);
+  pybind11::class_<LayerWeights>(m, "LayerWeights", "one decoder layer's norms and linears, by name")
+      .def(pybind11::init<>())
+      .def_readwrite("input_norm", &LayerWeights::input_norm)
+      .def_readwrite("post_attention_norm", &LayerWeights::post_attention_norm)
+      .def_readwrite("q_norm", &LayerWeights::q_norm, "empty without qk-norm")
+      .def_readwrite("k_norm", &LayerWeights::k_norm, "empty without qk-norm")
+      .def_readwrite("q", &LayerWeights::q)
+      .def_readwrite("k", &LayerWeights::k)
+      .def_readwrite("v", &LayerWeights::v)
+      .def_readwrite("o", &LayerWeights::o)
+      .def_readwrite("gate", &LayerWeights::gate)
+      .def_readwrite("up", &LayerWeights::up)
+      .def_readwrite("down", &LayerWeights::down);
+  pybind11::class_<HeadWeights>(m, "HeadWeights", "the final norm's weight and the lm_head")
+      .def(pybind11::init<torch::Tensor, LinearWeights>(), pybind11::arg("norm"), pybind11::arg("lm_head"))
+      .def_readwrite("norm", &HeadWeights::norm)
+      .def_readwrite("lm_head", &HeadWeights::lm_head);
   pybind11::class_<FusedLayers>(m, "FusedLayers", "all decoder layers of a model, tensors handed over once")
-      .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>, double,
-                          std::vector<torch::Tensor>, int64_t>())
+      .def(pybind11::init<std::vector<LayerWeights>, double, std::optional<HeadWeights>>(), pybind11::arg("layers"),
+           pybind11::arg("eps"), pybind11::arg("head") = pybind11::none())
       .def("forward_segments", &FusedLayers::forward_segments,
            "the rows of several sequences through every layer, each attending over its own cache", NoGil())
       .def("forward_tokens", &FusedLayers::forward_tokens,

@@ -1,5 +1,7 @@
-// Loop helpers shared by the linear kernels (linear_avx2.cpp, int8_dot.cpp, float_dot.cpp, int8_panel.cpp).
+// Loop helpers shared by the linear kernels (w8a8_linear.cpp, norm_quant.cpp, int8_dot.cpp, float_dot.cpp,
+// int8_panel.cpp).
 #pragma once
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
@@ -10,10 +12,9 @@
 constexpr int64_t kPrefetch = 1024;
 
 // Where the int8 panel loops (int8_panel.cpp, both paths) and dpbusd_block.h prefetch their weights: into L1
-// kPrefetch bytes ahead (tuned on Intel Xeons), or into L2 kPrefetchL2 bytes ahead. On an AMD EPYC Zen 4 the L2
-// policy streams the default model's linears 17-19% faster at 1 and 6 rows (T0 prefetches hold the few L1 miss
-// buffers that the loads need; 2 to 4 KB ahead measured alike). On a Zen 3 (AVX2, maddubs panels) L1 is 5-6%
-// faster at one row and L2 1-5% faster from 2 to 6 rows. prefetch_policy(rows, maddubs) (linear_avx2.cpp) picks
+// kPrefetch bytes ahead (tuned on Intel Xeons), or into L2 kPrefetchL2 bytes ahead. On AMD EPYC the L2 policy
+// streams faster (T0 prefetches hold the few L1 miss buffers that the loads need), except one row on the maddubs
+// panels, where L1 does; docs/kernels.md has the figures. prefetch_policy(rows, maddubs) (cpu.cpp) picks
 // by vendor, path and rows until use_prefetch() fixes one; every policy gives the same results.
 enum class Prefetch { L1, L2 };
 constexpr int64_t kPrefetchL2 = 4096;
@@ -50,8 +51,7 @@ void row_blocks(int64_t M, F block) {
 
 // Weights packed in panels of 16 channels: panels per block, and bytes of one panel per chunk of K. A block's
 // outputs stay in cache while K passes in chunks, and a chunk of the block's weights (16 panels x 32 KB: 1,024
-// bf16, 512 fp32 or 2,048 int8 inputs) in L2 while every row passes (measured on the 1.5B model's linears at
-// 1,024 rows: chunks of 256, 512, 1,024 bf16 inputs took 1.31x, 1.26x, 1.23x oneDNN's time).
+// bf16, 512 fp32 or 2,048 int8 inputs) in L2 while every row passes (the fastest of the chunk sizes measured).
 constexpr int64_t kPanelBlock = 16, kChunkBytes = 32 * 1024;
 
 // Rows [0, M) times panels [p0, p1) of 16 channels, K in chunks: tile(rows, panels, m, p, k0, k1), rows and
@@ -69,4 +69,14 @@ void panel_tiles(int64_t M, int64_t p0, int64_t p1, int64_t K, int64_t k_bytes, 
       });
     }
   }
+}
+
+// fn(m0, m1) over the rows [0, M) of a [M, K] float32 or int8 array, split between the threads where there
+// are rows enough to pay for it (a decode row runs on the calling thread). Every row is computed alone, so
+// the split changes no result; it keeps the other threads from waiting while one quantizes or normalizes
+// a busy batch's rows.
+template <typename F>
+void over_rows(int64_t M, int64_t K, const F& fn) {
+  constexpr int64_t kRowsWork = 8192;  // values per thread at least
+  at::parallel_for(0, M, std::max<int64_t>(1, kRowsWork / std::max<int64_t>(K, 1)), fn);
 }

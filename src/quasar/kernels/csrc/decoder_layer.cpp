@@ -8,12 +8,8 @@
 // per segment over that segment's cache. So a request's rows get bitwise the same values whether they come
 // alone, as a prefill chunk, or inside a batch with other requests' rows (continuous batching).
 //
-// x [T, hidden] float32. t holds, in order: input norm weight, post-attention norm weight, q-norm and
-// k-norm weights (empty without qk-norm), then weight, scale and bias for q, k, v, o, gate, up, down
-// (scale or bias empty where absent). kinds[i] says how linear i runs: 0 = W8A8 (int8 weight, per-token
-// int8 activations), 1 = float32 activations (float32 weight, int8 weight with per-channel scale, or bfloat16
-// weight), 2 = bfloat16 activations and packed bfloat16 weight (bf16_linear), 3 = packed float32 weight
-// (float32, or bfloat16 widened: fp32_linear).
+// x [T, hidden] float32; a layer's weights come by name (LayerWeights, linear_kind.h), each linear with the kind
+// that picks its kernel from kLinears.
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
@@ -23,42 +19,52 @@
 
 namespace {
 
-torch::Tensor linear(int64_t kind, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale,
-                     const torch::Tensor& bias) {
-  if (kind == 0) return w8a8_linear(x, w, scale, bias);
-  if (kind == 1) return float_act_linear(x, w, scale, bias);
-  return kind == 2 ? bf16_linear(x, w, bias) : fp32_linear(x, w, bias);
-}
+using LinearFn = torch::Tensor (*)(const torch::Tensor& x, const LinearWeights& w);
 
-// Linear i of a layer's tensors t.
-torch::Tensor linear(int64_t kind, const torch::Tensor& x, const std::vector<torch::Tensor>& t, int i) {
-  return linear(kind, x, t[4 + 3 * i], t[5 + 3 * i], t[6 + 3 * i]);
-}
+// The kernel of each linear kind, in LinearKind's order.
+constexpr LinearFn kLinears[kLinearKinds] = {
+    [](const torch::Tensor& x, const LinearWeights& w) { return w8a8_linear(x, w.weight, w.scale, w.bias); },
+    [](const torch::Tensor& x, const LinearWeights& w) { return float_act_linear(x, w.weight, w.scale, w.bias); },
+    [](const torch::Tensor& x, const LinearWeights& w) { return bf16_linear(x, w.weight, w.bias); },
+    [](const torch::Tensor& x, const LinearWeights& w) { return fp32_linear(x, w.weight, w.bias); },
+};
 
-bool all_of_kind(const std::vector<int64_t>& kinds, const std::vector<int>& which, int64_t kind) {
-  return std::all_of(which.begin(), which.end(), [&](int i) { return kinds[i] == kind; });
+torch::Tensor linear(const torch::Tensor& x, const LinearWeights& w) { return kLinears[static_cast<int>(w.kind)](x, w); }
+
+bool all_of_kind(const std::vector<const LinearWeights*>& which, LinearKind kind) {
+  return std::all_of(which.begin(), which.end(), [&](const LinearWeights* w) { return w->kind == kind; });
 }
 
 // Linears `which` of the same input; W8A8 ones share one activation quantization, bf16 ones one rounding.
-std::vector<torch::Tensor> linears(const torch::Tensor& x, const std::vector<torch::Tensor>& t,
-                                   const std::vector<int64_t>& kinds, std::vector<int> which) {
+std::vector<torch::Tensor> linears(const torch::Tensor& x, const std::vector<const LinearWeights*>& which) {
   std::vector<torch::Tensor> out;
-  if (all_of_kind(kinds, which, 2)) {
+  if (all_of_kind(which, LinearKind::BF16)) {
     const auto rounded = bf16_input(x);
-    for (int i : which) out.push_back(bf16_linear_rounded(rounded, t[4 + 3 * i], t[6 + 3 * i]));
+    for (const LinearWeights* w : which) out.push_back(bf16_linear_rounded(rounded, w->weight, w->bias));
     return out;
   }
-  if (!all_of_kind(kinds, which, 0)) {
-    for (int i : which) out.push_back(linear(kinds[i], x, t, i));
+  if (!all_of_kind(which, LinearKind::W8A8)) {
+    for (const LinearWeights* w : which) out.push_back(linear(x, *w));
     return out;
   }
-  std::vector<torch::Tensor> w, scale, bias;
-  for (int i : which) {
-    w.push_back(t[4 + 3 * i]);
-    scale.push_back(t[5 + 3 * i]);
-    bias.push_back(t[6 + 3 * i]);
+  std::vector<torch::Tensor> weight, scale, bias;
+  for (const LinearWeights* w : which) {
+    weight.push_back(w->weight);
+    scale.push_back(w->scale);
+    bias.push_back(w->bias);
   }
-  return w8a8_linear_many(x, w, scale, bias);
+  return w8a8_linear_many(x, weight, scale, bias);
+}
+
+// An absent tensor as the kernels take it: empty, never undefined.
+void fill_absent(torch::Tensor& t) {
+  if (!t.defined()) t = torch::empty({0});
+}
+
+void fill_absent(LinearWeights& w) {
+  TORCH_CHECK(w.weight.defined(), "every linear needs its weight");
+  fill_absent(w.scale);
+  fill_absent(w.bias);
 }
 
 // The MLP's silu(gate) * up, as ATen's silu_ and mul_ compute it, rounded for a bf16 down projection: in pieces of
@@ -85,33 +91,39 @@ torch::Tensor silu_mul_rounded(torch::Tensor gate, torch::Tensor up) {
 
 }  // namespace
 
-torch::Tensor decoder_layer(torch::Tensor x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& kinds,
-                            double eps, const torch::Tensor& cos, const torch::Tensor& sin,
-                            const std::vector<Segment>& segments, int64_t layer) {
-  TORCH_CHECK(t.size() == 4 + 3 * 7 && kinds.size() == 7, "4 norm tensors, then 7 x (weight, scale, bias)");
+torch::Tensor decoder_layer(torch::Tensor x, const LayerWeights& w, double eps, const torch::Tensor& cos,
+                            const torch::Tensor& sin, const std::vector<Segment>& segments, int64_t layer) {
   const int64_t T = x.size(0), D = segments[0].cache_k.size(3);
-  auto qkv = linears(rms_norm(x, t[0], eps), t, kinds, {0, 1, 2});
+  auto qkv = linears(rms_norm(x, w.input_norm, eps), {&w.q, &w.k, &w.v});
   auto q = qkv[0], k = qkv[1];
-  if (t[2].numel()) {  // qk-norm (qwen3): per head, before rope
-    q = rms_norm(q.view({-1, D}), t[2], eps).view({T, -1});
-    k = rms_norm(k.view({-1, D}), t[3], eps).view({T, -1});
+  if (w.q_norm.numel()) {  // qk-norm (qwen3): per head, before rope
+    q = rms_norm(q.view({-1, D}), w.q_norm, eps).view({T, -1});
+    k = rms_norm(k.view({-1, D}), w.k_norm, eps).view({T, -1});
   }
-  auto attended = segment_attention(q, k, qkv[2], cos, sin, segments, layer, all_of_kind(kinds, {0, 1, 2, 3, 4, 5, 6}, 2));
+  const auto all = w.linears();
+  const bool bf16_products = all_of_kind({all.begin(), all.end()}, LinearKind::BF16);
+  auto attended = segment_attention(q, k, qkv[2], cos, sin, segments, layer, bf16_products);
   // In place on the fresh results (a + b == b + a bit for bit): no new tensors between the kernels.
-  x = linear(kinds[3], attended, t, 3).add_(x);
-  auto gate_up = linears(rms_norm(x, t[1], eps), t, kinds, {4, 5});
-  if (kinds[6] == 2 && gate_up[0].size(1) % 32 == 0)
-    return bf16_linear_rounded(silu_mul_rounded(gate_up[0], gate_up[1]), t[4 + 3 * 6], t[6 + 3 * 6]).add_(x);
-  return linear(kinds[6], torch::silu_(gate_up[0]).mul_(gate_up[1]), t, 6).add_(x);
+  x = linear(attended, w.o).add_(x);
+  auto gate_up = linears(rms_norm(x, w.post_attention_norm, eps), {&w.gate, &w.up});
+  if (w.down.kind == LinearKind::BF16 && gate_up[0].size(1) % 32 == 0)
+    return bf16_linear_rounded(silu_mul_rounded(gate_up[0], gate_up[1]), w.down.weight, w.down.bias).add_(x);
+  return linear(torch::silu_(gate_up[0]).mul_(gate_up[1]), w.down).add_(x);
 }
 
-FusedLayers::FusedLayers(std::vector<std::vector<torch::Tensor>> tensors, std::vector<std::vector<int64_t>> kinds,
-                         double eps, std::vector<torch::Tensor> head, int64_t head_kind)
-    : tensors_(std::move(tensors)), kinds_(std::move(kinds)), eps_(eps), head_(std::move(head)), head_kind_(head_kind) {
-  TORCH_CHECK(tensors_.size() == kinds_.size(), "one kinds list per layer");
-  TORCH_CHECK(head_.empty() || (head_.size() == 4 && head_kind_ >= 0 && head_kind_ <= 3),
-              "the head is the final norm's weight, then the lm_head's weight, scale and bias, with its kind");
-  region_ = plan_region(tensors_, kinds_, head_, head_kind_);
+FusedLayers::FusedLayers(std::vector<LayerWeights> layers, double eps, std::optional<HeadWeights> head)
+    : layers_(std::move(layers)), eps_(eps), head_(std::move(head)) {
+  for (LayerWeights& w : layers_) {
+    TORCH_CHECK(w.input_norm.defined() && w.post_attention_norm.defined(), "every layer needs its two norms");
+    fill_absent(w.q_norm);
+    fill_absent(w.k_norm);
+    for (LinearWeights* l : {&w.q, &w.k, &w.v, &w.o, &w.gate, &w.up, &w.down}) fill_absent(*l);
+  }
+  if (head_) {
+    TORCH_CHECK(head_->norm.defined(), "the head needs the final norm's weight");
+    fill_absent(head_->lm_head);
+  }
+  region_ = plan_region(layers_, head_);
 }
 
 std::vector<Segment> FusedLayers::segments(const std::vector<torch::Tensor>& caches_k,
@@ -123,7 +135,7 @@ std::vector<Segment> FusedLayers::segments(const std::vector<torch::Tensor>& cac
   int64_t sum = 0;
   for (size_t i = 0; i < n; ++i) {  // checked once here, not in every layer's attention
     const auto &k = caches_k[i], &v = caches_v[i];
-    TORCH_CHECK(k.dim() == 4 && k.size(0) == static_cast<int64_t>(tensors_.size()) && k.sizes() == v.sizes() &&
+    TORCH_CHECK(k.dim() == 4 && k.size(0) == static_cast<int64_t>(layers_.size()) && k.sizes() == v.sizes() &&
                 k.size(1) == caches_k[0].size(1) && k.size(3) == caches_k[0].size(3),
                 "caches [L, H_kv, S, D] of this model expected");
     TORCH_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 && k.is_contiguous() &&
@@ -146,8 +158,7 @@ torch::Tensor FusedLayers::forward_segments(torch::Tensor x, torch::Tensor cos, 
   const auto segs = segments(caches_k, caches_v, starts, rows, x.size(0));
   TORCH_CHECK(cos.size(0) == x.size(0) && sin.size(0) == x.size(0), "one rope row per row of x");
   if (one_region(x.size(0))) return run_region(*region_, x, cos, sin, segs, eps_, nullptr);
-  for (size_t i = 0; i < tensors_.size(); ++i)
-    x = decoder_layer(x, tensors_[i], kinds_[i], eps_, cos, sin, segs, static_cast<int64_t>(i));
+  for (size_t i = 0; i < layers_.size(); ++i) x = decoder_layer(x, layers_[i], eps_, cos, sin, segs, static_cast<int64_t>(i));
   return x;
 }
 
@@ -211,7 +222,7 @@ torch::Tensor FusedLayers::forward_tokens(std::vector<int64_t> ids, torch::Tenso
                                           torch::Tensor sin_table, std::vector<torch::Tensor> caches_k,
                                           std::vector<torch::Tensor> caches_v, std::vector<int64_t> starts,
                                           std::vector<int64_t> rows, std::vector<int64_t> picked) const {
-  TORCH_CHECK(!head_.empty(), "these layers were built without the final norm and lm_head");
+  TORCH_CHECK(head_.has_value(), "these layers were built without the final norm and lm_head");
   TORCH_CHECK(starts.size() == rows.size(), "one start per segment");
   auto cos = rope_rows(cos_table, starts, rows), sin = rope_rows(sin_table, starts, rows);
   const int64_t N = cos.size(0);
@@ -223,5 +234,5 @@ torch::Tensor FusedLayers::forward_tokens(std::vector<int64_t> ids, torch::Tenso
                                  std::move(starts), std::move(rows));
   const bool all = static_cast<int64_t>(picked.size()) == N && std::is_sorted(picked.begin(), picked.end());
   if (!all) hidden = hidden.index_select(0, torch::tensor(picked, torch::kInt64));
-  return linear(head_kind_, rms_norm(hidden, head_[0], eps_), head_[1], head_[2], head_[3]);
+  return linear(rms_norm(hidden, head_->norm, eps_), head_->lm_head);
 }

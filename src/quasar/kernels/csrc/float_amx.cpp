@@ -2,44 +2,21 @@
 // channels ([N/16][K/2][16][2], float_dot.cpp's layout, which is already AMX's B-tile layout: a panel's 32
 // inputs are one 16 x 64-byte tile), float32 sums in tiles of up to 16 rows x 16 channels by tdpbf16ps.
 //
-// tdpbf16ps sums differently from vdpbf16ps (measured: on 33,966 of 51,200 random outputs the floats differ),
-// so this is a path of its own: its floats are not the other float paths' floats. What the verifier needs
+// tdpbf16ps sums differently from vdpbf16ps (most random outputs differ: docs/kernels.md), so this is a path of its own: its floats are not the other float paths' floats. What the verifier needs
 // holds on it too: an output is the tile unit's function of its own row of x and its channel's weights (K
 // always walks in steps of 32 from 0, whatever the tile's height), so a row's result does not depend on how
 // many rows come with it (decode, verify and prefill give one row the same floats) or on which thread runs it
-// (tested for every tile shape). A prefill of many rows runs at the tile unit's rate instead of the FMAs'
-// (the default model's linears at 1,024 rows: 700-790 GMAC/s against 137-147); a decode step's one row gets
-// tiles of one row, no padding, and streams its weights a little faster than the FMA path.
+// (tested for every tile shape). A prefill of many rows runs at the tile unit's rate instead of the FMAs' (several
+// times theirs); a decode step's one row gets tiles of one row, no padding, and streams its weights a little faster than the FMA path.
 #include "float_amx.h"
 #include "blocking.h"
+#include "targets.h"
 
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 
-namespace {
-
-bool cpu_has_amx_bf16() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  return (d >> 24 & 1) && (d >> 22 & 1);  // AMX-TILE, AMX-BF16
-}
-
-// Linux keeps the 8 KB tile state off until a process asks for it (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
-bool tiles_granted() { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
-
-}  // namespace
-
-bool amx_bf16_usable() {
-  static const bool usable = cpu_has_amx_bf16() && tiles_granted();
-  return usable;
-}
-
-#pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16")
+QUASAR_TARGET_PUSH(QUASAR_AMX_BF16)
 namespace {
 
 // Tiles 0-3: sums of (row tile r, panel c) at 2r + c; 4, 5: the row tiles' inputs; 6, 7: the panels' weights
@@ -56,8 +33,8 @@ void configure_tiles(int rows0, int rows1) {
 }
 
 // RT row tiles (from row m0) times PT panels (from p0) over all of K. STREAM: the weights come from memory, once
-// (a step of at most 32 rows): each tile's bytes are also asked for kPrefetch ahead, which took a one-row pass
-// over the default model's linears from 8.99 to 8.45 ms (2,048 and 4,096 bytes ahead: 8.61, 8.79).
+// (a step of at most 32 rows): each tile's bytes are also asked for kPrefetch ahead, which made a one-row pass
+// faster than no prefetch or prefetches further ahead.
 template <int RT, int PT, bool STREAM>
 void tile_block(const uint16_t* x, const uint16_t* wp, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K,
                 int64_t k0, int64_t k1) {
@@ -106,9 +83,9 @@ void tile_block(const uint16_t* x, const uint16_t* wp, float* y, int64_t m0, int
 
 // Rows [m0, m1) (blocks of 32, the last one maybe fewer) times panels [p0, p1): a block of kBlockPanels panels, K
 // in chunks of kChunk inputs, so that a chunk of the block's weights (1 MB) stays in L2 while every row block
-// passes; the sums go to y between chunks (a float stored and loaded is the same float). Without chunks the
-// 1.5B's down projection (K = 8,960: 4.6 MB a block of 16 panels) ran at 832 GMAC/s on 1,024 pre-rounded rows;
-// with them at 1,137-1,219 (16 to 64 panels, 512 or 1,024 inputs: alike within noise; the other shapes too).
+// passes; the sums go to y between chunks (a float stored and loaded is the same float). Without chunks a long-K
+// block's weights fall out of L2 between row blocks (a large down projection ran markedly slower); the block and
+// chunk sizes around these measured alike.
 constexpr int64_t kBlockPanels = 32, kChunk = 1024;
 
 template <bool STREAM>
@@ -148,4 +125,4 @@ void amx_bf16_panels(const uint16_t* x, const uint16_t* wp, float* y, int64_t M,
   }
   _tile_release();
 }
-#pragma GCC pop_options
+QUASAR_TARGET_POP

@@ -2,10 +2,7 @@
 #pragma once
 #include <cstdint>
 
-// Whether this process may run AMX-BF16: the CPU has AMX-TILE and AMX-BF16 and the kernel granted the tile
-// state (arch_prctl, asked once).
-bool amx_bf16_usable();
-
+// Whether the CPU may run them: amx_bf16_usable() (cpu.h).
 // The 64-byte operand of _tile_loadconfig (palette 1): each tile's rows and bytes a row (float_amx.cpp's linears and
 // attention_amx.cpp each configure theirs).
 struct TileConfig {

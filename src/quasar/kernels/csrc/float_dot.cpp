@@ -3,7 +3,7 @@
 //
 // - float_act_linear: float32 x times plain [N, K] bfloat16, int8 (W8A16, with a per-channel scale) or
 //   float32 weights, widened to float32 in registers (a shape the packed products do not take). An
-//   output is 16 lanes, lane j summing the k = j (mod 16) in k order with FMAs, then hsum_ps(lanes 0-7,
+//   output is 16 lanes, lane j summing the k = j (mod 16) in k order with FMAs, then hsum8x2(lanes 0-7,
 //   lanes 8-15). AVX2 keeps the 16 lanes in two registers, AVX-512 in one: the same float either way.
 // - bf16_linear: x rounded to bfloat16 (to nearest even, as torch's x.to(torch.bfloat16)) times bfloat16
 //   weights packed in panels of 16 channels ([N/16][K/2][16][2]: each channel's input pairs side by side),
@@ -29,20 +29,18 @@
 // float, so the chunks change no result).
 #include "kernels.h"
 #include "blocking.h"
-#include "float_lanes.h"
+#include "simd_lanes.h"
 #include "float_amx.h"
+#include "cpu.h"
+#include "targets.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cstring>
 #include <memory>
 #include <type_traits>
 
 namespace {
-
-enum class FloatPath { Avx2, Avx512, Avx512Bf16, Amx };
 
 // The weights of one block of channels: small enough to stay in L2 while every row tile passes.
 constexpr int64_t kBlockBytes = 256 * 1024;
@@ -102,7 +100,7 @@ void act32_tile_avx2(const float* x, const W* w, float* y, int64_t m0, int64_t n
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[(m0 + r) * N + n0 + c] = hsum_ps(acc[0][r][c], acc[1][r][c]);
+    for (int c = 0; c < C; ++c) y[(m0 + r) * N + n0 + c] = hsum8x2(acc[0][r][c], acc[1][r][c]);
 }
 
 inline int32_t pair_at(const uint16_t* p) {  // two bfloat16 as one 32-bit lane
@@ -239,8 +237,7 @@ struct FlushDenormals {
 // ---- AVX-512 (float32 lanes) and AVX512-BF16 (vdpbf16ps) ---------------------------------------------
 // Each in a target region, so the templates are compiled for that instruction set (see dpbusd_path.h).
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+QUASAR_TARGET_PUSH(QUASAR_AVX512)
 namespace avx512 {
 namespace {
 
@@ -251,11 +248,6 @@ inline __m512 widen16(const int8_t* p) {
 inline __m512 widen16(const uint16_t* p) {
   const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-}
-
-// The 16 lanes as hsum_ps sums the AVX2 path's two registers.
-inline float sum16(__m512 a) {
-  return hsum_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
 }
 
 // R <= 4, C <= 4: 16 accumulators, 4 activations and a weight of the 32 registers.
@@ -278,7 +270,7 @@ void act32_tile(const float* x, const W* w, float* y, int64_t m0, int64_t n0, in
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[(m0 + r) * N + n0 + c] = sum16(acc[r][c]);
+    for (int c = 0; c < C; ++c) y[(m0 + r) * N + n0 + c] = hsum16(acc[r][c]);
 }
 
 template <typename W>
@@ -286,7 +278,7 @@ void act32(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K
   const auto tile = [&](auto rows, auto cols, int64_t m, int64_t n) {
     act32_tile<decltype(rows)::value, decltype(cols)::value>(x, w, y, m, n, N, K);
   };
-  if (M <= 2)  // memory-bound: one weight row at a time streams fastest (the default model's lm_head at 1 row: 1.24 -> 0.88 ms)
+  if (M <= 2)  // memory-bound: one weight row at a time streams fastest
     tiles<2, 1>(M, n0, n1, K * static_cast<int64_t>(sizeof(W)), tile);
   else
     tiles<4, 4>(M, n0, n1, K * static_cast<int64_t>(sizeof(W)), tile);
@@ -357,10 +349,9 @@ using P = Fp32Lanes<uint16_t>;
 }  // namespace
 
 }  // namespace avx512
-#pragma GCC pop_options
+QUASAR_TARGET_POP
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+QUASAR_TARGET_PUSH(QUASAR_AVX512_BF16)
 namespace avx512bf16 {
 namespace {
 
@@ -380,90 +371,14 @@ using P = Bf16Pairs;
 
 }  // namespace
 
-// Seconds for n rounds of 24 independent chains of madd(acc, x) (pair_fma_faster's probe; compiled here, where
-// both vdpbf16ps and the AVX-512 FMAs are allowed).
-template <typename X, typename F>
-double chain_seconds(int64_t n, X x, F madd) {
-  __m512 acc[24];
-  for (int i = 0; i < 24; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));  // distinct: no chain is merged
-  const auto start = std::chrono::steady_clock::now();
-  for (int64_t i = 0; i < n; ++i) {
-#pragma GCC unroll 24
-    for (auto& a : acc) a = madd(a, x);
-    __asm__ volatile("" : "+v"(x));  // opaque to the compiler: every round runs
-  }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  for (int i = 1; i < 24; ++i) acc[0] = _mm512_add_ps(acc[0], acc[i]);  // every chain is used
-  volatile float sink = _mm512_reduce_add_ps(acc[0]);
-  (void)sink;
-  return seconds;
-}
-
-double dpbf16_seconds(int64_t n) {
-  return chain_seconds(n, (__m512bh)_mm512_set1_epi32(0x3F803F80), [](__m512 a, __m512bh x) { return _mm512_dpbf16_ps(a, x, x); });
-}
-
-double fma_seconds(int64_t n) {
-  return chain_seconds(n, _mm512_set1_ps(1.0f), [](__m512 a, __m512 x) { return _mm512_fmadd_ps(x, x, a); });
-}
-
 }  // namespace avx512bf16
-#pragma GCC pop_options
+QUASAR_TARGET_POP
 
 namespace {
 
-// Whether two vfmadd231ps per bfloat16 pair (the avx512 path) outrun one vdpbf16ps on this CPU. They give the
-// same floats; what differs between CPUs is the rate: on Emerald Rapids vdpbf16ps issued at a quarter of
-// vfmadd231ps's rate (1.25 against 5 billion a second on a core), so the FMAs do twice its multiply-adds and
-// ran the 1.5B's linears at 1,024 rows 1.4-1.5x faster (AMD Zen 4 is said to issue both at one rate). A probe
-// of both (well under 1 ms, once per process, best of three) decides; the FMAs also widen the weights, so
-// they must do 1.25x its multiply-adds in peak to be picked.
-bool pair_fma_faster() {
-  double dpbf16 = 1e9, fma = 1e9;
-  for (int round = 0; round < 3; ++round) {
-    dpbf16 = std::min(dpbf16, avx512bf16::dpbf16_seconds(10000));
-    fma = std::min(fma, avx512bf16::fma_seconds(10000));
-  }
-  return 2 * fma * 1.25 < dpbf16;  // a vdpbf16ps does the multiply-adds of two FMAs
-}
-
-// The paths this CPU runs, fastest first.
-std::vector<FloatPath> available_paths() {
-  static const std::vector<FloatPath> paths = [] {
-    __builtin_cpu_init();
-    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    std::vector<FloatPath> found;
-    if (avx512 && amx_bf16_usable()) found.push_back(FloatPath::Amx);
-    if (avx512 && __builtin_cpu_supports("avx512bf16"))
-      for (FloatPath p : pair_fma_faster() ? std::vector{FloatPath::Avx512, FloatPath::Avx512Bf16}
-                                           : std::vector{FloatPath::Avx512Bf16, FloatPath::Avx512})
-        found.push_back(p);
-    else if (avx512)
-      found.push_back(FloatPath::Avx512);
-    found.push_back(FloatPath::Avx2);
-    return found;
-  }();
-  return paths;
-}
-
-const char* path_name(FloatPath p) {
-  return p == FloatPath::Amx ? "amx" : p == FloatPath::Avx512Bf16 ? "avx512bf16" : p == FloatPath::Avx512 ? "avx512" : "avx2";
-}
-
-std::atomic<int>& path_slot() {
-  static std::atomic<int> slot{static_cast<int>(available_paths().front())};
-  return slot;
-}
-
-FloatPath current_path() { return static_cast<FloatPath>(path_slot().load(std::memory_order_relaxed)); }
-
-// The path the products other than amx's tiles run on: amx's are avx512's.
-FloatPath lanes_path() { return current_path() == FloatPath::Amx ? FloatPath::Avx512 : current_path(); }
-
 template <typename W>
 void act32_dot(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
-  const FloatPath path = current_path();
+  const FloatPath path = current_float_path();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     if (path != FloatPath::Avx2) return avx512::act32(x, w, y, M, N, K, n0, n1);
     const auto tile = [&](auto rows, auto cols, int64_t m, int64_t n) {
@@ -498,27 +413,6 @@ void check_float_linear(const torch::Tensor& x, const torch::Tensor& w, const to
 
 }  // namespace
 
-std::vector<std::string> float_paths() {
-  std::vector<std::string> names;
-  for (FloatPath p : available_paths()) names.push_back(path_name(p));
-  return names;
-}
-
-std::string float_path() { return path_name(current_path()); }
-
-std::string float_path_for(bool bf16_pairs) { return path_name(bf16_pairs ? current_path() : lanes_path()); }
-
-bool float_path_avx512() { return current_path() != FloatPath::Avx2; }
-
-std::string use_float_path(const std::string& name) {
-  for (FloatPath p : available_paths())
-    if (name == "auto" || name == path_name(p)) {
-      path_slot().store(static_cast<int>(p));
-      return path_name(p);
-    }
-  TORCH_CHECK(false, "float path '", name, "' is not available on this CPU; available: auto, ", c10::Join(", ", float_paths()));
-}
-
 // Float activations times float32, int8 (W8A16) or bfloat16 weights, float32 sums in a fixed order:
 // x [M, K] float32, w [N, K], scale [N] float32 or empty, bias [N] float32 or empty
 // -> y [M, N] float32 = (x . w[n]) * scale[n] + bias[n]. Row m of the result depends on x[m] only.
@@ -550,7 +444,7 @@ namespace {
 
 // Whether the bf16 products of the current path take x rounded as float32 numbers (the avx512 path's FMAs) rather
 // than as bfloat16 bits (the tiles, vdpbf16ps, AVX2): the amx path's tiles take K in whole tiles only.
-bool amx_takes(int64_t K) { return current_path() == FloatPath::Amx && K % 32 == 0; }
+bool amx_takes(int64_t K) { return current_float_path() == FloatPath::Amx && K % 32 == 0; }
 bool rounded_as_float(int64_t K) { return !amx_takes(K) && lanes_path() == FloatPath::Avx512; }
 
 // The packed products (bf16_linear_rounded, fp32_linear): x [M, K] times weights packed in panels of 16 channels:

@@ -16,19 +16,14 @@
 #include "int8_dot.h"
 #include "blocking.h"
 #include "vnni.h"
+#include "targets.h"
+#include "simd_lanes.h"
 
 #include <immintrin.h>
 #include <algorithm>
 #include <cstring>
 
 namespace {
-
-inline int32_t hsum(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-  return _mm_cvtsi128_si32(s);
-}
 
 // ---- maddubs (AVX2) -------------------------------------------------------------------------------
 
@@ -63,7 +58,7 @@ void maddubs_block(const int8_t* q, const int8_t* w, int32_t* acc_out, int64_t m
         acc[i] = _mm256_add_epi32(acc[i], _mm256_inserti128_si256(_mm256_setzero_si256(), p, 0));
       }
     }
-    for (int i = 0; i < MB; ++i) acc_out[(m0 + i) * N + n] = hsum(acc[i]);
+    for (int i = 0; i < MB; ++i) acc_out[(m0 + i) * N + n] = hsum8_epi32(acc[i]);
   }
 }
 
@@ -90,7 +85,7 @@ struct Emulated256 {
     const __m256i hi = _mm256_madd_epi16(_mm256_unpackhi_epi8(a, z), _mm256_srai_epi16(_mm256_unpackhi_epi8(b, b), 8));
     return _mm256_add_epi32(acc, _mm256_hadd_epi32(lo, hi));
   }
-  static int32_t sum(reg v) { return hsum(v); }
+  static int32_t sum(reg v) { return hsum8_epi32(v); }
 };
 
 namespace emulated {
@@ -98,8 +93,7 @@ using V = Emulated256;
 #include "dpbusd_block.h"
 }  // namespace emulated
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+QUASAR_TARGET_PUSH(QUASAR_AVX512_VNNI)
 namespace vnni {
 struct Vnni512 {
   using reg = __m512i;
@@ -117,34 +111,9 @@ struct Vnni512 {
 using V = Vnni512;
 #include "dpbusd_block.h"
 }  // namespace vnni
-#pragma GCC pop_options
-
-bool cpu_has_vnni512() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-}
+QUASAR_TARGET_POP
 
 }  // namespace
-
-std::vector<std::string> int8_paths() {
-  static const bool vnni = cpu_has_vnni512();
-  std::vector<std::string> paths;
-  if (vnni) paths.push_back("dpbusd");
-  paths.push_back("maddubs");
-  paths.push_back("dpbusd-emulated");
-  return paths;
-}
-
-Int8Path parse_int8_path(const std::string& name) {
-  const auto paths = int8_paths();
-  const std::string chosen = name == "auto" ? paths.front() : name;
-  TORCH_CHECK(std::find(paths.begin(), paths.end(), chosen) != paths.end(), "int8 path '", name,
-              "' is not available on this CPU; available: auto, ", c10::Join(", ", paths));
-  if (chosen == "dpbusd") return Int8Path::Dpbusd;
-  if (chosen == "dpbusd-emulated") return Int8Path::DpbusdEmulated;
-  return Int8Path::Maddubs;
-}
 
 void prepare_rows(Int8Path path, const int8_t* q, int64_t count, std::vector<uint8_t>& u) {
   if (path == Int8Path::Maddubs) return;

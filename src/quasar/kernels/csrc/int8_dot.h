@@ -1,27 +1,13 @@
-// The int8 dot-product kernels (int8_dot.cpp), as linear_avx2.cpp and bindings.cpp see them.
+// The int8 dot-product kernels (int8_dot.cpp), as w8a8_linear.cpp and bindings.cpp see them.
 #pragma once
 #include <torch/extension.h>
 #include "blocking.h"
+#include "cpu.h"
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-enum class Int8Path { Maddubs, DpbusdEmulated, Dpbusd };
-
-// The prefetch policy of a weight loop over `rows` rows (linear_avx2.cpp; blocking.h says what each does): the
-// one use_prefetch() fixed, or under "auto" L1 on Intel CPUs and L2 on AMD ones, except one row on the maddubs
-// path (Zen 3: L1 5-6% faster at one row, L2 1-5% faster from 2 to 6 rows). Without arguments: several rows.
-Prefetch prefetch_policy(int64_t rows, bool maddubs);
-Prefetch prefetch_policy();
-
-// The path every W8A8 linear runs on now (linear_avx2.cpp; use_int8_path chooses it).
-Int8Path linear_path();
-
-// The paths this CPU runs, fastest first ("dpbusd" only with AVX-512 VNNI).
-std::vector<std::string> int8_paths();
-// "auto" (the fastest) or one of int8_paths(); anything else is an error that lists them.
-Int8Path parse_int8_path(const std::string& name);
 // What a path needs besides q [count bytes]: the dpbusd paths read u = q + 128 as uint8.
 void prepare_rows(Int8Path path, const int8_t* q, int64_t count, std::vector<uint8_t>& u);
 // acc [M, N] int32, channels [n0, n1) = q [M, K] . w [N, K]^T, exactly; q in [-127, 127] for "maddubs".
@@ -39,7 +25,7 @@ void int8_panel_dot_maddubs(const int8_t* q, const float* x_scale, const int8_t*
                             int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1);
 // The panels of a packed W8A8 linear that start in [n0, n1) into out [M, N]: int8_panel_dot for uint8 w + 128
 // (unsigned_bytes), int8_panel_dot_maddubs for int8 w, then bias [N] (or nullptr) added on those panels' channels
-// (linear_avx2.cpp; the W8A8 linears and region_forward.cpp).
+// (w8a8_linear.cpp; the W8A8 linears and packed_w8a8_step.cpp).
 void packed_panel_range(const void* wp, bool unsigned_bytes, const float* wsp, const float* bias, const int8_t* q,
                         const int32_t* start, const float* x_scale, float* out, int64_t M, int64_t N, int64_t K,
                         int64_t G, int64_t n0, int64_t n1);

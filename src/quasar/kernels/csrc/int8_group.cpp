@@ -10,6 +10,8 @@
 #include "int8_dot.h"
 #include "blocking.h"
 #include "vnni.h"
+#include "targets.h"
+#include "simd_lanes.h"
 
 #include <immintrin.h>
 #include <algorithm>
@@ -26,12 +28,7 @@ struct Float256 {
   static reg set1(float v) { return _mm256_set1_ps(v); }
   static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
   static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(reg v) {  // always the same order
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
+  static float sum(reg v) { return hsum8(v); }
 };
 
 // AVX2: |w| times q carrying w's sign, pairs summed by madd (needs |q| <= 127).
@@ -84,8 +81,7 @@ using F = Float256;
 #include "group_block.h"
 }  // namespace emulated
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")
+QUASAR_TARGET_PUSH(QUASAR_AVX512_VNNI)
 namespace vnni {
 
 // The emulated base with the real instruction (AVX2 helpers inline into AVX-512 code; not the reverse), and
@@ -113,14 +109,7 @@ struct Float512 {
   static reg set1(float v) { return _mm512_set1_ps(v); }
   static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
   static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(reg v) {  // halves added in a fixed order, then Float256's order
-    const __m256 lo = _mm512_castps512_ps256(v), hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    __m256 s8 = _mm256_add_ps(lo, hi);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
+  static float sum(reg v) { return hsum16(v); }
 };
 
 #include "dpbusd_path.h"
@@ -172,7 +161,7 @@ void pair_block(const uint8_t* x, const float* x_scale2, const int8_t* w, const 
 }
 
 }  // namespace vnni
-#pragma GCC pop_options
+QUASAR_TARGET_POP
 
 // Channels [n0, n1) in tiles small enough to stay in L2 while every row block reads them.
 constexpr int64_t kTile = 8;

@@ -18,6 +18,7 @@
 #include "int8_dot.h"
 #include "blocking.h"
 #include "vnni.h"
+#include "targets.h"
 
 #include <immintrin.h>
 #include <cstring>
@@ -91,15 +92,14 @@ void int8_panel_dot_maddubs(const int8_t* q, const float* x_scale, const int8_t*
       maddubs_panel_tile<decltype(rows)::value, decltype(policy)::value>(
           q, x_scale, wp, wsp, out, m, p, N, K, G, k0, k1);
     };
-    if (M <= 1)  // one panel at a time: wider tiles measured slower at 1 row (13.7 / 14.5 / 15.0 ms per forward)
+    if (M <= 1)  // one panel at a time: wider tiles measured slower at 1 row
       panel_tiles<1, 1>(M, p0, p1, K, 16, G, tile);
     else  // 4 rows: their 8 int32 sums, 2 weight registers and their absolute values fill the 16 registers
       panel_tiles<4, 1>(M, p0, p1, K, 16, G, tile);
   });
 }
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq")
+QUASAR_TARGET_PUSH(QUASAR_AVX512_VNNI)
 namespace {
 
 // Rows m0.. (R) times panels p0.. (C) over inputs [k0, k1) (whole groups). start [M, K/G] int32 = -128 * the
@@ -169,7 +169,7 @@ void int8_panel_dot(const int8_t* q, const int32_t* start, const float* x_scale,
       panel_tiles<6, 2>(M, p0, p1, K, 16, G, tile);
   });
 }
-#pragma GCC pop_options
+QUASAR_TARGET_POP
 
 void group_starts(const int8_t* q, int64_t M, int64_t K, int64_t G, int32_t* start) {
   for (int64_t m = 0; m < M; ++m)

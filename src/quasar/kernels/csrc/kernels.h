@@ -1,12 +1,15 @@
 // quasar's CPU kernels, as the other kernel files and bindings.cpp see them.
 #pragma once
 #include <torch/extension.h>
+#include "cpu.h"
+#include "linear_kind.h"
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
-// A new, unwritten tensor like torch::empty's, for a kernel to fill whole (results.cpp): blocks of 1 MB and more are
+// A new, unwritten tensor like torch::empty's, for a kernel to fill whole (result_pool.cpp): blocks of 1 MB and more are
 // handed back to the next result of the same size instead of to malloc (a forward repeats its sizes every layer).
 torch::Tensor kernel_result(at::IntArrayRef sizes, const torch::TensorOptions& options);
 
@@ -14,13 +17,6 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scal
 std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::Tensor> w,
                                             std::vector<torch::Tensor> w_scale, std::vector<torch::Tensor> bias);
 torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w, const std::string& path);
-// Chooses the int8 path of every later W8A8 linear ("auto" or one of int8_paths()); returns its name.
-std::string use_int8_path(const std::string& name);
-std::string int8_path();  // the path W8A8 linears run on now
-// Chooses how the int8 weight loops prefetch ("auto": per CPU vendor and rows, see prefetch_policy in int8_dot.h;
-// "l1" or "l2" for every loop); returns prefetch(), which names the setting now (and is accepted back).
-std::string use_prefetch(const std::string& name);
-std::string prefetch();
 torch::Tensor int8_group_mm(torch::Tensor q, torch::Tensor x_scale, torch::Tensor w, torch::Tensor w_scale,
                             const std::string& path);
 // Float-activation linears (float_dot.cpp): float32 x times float32, bfloat16 or int8 w (float_act_linear);
@@ -38,14 +34,9 @@ void round_bf16_into(const float* x, int64_t count, torch::Tensor& out, int64_t 
 torch::Tensor bf16_linear_rounded(torch::Tensor xr, torch::Tensor w, torch::Tensor bias);
 // float32 x times float32 w packed in panels of 16 channels, one FMA chain per output (fp32_linear).
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
-std::vector<std::string> float_paths();  // this CPU's: "amx", "avx512bf16", "avx512", "avx2", fastest first
-std::string use_float_path(const std::string& name);  // "auto" or one of float_paths(); returns its name
-std::string float_path();  // the path float-activation linears run on now
-std::string float_path_for(bool bf16_pairs);  // the path bf16_linear (true) or the other products run on now
-bool float_path_avx512();  // whether that path has 512-bit registers (attention follows it)
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 // One row of rms_norm (y may be x), and quantize_tokens on each group of G values (G % 16 == 0) of x [M, K] -> q
-// [M, K], scale [M, K / G]: the row operations of the W8A8 linears (linear_avx2.cpp), for region_forward.cpp too.
+// [M, K], scale [M, K / G]: the row operations of the W8A8 linears (norm_quant.cpp), for packed_w8a8_step.cpp too.
 void norm_row(const float* x, const float* weight, int64_t K, double eps, float* y);
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* q, float* scale);
 // logits [R, V] float32 -> torch.argmax(logits, -1) (logits.cpp).
@@ -66,7 +57,7 @@ struct Segment {
   torch::Tensor cache_k, cache_v;
   int64_t start, rows;
 };
-// Rope, cache writes and attention of one step's rows over their sequences' caches (attention_avx2.cpp), in parts any
+// Rope, cache writes and attention of one step's rows over their sequences' caches (attention.cpp), in parts any
 // thread may run: rope(t0, t1) for every row first, then attend(i) for each work item i < items(), in any order and
 // on any thread (the results never depend on which runs what). Built once per step, for every layer.
 class AttentionSteps {
@@ -123,17 +114,15 @@ class AttentionSteps {
 torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
                                 const std::vector<Segment>& segments, int64_t layer, bool bf16_products);
 // One decoder layer (decoder_layer.cpp) over the rows of the segments, layer `layer` of each one's cache.
-torch::Tensor decoder_layer(torch::Tensor x, const std::vector<torch::Tensor>& t, const std::vector<int64_t>& kinds,
-                            double eps, const torch::Tensor& cos, const torch::Tensor& sin,
-                            const std::vector<Segment>& segments, int64_t layer);
+torch::Tensor decoder_layer(torch::Tensor x, const LayerWeights& w, double eps, const torch::Tensor& cos,
+                            const torch::Tensor& sin, const std::vector<Segment>& segments, int64_t layer);
 
 // Every layer of a small step in one parallel region, for models whose linears are all packed W8A8
-// (region_forward.cpp): plan_region is nullptr for any other model; run_region gives bitwise decoder_layer's results,
+// (packed_w8a8_step.cpp): plan_region is nullptr for any other model; run_region gives bitwise decoder_layer's results,
 // then the logits of the picked rows where the plan holds the head (else the hidden states).
 struct RegionPlan;
-std::shared_ptr<const RegionPlan> plan_region(const std::vector<std::vector<torch::Tensor>>& tensors,
-                                              const std::vector<std::vector<int64_t>>& kinds,
-                                              const std::vector<torch::Tensor>& head, int64_t head_kind);
+std::shared_ptr<const RegionPlan> plan_region(const std::vector<LayerWeights>& layers,
+                                              const std::optional<HeadWeights>& head);
 bool region_runs(const RegionPlan& plan, int64_t rows);  // whether run_region takes a step of this many rows
 bool region_has_head(const RegionPlan& plan);
 torch::Tensor run_region(const RegionPlan& plan, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -142,9 +131,8 @@ torch::Tensor run_region(const RegionPlan& plan, torch::Tensor x, const torch::T
 // All decoder layers of one model (see decoder_layer): built once, then one call per forward.
 class FusedLayers {
  public:
-  // head: empty, or the final norm's weight and the lm_head's weight, scale and bias (head_kind: a linear kind).
-  FusedLayers(std::vector<std::vector<torch::Tensor>> tensors, std::vector<std::vector<int64_t>> kinds, double eps,
-              std::vector<torch::Tensor> head, int64_t head_kind);
+  // head: the final norm and the lm_head, or none (forward_tokens then refuses).
+  FusedLayers(std::vector<LayerWeights> layers, double eps, std::optional<HeadWeights> head);
   torch::Tensor forward_segments(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
                                  std::vector<torch::Tensor> caches_k, std::vector<torch::Tensor> caches_v,
                                  std::vector<int64_t> starts, std::vector<int64_t> rows) const;
@@ -152,7 +140,7 @@ class FusedLayers {
                                torch::Tensor sin_table, std::vector<torch::Tensor> caches_k,
                                std::vector<torch::Tensor> caches_v, std::vector<int64_t> starts,
                                std::vector<int64_t> rows, std::vector<int64_t> picked) const;
-  // Whether a step of this many rows runs every layer in one parallel region (region_forward.cpp).
+  // Whether a step of this many rows runs every layer in one parallel region (packed_w8a8_step.cpp).
   bool one_region(int64_t rows) const;
 
  private:
@@ -160,10 +148,8 @@ class FusedLayers {
   std::vector<Segment> segments(const std::vector<torch::Tensor>& caches_k, const std::vector<torch::Tensor>& caches_v,
                                 const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t total) const;
 
-  std::vector<std::vector<torch::Tensor>> tensors_;
-  std::vector<std::vector<int64_t>> kinds_;
+  std::vector<LayerWeights> layers_;
   double eps_;
-  std::vector<torch::Tensor> head_;
-  int64_t head_kind_;
+  std::optional<HeadWeights> head_;
   std::shared_ptr<const RegionPlan> region_;  // nullptr: not all packed W8A8
 };

@@ -8,7 +8,7 @@
 // answer: the first index of the largest value, and the first NaN where a row holds one (torch orders NaN
 // above every number).
 #include "kernels.h"
-#include "float_lanes.h"
+#include "simd_lanes.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -115,14 +115,14 @@ std::vector<double> sampling_weights(torch::Tensor logits, torch::Tensor out, do
     for (v = 0; v + 8 <= V; v += 8) {
       const __m256 x = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(row + v), top8), scale8);
       // exp8 stops at exp(-87.3); below that (a -inf logit among them) the weight is 0, as a filtered-out token's
-      const __m256 e = _mm256_and_ps(exp8(x), _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365f), _CMP_GE_OQ));
+      const __m256 e = _mm256_and_ps(exp8(x), _mm256_cmp_ps(x, _mm256_set1_ps(cephes_exp::kLowest), _CMP_GE_OQ));
       _mm256_storeu_ps(w + v, e);
       acc.add(e);
     }
     double sum = acc.sum();
     for (; v < V; ++v) {
       const float x = (row[v] - top) * scale;
-      w[v] = x >= -87.3365f ? std::exp(x) : 0.f;
+      w[v] = x >= cephes_exp::kLowest ? std::exp(x) : 0.f;
       sum += w[v];
     }
     sums[r] = sum;

@@ -1,17 +1,17 @@
 // vpdpbusd on 512-bit registers, for the AVX-512 VNNI loops (int8_dot.cpp, int8_group.cpp, int8_panel.cpp).
 //
 // Written as inline assembly because GCC 12 compiles _mm512_dpbusd_epi32 in a loop with a register copy of the
-// accumulator before and after each instruction (24 extra moves for the 12 vpdpbusd of a 6-row tile), which
-// took 25-35% of the tile's throughput on an AMD EPYC Zen 4 with the weights in cache. The instruction and its
+// accumulator before and after each instruction, which cost a large share of the tile's throughput with the
+// weights in cache. The instruction and its
 // exact int32 result are the same.
 #pragma once
 #include <immintrin.h>
+#include "targets.h"
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512vnni")
+QUASAR_TARGET_PUSH(QUASAR_AVX512_VNNI)
 // acc[j] + sum_{i<4} uint8(u[4j+i]) * int8(s[4j+i]) for each of the 16 int32 lanes.
 inline __m512i dpbusd512(__m512i acc, __m512i u, __m512i s) {
   __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
   return acc;
 }
-#pragma GCC pop_options
+QUASAR_TARGET_POP

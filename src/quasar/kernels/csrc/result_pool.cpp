@@ -1,10 +1,8 @@
 // Large kernel results on memory the process has already touched.
 //
-// A forward asks for the same result sizes layer after layer: a 1,024-token prefill of the 1.5B model wants two
-// 37 MB float32 MLP results per layer. glibc hands out blocks above its mmap threshold (32 MB at most, unless
+// A forward asks for the same result sizes layer after layer, and a long prefill's MLP results are tens of MB. glibc hands out blocks above its mmap threshold (32 MB at most, unless
 // the user tunes it) as fresh mappings and unmaps them at free, so each of those results page-faults on its first
-// write, 9,000 faults of a 4 KB zeroed page: with them the 1.5B's bf16 prefill ran at 304 tokens/s, without them
-// (MALLOC_MMAP_THRESHOLD_ raised) at 407. Here a dead result's block of 1 MB or more is kept and handed to the
+// write, a zeroed page at a time, a real share of a prefill (docs/kernels.md). Here a dead result's block of 1 MB or more is kept and handed to the
 // next result of the same byte size; the blocks least recently given back are freed once more than kKept bytes
 // wait. Nothing else changes: a result is written whole by its kernel before anyone reads it.
 #include "kernels.h"

@@ -1,5 +1,6 @@
-// W8A8 linear kernels for x86 CPUs with AVX2: dynamic per-token int8 activations, int8 per-channel or
-// group-wise weights (float-activation linears are in float_dot.cpp).
+// The W8A8 linears' front end: dynamic per-token int8 activations (quantized by norm_quant.cpp), int8 per-channel
+// or group-wise weights, plain or packed in panels, summed by the int8 kernels of the int8 path this CPU runs
+// (int8_dot.cpp, int8_group.cpp, int8_panel.cpp), then rescaled (float-activation linears are in float_dot.cpp).
 //
 //   y[m, n] = (sum_k q(x)[m, k] * w[n, k]) * x_scale[m] * w_scale[n] + bias[n]
 //   x_scale[m] = max_k |x[m, k]| / 127 (1 for an all-zero row), q(x) = clamp(round_half_even(x / x_scale))
@@ -11,25 +12,13 @@
 // bytes) stay in cache.
 #include "kernels.h"
 #include "blocking.h"
-#include "float_lanes.h"
 #include "int8_dot.h"
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 
 namespace {
-
-// fn(m0, m1) over the rows [0, M) of a [M, K] float32 or int8 array, split between the threads where there
-// are rows enough to pay for it (a decode row runs on the calling thread). Every row is computed alone, so
-// the split changes no result; it keeps the other threads from waiting while one quantizes or normalizes
-// a busy batch's rows.
-template <typename F>
-void over_rows(int64_t M, int64_t K, const F& fn) {
-  constexpr int64_t kRowsWork = 8192;  // values per thread at least
-  at::parallel_for(0, M, std::max<int64_t>(1, kRowsWork / std::max<int64_t>(K, 1)), fn);
-}
 
 // How a group-wise weight is laid out (int8_panel.cpp): plain [N, K] int8, or packed in panels of 16 channels
 // x 4 inputs, [N/16][K/4][16][4] with w_scale [N/16][K/G][16], as unsigned bytes w + 128 (the dpbusd path, AVX-512
@@ -172,66 +161,6 @@ torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w, const std::string& path)
   return out;
 }
 
-// The path every W8A8 linear runs on: the fastest this CPU has, unless a benchmark chose another (to
-// measure on this machine what a CPU without VNNI would run; every path gives the same results).
-std::atomic<int>& linear_path_slot() {
-  static std::atomic<int> slot{static_cast<int>(parse_int8_path("auto"))};
-  return slot;
-}
-
-Int8Path linear_path() { return static_cast<Int8Path>(linear_path_slot().load(std::memory_order_relaxed)); }
-
-std::string int8_path() {
-  const Int8Path p = linear_path();
-  return p == Int8Path::Dpbusd ? "dpbusd" : p == Int8Path::Maddubs ? "maddubs" : "dpbusd-emulated";
-}
-
-std::string use_int8_path(const std::string& name) {
-  const Int8Path chosen = parse_int8_path(name);
-  linear_path_slot().store(static_cast<int>(chosen));
-  return int8_path();
-}
-
-namespace {
-
-// The setting: a fixed policy, or "auto" (kAuto): the vendor's rule, per loop (prefetch_policy(rows, maddubs)).
-constexpr int kAuto = 2;
-
-bool amd_cpu() {
-  __builtin_cpu_init();
-  return __builtin_cpu_is("amd");
-}
-
-std::atomic<int>& prefetch_slot() {
-  static std::atomic<int> slot{kAuto};
-  return slot;
-}
-
-}  // namespace
-
-Prefetch prefetch_policy(int64_t rows, bool maddubs) {
-  const int setting = prefetch_slot().load(std::memory_order_relaxed);
-  if (setting != kAuto) return static_cast<Prefetch>(setting);
-  static const bool amd = amd_cpu();
-  if (!amd) return Prefetch::L1;
-  return maddubs && rows <= 1 ? Prefetch::L1 : Prefetch::L2;
-}
-
-Prefetch prefetch_policy() { return prefetch_policy(2, false); }
-
-std::string prefetch() {
-  const int setting = prefetch_slot().load(std::memory_order_relaxed);
-  if (setting != kAuto) return setting == static_cast<int>(Prefetch::L2) ? "l2" : "l1";
-  return amd_cpu() ? "auto: l2, l1 at one row on maddubs" : "auto: l1";
-}
-
-std::string use_prefetch(const std::string& name) {
-  const bool automatic = name == "auto" || name.rfind("auto:", 0) == 0;  // what prefetch() says restores it
-  TORCH_CHECK(automatic || name == "l1" || name == "l2", "prefetch policy '", name, "' unknown; choose auto, l1 or l2");
-  prefetch_slot().store(automatic ? kAuto : static_cast<int>(name == "l2" ? Prefetch::L2 : Prefetch::L1));
-  return prefetch();
-}
-
 // Group-wise int8 product without the quantization, for tests: q [M, K] int8 (|q| <= 127 on "maddubs"),
 // x_scale [M, K / G], w [N, K] int8, w_scale [N, K / G] float32 -> float32 [M, N] on `path`.
 torch::Tensor int8_group_mm(torch::Tensor q, torch::Tensor x_scale, torch::Tensor w, torch::Tensor w_scale,
@@ -300,23 +229,6 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scal
   return w8a8_linear_many(x, {w}, {w_scale}, {bias})[0];
 }
 
-// RMSNorm of each row: y = weight * (x * (1 / sqrt(mean(x^2) + eps))), float32, the sum of squares in a
-// fixed order (8 lanes, then the lanes), so a row's result depends on that row only.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && weight.dtype() == torch::kFloat32, "float32 x and weight expected");
-  TORCH_CHECK(x.dim() == 2 && weight.numel() == x.size(1) && x.size(1) % 8 == 0, "x [M, K], weight [K], K % 8 == 0");
-  x = x.contiguous();
-  weight = weight.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  auto y = kernel_result(x.sizes(), x.options());
-  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  over_rows(M, K, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) norm_row(xp + m * K, wp, K, eps, yp + m * K);
-  });
-  return y;
-}
-
 void packed_panel_range(const void* wp, bool unsigned_bytes, const float* wsp, const float* bias, const int8_t* q,
                         const int32_t* start, const float* x_scale, float* out, int64_t M, int64_t N, int64_t K,
                         int64_t G, int64_t n0, int64_t n1) {
@@ -328,52 +240,4 @@ void packed_panel_range(const void* wp, bool unsigned_bytes, const float* wsp, c
   const int64_t c1 = std::min((n1 + 15) / 16 * 16, N);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = (n0 + 15) / 16 * 16; n < c1; ++n) out[m * N + n] += bias[n];
-}
-
-// y [K] = weight * (x * (1 / sqrt(mean(x^2) + eps))), the sum of squares on 8 lanes, then across them; y may be x.
-void norm_row(const float* x, const float* weight, int64_t K, double eps, float* y) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    const __m256 v = _mm256_loadu_ps(x + k);
-    acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
-  }
-  const float inv = 1.f / std::sqrt(hsum_ps(acc, _mm256_setzero_ps()) / static_cast<float>(K) + static_cast<float>(eps));
-  const __m256 inv8 = _mm256_set1_ps(inv);
-  for (int64_t k = 0; k < K; k += 8)
-    _mm256_storeu_ps(y + k, _mm256_mul_ps(_mm256_loadu_ps(weight + k), _mm256_mul_ps(_mm256_loadu_ps(x + k), inv8)));
-}
-
-namespace {
-
-// The same operations as quasar.quant.int8.quantize_tokens on one group (IEEE division by the scale, round half to
-// even, clamp), eight lanes at a time; G is a multiple of 16.
-void quantize_group(const float* x, int64_t G, int8_t* q, float* scale) {
-  const __m256 sign_bit = _mm256_set1_ps(-0.f), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
-  __m256 top = _mm256_setzero_ps();
-  for (int64_t k = 0; k < G; k += 8) top = _mm256_max_ps(top, _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(x + k)));
-  __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-  const float absmax = std::max(_mm_cvtss_f32(t), _mm_cvtss_f32(_mm_movehdup_ps(t)));
-  const float s = absmax > 0.f ? absmax / 127.f : 1.f;
-  *scale = s;
-  const __m256 s8 = _mm256_set1_ps(s);
-  for (int64_t k = 0; k < G; k += 16) {
-    __m256i v[2];
-    for (int h = 0; h < 2; ++h) {
-      __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + k + 8 * h), s8), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      v[h] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
-    }
-    const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(v[0], v[1]), 0xD8);  // 16 int16 in order
-    const __m128i w8 = _mm_packs_epi16(_mm256_castsi256_si128(w16), _mm256_extracti128_si256(w16, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), w8);
-  }
-}
-
-}  // namespace
-
-// Quantize each group of G values of each row of x [M, K] to int8 values in [-127, 127]; write the scales
-// [M, K / G] (G = K: one scale per row), group by group (quantize_group).
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* q, float* scale) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < K; g += G) quantize_group(x + m * K + g, G, q + m * K + g, scale + (m * K + g) / G);
 }

@@ -1,5 +1,6 @@
-// The bf16 verifier's attention on Intel AMX tiles (attention_amx.cpp), beside the float32 attention of
-// attention_avx2.cpp, which every other verifier and CPU runs.
+// The attention paths over the rows of one kv head, as attention.cpp's AttentionSteps calls them: float32 on AVX2
+// (attention_avx2.cpp) or AVX-512 (attention_avx512.cpp), the same floats, and the bf16 verifier's on Intel AMX
+// tiles (attention_amx.cpp).
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -10,6 +11,14 @@ struct AttentionRow {
   int64_t last;
   float* out;
 };
+
+// Rows sharing one kv head against keys 0..last of each (keys, values [n, D] float32; scores: the caller's scratch):
+// s_j = (q . k_j) * scale, e_j = exp(s_j - max s), out = (sum_j e_j v_j) / (sum_j e_j), in a fixed order, so a row's
+// output never depends on the other rows. The AVX-512 one needs D % 64 == 0.
+void attend_rows_avx2(const std::vector<AttentionRow>& rows, const float* keys, const float* values, int64_t D,
+                      float scale, std::vector<float>& scores);
+void attend_rows_avx512(const std::vector<AttentionRow>& rows, const float* keys, const float* values, int64_t D,
+                        float scale, std::vector<float>& scores);
 
 // Whether a step's attention runs on the tiles: its linears take bfloat16 inputs (bf16_products: the bf16 verifier),
 // the bf16 products run on AMX now (the float path "amx") and head_dim % 64 == 0. Every forward of a model asks

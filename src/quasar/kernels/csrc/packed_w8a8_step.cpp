@@ -1,10 +1,9 @@
 // Small steps (decode, verify, a few sequences' rows) of a model whose linears are all packed W8A8, every layer in
 // one OpenMP parallel region.
 //
-// A one-row step of the default model streams ~150 MB of weights in ~10 ms, in ~250 linears and attentions. Called
-// one by one (decoder_layer.cpp), each opens its own parallel region, and between them one thread alone allocates
-// the next tensors, normalizes, quantizes and runs ATen's silu, multiply and add while the others wait: about a
-// third of the worker thread's time. Here the threads stay together for the whole step: each normalizes and
+// A one-row step streams the whole model's weights in a few hundred linears and attentions. Called one by one (decoder_layer.cpp), each opens its own parallel region, and between them one thread alone allocates
+// the next tensors, normalizes, quantizes and runs ATen's silu, multiply and add while the others wait: a large
+// share of the worker threads' time. Here the threads stay together for the whole step: each normalizes and
 // quantizes a linear's few input rows itself (the same bytes on every thread), sums its share of the output
 // channels, and they meet at a barrier only where a result needs every thread's channels (6 per layer). The
 // arithmetic is the kernels' own (norm_row, quantize_rows, packed_panel_range, AttentionSteps, ATen's silu), each
@@ -45,7 +44,9 @@ struct RegionPlan {
 
 namespace {
 
-std::optional<PackedLinear> packed(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias) {
+std::optional<PackedLinear> packed(const LinearWeights& linear) {
+  if (linear.kind != LinearKind::W8A8) return std::nullopt;
+  const torch::Tensor &w = linear.weight, &scale = linear.scale, &bias = linear.bias;
   const bool bytes = w.dtype() == torch::kInt8 || w.dtype() == torch::kUInt8;
   if (w.dim() != 4 || !bytes || !w.is_contiguous() || !w.device().is_cpu() || w.size(2) != 16 || w.size(3) != 4 ||
       scale.dim() != 3 || scale.dtype() != torch::kFloat32 || !scale.is_contiguous() || scale.size(2) != 16)
@@ -119,16 +120,15 @@ void add_range(const float* y, float* x, int64_t M, int64_t N, int64_t n0, int64
 
 }  // namespace
 
-std::shared_ptr<const RegionPlan> plan_region(const std::vector<std::vector<torch::Tensor>>& tensors,
-                                              const std::vector<std::vector<int64_t>>& kinds,
-                                              const std::vector<torch::Tensor>& head, int64_t head_kind) {
+std::shared_ptr<const RegionPlan> plan_region(const std::vector<LayerWeights>& layers,
+                                              const std::optional<HeadWeights>& head) {
   auto plan = std::make_shared<RegionPlan>();
-  for (size_t l = 0; l < tensors.size(); ++l) {
-    const auto& t = tensors[l];
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const LayerWeights& w = layers[l];
     std::vector<PackedLinear> lin;
-    for (int i = 0; i < 7; ++i) {
-      auto p = kinds[l][i] == 0 ? packed(t[4 + 3 * i], t[5 + 3 * i], t[6 + 3 * i]) : std::nullopt;
-      if (!p || ((!plan->layers.empty() || i) && p->unsigned_bytes != plan->unsigned_bytes)) return nullptr;
+    for (const LinearWeights* linear : w.linears()) {
+      auto p = packed(*linear);
+      if (!p || ((!plan->layers.empty() || !lin.empty()) && p->unsigned_bytes != plan->unsigned_bytes)) return nullptr;
       plan->unsigned_bytes = p->unsigned_bytes;
       lin.push_back(*p);
     }
@@ -139,23 +139,25 @@ std::shared_ptr<const RegionPlan> plan_region(const std::vector<std::vector<torc
                         down.N == hidden && k.N == v.N && gate.N % down.G == 0;
     const auto& before = plan->layers.empty() ? down : plan->layers[0].down;  // one group size for down's input
     if (!shapes || down.G != before.G || (l && (hidden != plan->hidden || gate.N != plan->I))) return nullptr;
-    const int64_t qk = t[2].numel();  // qk-norm: one weight of the head dim for q, one for k
-    if (!float_vector(t[0], hidden) || !float_vector(t[1], hidden) || !float_vector(t[3], qk) ||
-        (qk && (!float_vector(t[2], qk) || q.N % qk || k.N % qk)) || (l && qk != plan->qk_norm_dim))
+    const int64_t qk = w.q_norm.numel();  // qk-norm: one weight of the head dim for q, one for k
+    if (!float_vector(w.input_norm, hidden) || !float_vector(w.post_attention_norm, hidden) ||
+        !float_vector(w.k_norm, qk) || (qk && (!float_vector(w.q_norm, qk) || q.N % qk || k.N % qk)) ||
+        (l && qk != plan->qk_norm_dim))
       return nullptr;
     plan->qk_norm_dim = qk;
     plan->hidden = hidden;
     plan->I = gate.N;
-    plan->layers.push_back(RegionLayer{t[0].data_ptr<float>(), t[1].data_ptr<float>(),
-                                       t[2].numel() ? t[2].data_ptr<float>() : nullptr,
-                                       t[3].numel() ? t[3].data_ptr<float>() : nullptr, q, k, v, o, gate, up, down});
+    plan->layers.push_back(RegionLayer{w.input_norm.data_ptr<float>(), w.post_attention_norm.data_ptr<float>(),
+                                       qk ? w.q_norm.data_ptr<float>() : nullptr,
+                                       w.k_norm.numel() ? w.k_norm.data_ptr<float>() : nullptr, q, k, v, o, gate, up,
+                                       down});
   }
   if (plan->layers.empty()) return nullptr;
-  if (head.size() == 4 && head_kind == 0) {
-    auto p = packed(head[1], head[2], head[3]);
-    if (p && p->unsigned_bytes == plan->unsigned_bytes && p->K == plan->hidden && float_vector(head[0], plan->hidden)) {
+  if (head) {
+    auto p = packed(head->lm_head);
+    if (p && p->unsigned_bytes == plan->unsigned_bytes && p->K == plan->hidden && float_vector(head->norm, plan->hidden)) {
       plan->head = p;
-      plan->final_norm = head[0].data_ptr<float>();
+      plan->final_norm = head->norm.data_ptr<float>();
     }
   }
   return plan;

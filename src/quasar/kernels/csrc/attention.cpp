@@ -1,0 +1,230 @@
+// Attention of new tokens over their sequences' KV caches (decode, verify, prefill chunks): the plan of a step's
+// work (AttentionSteps), rope and the cache writes, and the choice of the path each kv head's rows run on
+// (attention_avx2.cpp, attention_avx512.cpp, attention_amx.cpp).
+//
+// For new tokens t = 0..T-1 at positions start + t: rotate q and k (rotate-half RoPE, each product and
+// sum rounded like the torch reference), write k and v into the layer's cache at [start, start + T), then
+// for every (token, head) attend over keys 0 .. start + t with float32 sums in a fixed order:
+//   s_j = (q . k_j) * D^-1/2,  e_j = exp(s_j - max s),  out = (sum_j e_j v_j) / (sum_j e_j).
+// A row reads only its own query and the keys up to its position, so a token scored alone (decode)
+// and inside [last, *draft] (verify) gets bitwise the same output, whatever T and the cache size are:
+// the property that makes greedy speculative decoding equal plain decoding, without padding.
+// The rows that share a kv head (its query heads, every new token) go through the keys together, in
+// blocks that stay in the L1 cache (attend_rows): that changes the cache traffic, not a single result.
+// Where the float path is AVX-512 (float_path_avx512), the same arithmetic runs on 512-bit registers
+// (attention_avx512.cpp), the same floats.
+// The bf16 verifier on the float path amx attends on AMX tiles instead (bf16 products: attention_amx.cpp), from
+// keys and values AttentionSteps packs for it once per layer.
+#include "attention_rows.h"
+#include "kernels.h"
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// out[D] = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]).
+inline void rope(const float* x, const float* cos, const float* sin, float* out, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < D; ++i) {
+    const float rotated = i < half ? -x[i + half] : x[i - half];
+    const float a = x[i] * cos[i];
+    const float b = rotated * sin[i];
+    out[i] = a + b;
+  }
+}
+
+}  // namespace
+
+AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, int64_t H, int64_t threads,
+                               bool bf16_products)
+    : row_view_(T, -1), H_(H) {
+  const auto& first = segments.at(0).cache_k;
+  H_kv_ = first.size(1);
+  D_ = first.size(3);
+  TORCH_CHECK(D_ % 8 == 0 && H % H_kv_ == 0, "bad head shapes");
+  int64_t row = 0;
+  for (const Segment& s : segments) {
+    const int64_t S = s.cache_k.size(2);
+    TORCH_CHECK(s.start >= 0 && s.start + s.rows <= S, "the new tokens do not fit the cache");
+    TORCH_CHECK(row + s.rows <= T, "the sequences' rows are not q's rows");
+    std::fill(row_view_.begin() + row, row_view_.begin() + row + s.rows, static_cast<int64_t>(views_.size()));
+    views_.push_back(View{s.cache_k.data_ptr<float>(), s.cache_v.data_ptr<float>(), H_kv_ * S * D_, S, s.start, row, s.rows});
+    row += s.rows;
+  }
+  TORCH_CHECK(row == T, "the segments' rows are q's rows");
+  const int64_t group = H / H_kv_;
+  // Work items: the rows of one kv head of one sequence, split in parts of at most kItemRows rows (a
+  // prefill's scores stay small), and further only when there are fewer items than threads; rows of an item
+  // share every key block read. A decode or verify step finds its keys and values in memory, not in the caches
+  // (the weights' stream evicted them), so each part of a kv head's rows reads them again: two parts per thread
+  // made forwards slower than one item per kv head, the more so the longer the cache. How rows are grouped never
+  // changes a result.
+  constexpr int64_t kItemRows = 32;
+  int64_t base_items = 0;
+  for (const View& view : views_) base_items += H_kv_ * ((view.rows * group + kItemRows - 1) / kItemRows);
+  for (size_t v = 0; v < views_.size(); ++v) {
+    const View& view = views_[v];
+    const int64_t per_kv = view.rows * group;
+    int64_t chunks = (per_kv + kItemRows - 1) / kItemRows;
+    if (base_items < threads) chunks = std::min(per_kv, std::max(chunks, (threads + H_kv_ - 1) / H_kv_));
+    const int64_t chunk = (per_kv + chunks - 1) / chunks;
+    for (int64_t kv = 0; kv < H_kv_; ++kv)
+      for (int64_t first_row = 0; first_row < per_kv; first_row += chunk) {
+        const int64_t count = std::min(chunk, per_kv - first_row);
+        int64_t keys = 0;
+        for (int64_t r = first_row; r < first_row + count; ++r) keys += view.start + r / group + 1;
+        items_.push_back(Item{static_cast<int64_t>(v), kv, first_row, count, keys});
+      }
+  }
+  // The items of a batch differ in cost by orders of magnitude (a decode row over a short cache next to a
+  // prefill chunk over a long one), so an even split of the list left one thread waiting for the other
+  // about half of the time in a busy batch. Dearest first, each thread takes the next item as it finishes
+  // its last: which thread runs an item never changes its result.
+  std::stable_sort(items_.begin(), items_.end(), [](const Item& a, const Item& b) { return a.keys > b.keys; });
+  wide_ = D_ % 64 == 0 && float_path_avx512();
+  amx_ = bf16_attention(bf16_products, D_);
+  if (!amx_) return;
+  // The keys and values a view's rows read, rounded and packed once per layer for all of them: by the pack phase
+  // (packs(), into one buffer of the thread that built the steps) where a kv head's rows make several items (a
+  // prefill), else by the item itself before it attends (decode, verify: no parallel phase more per layer).
+  int64_t size = 0;
+  for (size_t v = 0; v < views_.size(); ++v) {
+    const int64_t padded = (views_[v].start + views_[v].rows + 31) / 32 * 32;
+    const bool shared = std::count_if(items_.begin(), items_.end(), [&](const Item& i) {
+      return i.view == static_cast<int64_t>(v) && i.kv == 0; }) > 1;
+    packed_.push_back(Packed{padded * D_, shared ? size : -1});
+    if (!shared) continue;
+    for (int64_t kv = 0; kv < H_kv_; ++kv)
+      for (int64_t b = 0; b < padded / 32; ++b) packs_.push_back(Pack{static_cast<int64_t>(v), kv, b});
+    size += 2 * H_kv_ * padded * D_;
+  }
+  thread_local std::vector<uint16_t> buffer;  // grows to the largest step's, never given back: no page faults per layer
+  TORCH_CHECK(live_on_thread() == 0, "one AttentionSteps on AMX at a time per thread: they share its pack buffer");
+  buffer.resize(std::max<size_t>(buffer.size(), size));
+  shared_ = buffer.data();
+  ++live_on_thread();  // last: a constructor that throws has no destructor to undo it
+}
+
+int& AttentionSteps::live_on_thread() {
+  thread_local int live = 0;
+  return live;
+}
+
+AttentionSteps::~AttentionSteps() {
+  if (amx_) --live_on_thread();
+}
+
+void AttentionSteps::pack(int64_t layer, int64_t i) const {
+  const Pack& p = packs_[i];
+  const View& view = views_[p.view];
+  const Packed& into = packed_[p.view];
+  const int64_t at = layer * view.layer_size + p.kv * view.S * D_;
+  uint16_t* k = shared_ + into.at + 2 * p.kv * into.size;
+  amx_pack_block(view.k + at, view.v + at, view.start + view.rows, p.block, D_, k, k + into.size);
+}
+
+void AttentionSteps::rope(int64_t layer, const float* q, const float* k, const float* v, const float* cos,
+                          const float* sin, float* q_rot, int64_t t0, int64_t t1) const {
+  for (int64_t t = t0; t < t1; ++t) {
+    const View& view = views_[row_view_[t]];
+    const int64_t pos = view.start + t - view.row0;
+    float *k_cache = view.k + layer * view.layer_size, *v_cache = view.v + layer * view.layer_size;
+    for (int64_t h = 0; h < H_; ++h) ::rope(q + (t * H_ + h) * D_, cos + t * D_, sin + t * D_, q_rot + (t * H_ + h) * D_, D_);
+    for (int64_t h = 0; h < H_kv_; ++h) {
+      ::rope(k + (t * H_kv_ + h) * D_, cos + t * D_, sin + t * D_, k_cache + (h * view.S + pos) * D_, D_);
+      std::copy(v + (t * H_kv_ + h) * D_, v + (t * H_kv_ + h + 1) * D_, v_cache + (h * view.S + pos) * D_);
+    }
+  }
+}
+
+void AttentionSteps::attend(int64_t layer, int64_t i, const float* q_rot, float* out, std::vector<float>& scores) const {
+  const Item& item = items_[i];
+  const View& view = views_[item.view];
+  const int64_t group = H_ / H_kv_;
+  thread_local std::vector<AttentionRow> rows;  // reused: a step runs tens of items per thread
+  rows.clear();
+  for (int64_t r = item.first; r < item.first + item.count; ++r) {
+    const int64_t t = view.row0 + r / group, h = item.kv * group + r % group;
+    rows.push_back(AttentionRow{q_rot + (t * H_ + h) * D_, view.start + r / group, out + (t * H_ + h) * D_});
+  }
+  const int64_t at = layer * view.layer_size + item.kv * view.S * D_;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D_));
+  if (amx_) {
+    const Packed& from = packed_[item.view];
+    thread_local std::vector<uint16_t> own;
+    if (from.at < 0) {  // this item is all of its kv head's rows: it packs their keys and values itself
+      own.resize(std::max<size_t>(own.size(), 2 * from.size));
+      for (int64_t b = 0; b < from.size / D_ / 32; ++b)
+        amx_pack_block(view.k + at, view.v + at, view.start + view.rows, b, D_, own.data(), own.data() + from.size);
+    }
+    const uint16_t* k = from.at < 0 ? own.data() : shared_ + from.at + 2 * item.kv * from.size;
+    amx_attend_rows(rows, k, k + from.size, D_, scale);
+  } else if (wide_) {
+    attend_rows_avx512(rows, view.k + at, view.v + at, D_, scale, scores);
+  } else {
+    attend_rows_avx2(rows, view.k + at, view.v + at, D_, scale, scores);
+  }
+}
+
+namespace {
+
+// The steps' rope and attention of layer `layer` over every row, split between ATen's threads.
+void attend_steps(const AttentionSteps& steps, int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
+                  const torch::Tensor& v, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
+  for (const auto& t : {q, k, v, cos, sin})
+    TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(),
+                "contiguous float32 CPU tensors expected");
+  const int64_t T = q.size(0), H = steps.heads(), H_kv = steps.kv_heads(), D = steps.head_dim();
+  TORCH_CHECK(q.size(1) == H * D && k.size(1) == H_kv * D && v.size(1) == H_kv * D, "bad head shapes");
+  auto q_rot = kernel_result(q.sizes(), q.options());
+  float* qr = q_rot.data_ptr<float>();
+  // Each row on its own (a batch's rows split between the threads: none waits while one rotates).
+  const int64_t per_row = (H + 2 * H_kv) * D;
+  at::parallel_for(0, T, std::max<int64_t>(1, 8192 / per_row), [&](int64_t t0, int64_t t1) {
+    steps.rope(layer, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), cos.data_ptr<float>(),
+               sin.data_ptr<float>(), qr, t0, t1);
+  });
+  at::parallel_for(0, steps.packs(), 1, [&](int64_t i0, int64_t i1) {  // none unless the attention runs on AMX
+    for (int64_t i = i0; i < i1; ++i) steps.pack(layer, i);
+  });
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = steps.items();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_items), 1, [&](int64_t, int64_t) {
+    std::vector<float> scores;
+    for (int64_t i = next++; i < n_items; i = next++) steps.attend(layer, i, qr, op, scores);
+  });
+}
+
+}  // namespace
+
+// q [T, H*D], k and v [T, H_kv*D], cos and sin [T, D], cache_k and cache_v [H_kv, S, D] (one layer, batch
+// 0), all float32 -> out [T, H*D]. Writes the rotated k and v at cache positions [start, start + T).
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
+                               torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v, int64_t start,
+                               bool bf16_products) {
+  TORCH_CHECK(cache_k.dtype() == torch::kFloat32 && cache_v.dtype() == torch::kFloat32 && cache_k.is_contiguous() &&
+              cache_v.is_contiguous() && cache_k.device().is_cpu() && cache_k.dim() == 3 && cache_k.sizes() == cache_v.sizes(),
+              "contiguous float32 CPU caches [H_kv, S, D] expected");
+  auto out = kernel_result(q.sizes(), q.options());
+  const int64_t D = cache_k.size(2);
+  TORCH_CHECK(q.dim() == 2 && q.size(1) % D == 0, "q [T, H*D] expected");
+  const std::vector<Segment> one{Segment{cache_k.unsqueeze(0), cache_v.unsqueeze(0), start, q.size(0)}};
+  attend_steps(AttentionSteps(one, q.size(0), q.size(1) / D, at::get_num_threads(), bf16_products), 0, q, k, v, cos, sin, out);
+  return out;
+}
+
+// The rows of several sequences one after another (q, k, v, cos, sin as decode_attention's, over all rows),
+// segment i attending over layer `layer` of its own cache [L, H_kv, S, D] (checked by FusedLayers::forward_segments).
+torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
+                                const std::vector<Segment>& segments, int64_t layer, bool bf16_products) {
+  const int64_t D = segments.at(0).cache_k.size(3);
+  TORCH_CHECK(q.dim() == 2 && q.size(1) % D == 0, "q [T, H*D] expected");
+  auto out = kernel_result(q.sizes(), q.options());
+  attend_steps(AttentionSteps(segments, q.size(0), q.size(1) / D, at::get_num_threads(), bf16_products), layer, q, k, v,
+               cos, sin, out);
+  return out;
+}

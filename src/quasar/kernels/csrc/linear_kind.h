@@ -1,0 +1,39 @@
+// The weights of a decoder layer as the fused kernels take them (FusedLayers, decoder_layer.cpp,
+// packed_w8a8_step.cpp), by name, and how each linear runs.
+#pragma once
+#include <torch/extension.h>
+
+#include <array>
+#include <cstdint>
+
+// How a linear runs: one entry each in decoder_layer.cpp's dispatch table. Python's
+// quasar.kernels.layers.LinearKind has the same names and values (bindings.cpp exports this one; the Python side
+// checks them against each other when it first takes the kernels).
+enum class LinearKind : int64_t {
+  W8A8 = 0,               // int8 weight, per-token int8 activations (w8a8_linear)
+  FLOAT_ACTIVATIONS = 1,  // float32 activations times a plain float32, int8 (per-channel scale) or bfloat16 weight
+                          // (float_act_linear)
+  BF16 = 2,               // bfloat16 activations times a packed bfloat16 weight (bf16_linear)
+  PACKED_FP32 = 3,        // float32 activations times a packed float32 or widened bfloat16 weight (fp32_linear)
+};
+constexpr int kLinearKinds = 4;
+
+// One linear: its kind, weight, scale and bias (scale and bias empty where it has none).
+struct LinearWeights {
+  LinearKind kind = LinearKind::W8A8;
+  torch::Tensor weight, scale, bias;
+};
+
+// One decoder layer: its two norms, the q/k norms of qk-norm models (empty otherwise) and its seven linears.
+struct LayerWeights {
+  torch::Tensor input_norm, post_attention_norm, q_norm, k_norm;
+  LinearWeights q, k, v, o, gate, up, down;
+  // The seven linears in the order of a layer's forward.
+  std::array<const LinearWeights*, 7> linears() const { return {&q, &k, &v, &o, &gate, &up, &down}; }
+};
+
+// The model's final norm and lm_head, where FusedLayers runs them too.
+struct HeadWeights {
+  torch::Tensor norm;
+  LinearWeights lm_head;
+};
