@@ -166,17 +166,19 @@ def test_cli_quantize_calibration_file_without_text_writes_nothing(tiny_model_di
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.jsonl"]
 
 
-def test_verifier_names_pick_the_scheme(tiny_model_dir, tmp_path):
+def test_verifier_names_pick_the_scheme(tiny_model_dir, tmp_path, monkeypatch):
+    from quasar import files
     from quasar.verifiers.registry import load_verifier
 
     cache = tmp_path / "cache"
-    default = load_verifier(tiny_model_dir, "w8a8", cache)
+    monkeypatch.setattr(files, "_cache_dir", cache)
+    default = load_verifier(tiny_model_dir, "w8a8")
     assert default.model.model.layers[0].mlp.up_proj.group_size == 32
-    assert load_verifier(tiny_model_dir, "w8a8:pc", cache).model.model.layers[0].mlp.up_proj.group_size == 0
-    assert load_verifier(tiny_model_dir, "w8a8:g64", cache).model.model.layers[0].mlp.up_proj.group_size == 64
-    assert isinstance(load_verifier(tiny_model_dir, "w8a8:lmbf16", cache).model.lm_head, BF16Linear)  # on every host
+    assert load_verifier(tiny_model_dir, "w8a8:pc").model.model.layers[0].mlp.up_proj.group_size == 0
+    assert load_verifier(tiny_model_dir, "w8a8:g64").model.model.layers[0].mlp.up_proj.group_size == 64
+    assert isinstance(load_verifier(tiny_model_dir, "w8a8:lmbf16").model.lm_head, BF16Linear)  # on every host
     with pytest.raises(ValueError, match="'x' is neither pc, gN, lm8, lmbf16, auto, none nor an alpha"):
-        load_verifier(tiny_model_dir, "w8a8:x", cache)
+        load_verifier(tiny_model_dir, "w8a8:x")
 
 
 def test_w8a8_puts_the_lm_head_in_w8a8_too_and_lmbf16_keeps_it_in_bf16(tiny_model_dir, tmp_path, capsys):
@@ -229,16 +231,19 @@ def test_a_warm_cache_loads_no_float_model_and_the_quantizer_code_keys_it(tiny_m
     from quasar.verifiers import quantized as quant_verifiers
     from quasar.verifiers.registry import load_verifier
 
+    from quasar import files
+
     cache = tmp_path / "cache"
-    first = load_verifier(tiny_model_dir, "w8a8", cache)
+    monkeypatch.setattr(files, "_cache_dir", cache)
+    first = load_verifier(tiny_model_dir, "w8a8")
     loaded_floats = []
     monkeypatch.setattr(quant_verifiers, "load", lambda *a, **k: loaded_floats.append(a) or loading.load(*a, **k))
-    again = load_verifier(tiny_model_dir, "w8a8", cache)
+    again = load_verifier(tiny_model_dir, "w8a8")
     assert loaded_floats == []
     assert torch.equal(again.model.model.layers[0].mlp.up_proj.weight, first.model.model.layers[0].mlp.up_proj.weight)
     assert len(list((cache / "quantized").iterdir())) == 1
     monkeypatch.setattr(quant_verifiers, "quant_code_sha256", lambda: "a fix in the quantizer")
-    load_verifier(tiny_model_dir, "w8a8", cache)
+    load_verifier(tiny_model_dir, "w8a8")
     assert len(loaded_floats) == 1 and len(list((cache / "quantized").iterdir())) == 2
 
 
