@@ -107,17 +107,6 @@ def pytest_sessionstart(session) -> None:
         pytest.exit(f"quasar's CPU kernels failed to build on a machine that can build them: {status.reason}", returncode=1)
 
 
-def share_kernels(cache: Path) -> Path:
-    """A fresh --cache-dir whose kernels/ is the user cache's, so that a subprocess given it does not
-    compile the kernels again (about two minutes on two cores)."""
-    from quasar.files import cache_root
-
-    kernels = cache_root() / "kernels"
-    kernels.mkdir(parents=True, exist_ok=True)
-    cache.mkdir(parents=True, exist_ok=True)
-    if not (cache / "kernels").exists():
-        (cache / "kernels").symlink_to(kernels, target_is_directory=True)
-    return cache
 
 
 @pytest.fixture(params=["torch", "kernel"])

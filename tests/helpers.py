@@ -31,16 +31,21 @@ def decoder_for(drafter: str, target: LoadedModel, k: int | str = AUTO, middle: 
     return build_decoder(EngineSpec(levels, drafter, k), target, middle=middle)
 
 
-@contextmanager
-def cache_at(path: Path) -> Iterator[Path]:
-    """The process's cache folder set to a fresh `path` for a block (its kernels/ the user cache's: nothing is
-    compiled again), then back to the one before."""
+def share_kernels(cache: Path) -> Path:
+    """A fresh cache folder whose kernels/ is the user cache's, so that nothing given it (this process or a
+    subprocess's --cache-dir) compiles the kernels again (minutes on two cores)."""
     kernels = cache_root() / "kernels"
     kernels.mkdir(parents=True, exist_ok=True)
-    path.mkdir(parents=True, exist_ok=True)
-    if not (path / "kernels").exists():
-        (path / "kernels").symlink_to(kernels, target_is_directory=True)
-    previous = use_cache_dir(path)
+    cache.mkdir(parents=True, exist_ok=True)
+    if not (cache / "kernels").exists():
+        (cache / "kernels").symlink_to(kernels, target_is_directory=True)
+    return cache
+
+
+@contextmanager
+def cache_at(path: Path) -> Iterator[Path]:
+    """The process's cache folder set to a fresh `path` (share_kernels) for a block, then back to the one before."""
+    previous = use_cache_dir(share_kernels(path))
     try:
         yield path
     finally:

@@ -21,9 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGUFWriter
-from helpers import cache_at, run_cli
+from helpers import cache_at, run_cli, share_kernels
 
-from quasar.files import cache_root
 from quasar.model.loading import load
 from quasar.quant.checkpoint import load_quantized
 
@@ -146,11 +145,7 @@ def write_tiny_gguf(
 @pytest.fixture
 def fresh_cache(tmp_path) -> Path:
     """An empty --cache-dir, but for the compiled kernels, shared with the user cache so nothing recompiles."""
-    cache, kernels = tmp_path / "cache", cache_root() / "kernels"
-    kernels.mkdir(parents=True, exist_ok=True)
-    cache.mkdir()
-    (cache / "kernels").symlink_to(kernels, target_is_directory=True)
-    return cache
+    return share_kernels(tmp_path / "cache")
 
 
 def test_quantize_killed_while_converting_and_while_saving(tmp_path, fresh_cache):
