@@ -51,7 +51,7 @@ def assert_same(alone, batched) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("verifier", ["w8a8", "bf16"])
+@pytest.mark.parametrize("verifier", ["w8a8", "bf16", "w4a8"])
 def test_forward_steps_give_each_sequence_its_logits_alone(verifier):
     """Several sequences' rows in one forward (prompt chunks among them) get bitwise their logits alone."""
     from quasar.verifiers.registry import load_verifier
@@ -112,6 +112,16 @@ def test_batched_answers_equal_answers_alone(w8a8_engine, drafter, max_rows):
     batch = Batch(engine, max_batch=5, max_rows=max_rows)
     alone, batched = alone_then_batched(engine, batch, TEXTS, mixed_params())
     assert {a.finish_reason for a in alone} == {"stop", "length"}
+    assert_same(alone, batched)
+    assert batch.idle and engine.caches.taken == 0
+
+
+@needs_kernels
+def test_batched_answers_equal_answers_alone_on_the_files_own_blocks():
+    """The w4a8 verifier (the default model's Q4_1 blocks and Q8_0 lm_head) batches as W8A8 does."""
+    engine = engine_for("ngram+w4a8")
+    batch = Batch(engine, max_batch=5, max_rows=6)
+    alone, batched = alone_then_batched(engine, batch, TEXTS, mixed_params())
     assert_same(alone, batched)
     assert batch.idle and engine.caches.taken == 0
 

@@ -160,7 +160,7 @@ PROMPTS = (
     "Write a Python function that returns the square of a number.",  # ends at the token limit
     "Repeat after me: the quick brown fox jumps over the lazy dog. the quick brown fox",  # long n-gram matches
 )
-VERIFIERS = ("fp32", "w8a8")
+VERIFIERS = ("fp32", "w8a8", "w4a8")
 
 
 @pytest.fixture(scope="module", params=VERIFIERS)

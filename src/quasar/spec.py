@@ -4,7 +4,7 @@
     EngineSpec.parse("ngram+w8a8+bf16")     # drafter ngram, levels (w8a8, bf16): w8a8 drafts for bf16
     EngineSpec.parse("ar:w8a8")             # plain decoding (no drafter) with the w8a8 verifier
 
-Verifier names: fp32, bf16, w8a16, pruned:N and w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16]. An engine name is
+Verifier names: fp32, bf16, w8a16, w4a8 (a GGUF's own 4-bit blocks), pruned:N and w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16]. An engine name is
 [DRAFTER+]LEVEL[+LEVEL] or ar:LEVEL[+LEVEL]: with two levels the first drafts for the second, whose output the
 request gets (the cascade). `str(spec)` writes a spec back in its canonical form, which parses to the same spec.
 Every other module takes these values and never splits a name again.
@@ -16,8 +16,9 @@ from dataclasses import dataclass, replace
 
 FLOAT_KINDS = ("fp32", "bf16")
 QUANTIZED_KINDS = ("w8a8", "w8a16")
-KINDS = (*FLOAT_KINDS, *QUANTIZED_KINDS, "pruned")
-VERIFIER_FORMS = "fp32, bf16, w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16], w8a16, pruned:N"
+FILE_BLOCK_KINDS = ("w4a8",)  # the GGUF file's own quantized blocks, computed on as they are
+KINDS = (*FLOAT_KINDS, *QUANTIZED_KINDS, *FILE_BLOCK_KINDS, "pruned")
+VERIFIER_FORMS = "fp32, bf16, w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16], w8a16, w4a8, pruned:N"
 ENGINE_FORMS = "[DRAFTER+]VERIFIER[+VERIFIER] or ar:VERIFIER[+VERIFIER] (e.g. ngram+w8a8, ar:bf16, ngram+w8a8+bf16)"
 NO_DRAFTER = "none"
 PLAIN = "ar"

@@ -58,8 +58,9 @@ def add_model_args(parser: argparse.ArgumentParser, verifier_default: str = "fp3
     )
     group.add_argument(
         "--verifier", default=verifier_default,
-        help="precision of the target/verifier model: fp32, bf16, w8a8, w8a16, pruned:N, or a cascade MIDDLE+TOP "
-        "such as w8a8+bf16 (MIDDLE drafts for TOP; the output is TOP's) (default: %(default)s)",
+        help="precision of the target/verifier model: fp32, bf16, w8a8, w8a16, w4a8 (a GGUF model's own 4-bit blocks, "
+        "as llama.cpp runs the file), pruned:N, or a cascade MIDDLE+TOP such as w8a8+bf16 (MIDDLE drafts for TOP; the "
+        "output is TOP's) (default: %(default)s)",
     )
     group.add_argument("--dtype", choices=("fp32", "bf16"), help="shorthand for --verifier fp32|bf16")
     group.add_argument("--cache-dir", help="where converted GGUF and quantized models are cached "

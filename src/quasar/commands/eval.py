@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="comma-separated: gsm8k, humaneval, mmlu (default: all)")
     parser.add_argument("--verifier", type=comma_list, default=("fp32",),
                         help="comma-separated verifiers; the first is the baseline of the deltas, e.g. "
-                        "fp32,w8a8,w8a16,pruned:8 (default: fp32)")
+                        "fp32,w8a8,w8a16,w4a8,pruned:8 (default: fp32)")
     parser.add_argument("--limit", type=positive_int, help="items per task, evenly spread over the set (default: all)")
     parser.add_argument("--model", default="default",
                         help="'default', an installed model name, a .gguf file or a model directory (default: %(default)s)")

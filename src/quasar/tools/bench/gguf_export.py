@@ -73,3 +73,14 @@ def exported_gguf(model: str | Path, precision: str) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         write_copy(source, target, precision)
     return target
+
+
+def llama_cpp_gguf(model: str | Path, precision: str) -> Path:
+    """The GGUF a llama.cpp peer runs: the model's own file ('file', e.g. the Q4_K_M users run) or its cached copy in
+    `precision`."""
+    if precision != "file":
+        return exported_gguf(model, precision)
+    source = resolve(model)
+    if not source.is_file():
+        raise ValueError("the llama.cpp peers need a GGUF model (--model default or a .gguf file)")
+    return source

@@ -1,6 +1,7 @@
 """llama.cpp as a fidelity peer: the logits of its Q8_0 (int8 weights and activations, one scale per block
-of 32) copy of the same weights, on the same token windows as quasar's verifiers (`quasar fidelity --peer
-llamacpp`). Needs llama-cpp-python and a GGUF model; the Q8_0 copy is written once (bench/gguf_export.py).
+of 32) copy of the same weights, or of the model's own GGUF file (`llamacpp:file`: the Q4_K_M or Q4_1 users run), on
+the same token windows as quasar's verifiers (`quasar fidelity --peer llamacpp`). Needs llama-cpp-python and a GGUF
+model; the Q8_0 copy is written once (bench/gguf_export.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 INSTALL = ("llama.cpp rows skipped: llama-cpp-python is not installed "
            "(pip install llama-cpp-python; it builds from source in about 12 minutes)")
-PRECISIONS = ("q8_0",)
+PRECISIONS = ("q8_0", "file")
 
 
 def available() -> bool:
@@ -26,9 +27,9 @@ class LlamaCppScorer:
     def __init__(self, model: str | Path, precision: str, max_tokens: int) -> None:
         from llama_cpp import Llama
 
-        from quasar.tools.bench.gguf_export import exported_gguf
+        from quasar.tools.bench.gguf_export import llama_cpp_gguf
 
-        path = exported_gguf(model, precision)
+        path = llama_cpp_gguf(model, precision)
         self.llm = Llama(str(path), n_ctx=max_tokens, n_batch=max_tokens, n_threads=torch.get_num_threads(),
                          logits_all=True, verbose=False)
 
@@ -48,17 +49,17 @@ def peers(names: list[str], model: str | Path, max_tokens: int) -> dict[str, Lla
     for name in names:
         kind, _, precision = name.partition(":")
         if kind != "llamacpp" or (precision or "q8_0") not in PRECISIONS:
-            raise ValueError(f"unknown fidelity peer {name!r}; choose from llamacpp, llamacpp:q8_0")
+            raise ValueError(f"unknown fidelity peer {name!r}; choose from llamacpp, llamacpp:q8_0, llamacpp:file")
         wanted.append(precision or "q8_0")
     if wanted and not available():
         print(INSTALL, file=sys.stderr)
         return {}
-    from quasar.tools.bench.gguf_export import exported_gguf
+    from quasar.tools.bench.gguf_export import llama_cpp_gguf
     from quasar.tools.bench.peers import llama_cpp_fails
 
     scorers = {}
     for p in dict.fromkeys(wanted):
-        if why := llama_cpp_fails(str(exported_gguf(model, p)), torch.get_num_threads()):
+        if why := llama_cpp_fails(str(llama_cpp_gguf(model, p)), torch.get_num_threads()):
             print(f"skipping llama.cpp {p}: {why}", file=sys.stderr)
             continue
         scorers[f"llama.cpp {p}"] = LlamaCppScorer(model, p, max_tokens)

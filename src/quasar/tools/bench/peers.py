@@ -133,7 +133,8 @@ def llama_cpp_fails(gguf: str, threads: int) -> str | None:
 
 
 class LlamaCppMethod:
-    """llama-cpp-python on an F16 or Q8_0 GGUF of the same model, plain or with LlamaPromptLookupDecoding."""
+    """llama-cpp-python on the model's own GGUF file ('file', e.g. the Q4_K_M users run) or on an F16 or Q8_0 copy of
+    it, plain or with LlamaPromptLookupDecoding."""
 
     INSTALL = "llama-cpp-python is not installed; install it with: pip install llama-cpp-python"
 
@@ -144,15 +145,16 @@ class LlamaCppMethod:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        from quasar.tools.bench.gguf_export import exported_gguf
+        from quasar.tools.bench.gguf_export import llama_cpp_gguf
 
         if not resolve(pool.options.model).is_file():
             raise PeerMissingError("the llama.cpp peers need a GGUF model (--model default or a .gguf file)")
         self.name = name
-        self.path = f"llama.cpp {llama_cpp.__version__} {precision.upper()}"
+        source = resolve(pool.options.model)
+        self.path = f"llama.cpp {llama_cpp.__version__} " + (source.name if precision == "file" else precision.upper())
         self.tokenizer = load_tokenizer(pool.directory())
         draft = LlamaPromptLookupDecoding(num_pred_tokens=pld_tokens) if pld_tokens else None
-        path = exported_gguf(pool.options.model, precision)
+        path = llama_cpp_gguf(pool.options.model, precision)
         if why := llama_cpp_fails(str(path), torch.get_num_threads()):
             raise PeerMissingError(why)
         n_ctx = pool.options.max_context or 4096
@@ -195,6 +197,7 @@ def build_hf(name: str, pool: Pool) -> HFMethod:
 
 def build_llamacpp(name: str, pool: Pool) -> LlamaCppMethod:
     _, mode, precision = (name.split(":") + ["q8_0"])[:3]
-    if mode not in ("ar", "pld") or precision not in ("q8_0", "f16"):
-        raise ValueError(f"unknown llama.cpp peer {name!r}; choose llamacpp:{{ar,pld}}[:f16|:q8_0]")
+    if mode not in ("ar", "pld") or precision not in ("q8_0", "f16", "file"):
+        raise ValueError(f"unknown llama.cpp peer {name!r}; choose llamacpp:{{ar,pld}}[:f16|:q8_0|:file] (file: the "
+                         "model's own GGUF)")
     return LlamaCppMethod(name, pool, precision, pool.options.pld_tokens if mode == "pld" else None)

@@ -1,0 +1,189 @@
+"""A GGUF file's quantized linear weights as its blocks hold them, unpacked but not dequantized: for verifiers that
+compute with the file's own weights (quasar.verifiers.w4a8) instead of the float model made from them.
+
+Two forms, each exact (dequantizing it gives gguf's own dequantization of the tensor, float for float):
+
+- FourBitBlocks (Q4_0, Q4_1, Q4_K): quants q in [0, 15] and w = d * sc * q - dmin * m, with float16 d and dmin per
+  block of `block` inputs (Q4_K's super-blocks of 256; 32 for Q4_0 and Q4_1) and byte sc and m per group of 32
+  (Q4_K's 6-bit scales and mins; sc = m = 1 for Q4_0, whose dmin is 8 d, and Q4_1, whose dmin is -min).
+- SixBitBlocks (Q6_K): quants q in [0, 63] and w = d * sc * (q - 32), with float16 d per block of 256 inputs and a
+  signed byte sc per sub-block of 16.
+- ByteBlocks (Q8_0, Q5_0): int8 values and one float scale per group of 32 (Q5_0's quants less 16).
+
+Other tensor types (Q5_K, Q2_K, Q3_K, IQ*, float) have no block form here (`unpack` gives None).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from quasar.model.loading import hf_name, open_gguf, unpermute_rope
+
+GROUP = 32
+
+
+@dataclass(frozen=True)
+class FourBitBlocks:
+    """w [N, K] = (d * sc)[group] * q - (dmin * m)[group]: q [N, K] uint8 in [0, 15], d and dmin [N, K/block]
+    float16, sc and m [N, K/32] uint8."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    dmin: torch.Tensor
+    sc: torch.Tensor
+    m: torch.Tensor
+    block: int
+    source: str  # the GGUF tensor type: Q4_0, Q4_1 or Q4_K
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K], as gguf dequantizes the tensor."""
+        N, K = self.q.shape
+        per = self.block // GROUP
+        scale = self.d.float().repeat_interleave(per, 1) * self.sc.float()  # [N, K/32], exact
+        low = self.dmin.float().repeat_interleave(per, 1) * self.m.float()
+        q = self.q.float().view(N, K // GROUP, GROUP)
+        return (scale[..., None] * q - low[..., None]).view(N, K)
+
+
+@dataclass(frozen=True)
+class ByteBlocks:
+    """w [N, K] = scale[group] * values: values [N, K] int8, scale [N, K/32] float32."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    source: str  # Q8_0 or Q5_0
+
+    def dequantize(self) -> torch.Tensor:
+        N, K = self.values.shape
+        return (self.values.float().view(N, K // GROUP, GROUP) * self.scale[..., None]).view(N, K)
+
+
+@dataclass(frozen=True)
+class SixBitBlocks:
+    """w [N, K] = (d * sc)[sub-block] * (q - 32): q [N, K] uint8 in [0, 63], d [N, K/256] float16, sc [N, K/16] int8."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    sc: torch.Tensor
+    source: str = "Q6_K"
+
+    def dequantize(self) -> torch.Tensor:
+        N, K = self.q.shape
+        scale = self.d.float().repeat_interleave(16, 1) * self.sc.float()  # [N, K/16], exact
+        return (scale[..., None] * (self.q.float() - 32).view(N, K // 16, 16)).view(N, K)
+
+
+Blocks = FourBitBlocks | SixBitBlocks | ByteBlocks
+
+
+def halves(qs: np.ndarray) -> np.ndarray:
+    """Packed nibbles [..., n] -> [..., 2n]: the low nibbles first, then the high ones (ggml's order)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def fp16(raw: np.ndarray) -> np.ndarray:
+    """Two bytes [..., 2] -> float16 [...]."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0]
+
+
+def q4_k(data: np.ndarray, rows: int) -> FourBitBlocks:
+    from gguf.quants import Q4_K
+
+    blocks = data.reshape(rows, -1, 144)  # [N, K/256, 144]: d, dmin, 12 bytes of scales, 128 of quants
+    nb = blocks.shape[1]
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))  # [N * nb, 8] each
+    qs = blocks[..., 16:].reshape(rows, nb, 4, 32)  # four chunks of 64 weights: low nibbles, then high ones
+    q = halves(qs).reshape(rows, nb * 256)
+    return FourBitBlocks(torch.from_numpy(q), torch.from_numpy(fp16(blocks[..., 0:2])), torch.from_numpy(fp16(blocks[..., 2:4])),
+                         torch.from_numpy(sc.reshape(rows, nb * 8)), torch.from_numpy(m.reshape(rows, nb * 8)), 256, "Q4_K")
+
+
+def q6_k(data: np.ndarray, rows: int) -> SixBitBlocks:
+    blocks = data.reshape(rows, -1, 210)  # [N, K/256, 210]: 128 bytes of low 4 bits, 64 of high 2 bits, 16 sc, d
+    nb = blocks.shape[1]
+    low = halves(blocks[..., :128].reshape(rows, nb, 2, 64))  # [N, nb, 2, 128]: weight 128 h + j
+    qh = blocks[..., 128:192].reshape(rows, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+    high = (qh & 0x03).reshape(rows, nb, 2, 128)  # weight 128 h + 32 s + i: bits 2s of byte 32 h + i
+    q = (low | (high << 4)).reshape(rows, nb * 256)
+    sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(rows, nb * 16)
+    return SixBitBlocks(torch.from_numpy(q), torch.from_numpy(fp16(blocks[..., 208:210])), torch.from_numpy(sc))
+
+
+def q4_legacy(data: np.ndarray, rows: int, with_min: bool) -> FourBitBlocks:
+    width = 20 if with_min else 18
+    blocks = data.reshape(rows, -1, width)  # [N, K/32, width]: d (and min), 16 bytes of quants
+    nb = blocks.shape[1]
+    d = fp16(blocks[..., 0:2])
+    if with_min:  # Q4_1: w = d q + min
+        dmin = -fp16(blocks[..., 2:4])
+    else:  # Q4_0: w = d (q - 8) = d q - 8 d
+        with np.errstate(over="raise"):
+            dmin = d * np.float16(8)
+    q = halves(blocks[..., width - 16 :]).reshape(rows, nb * 32)
+    ones = torch.ones(rows, nb, dtype=torch.uint8)
+    return FourBitBlocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(dmin), ones, ones.clone(), 32,
+                         "Q4_1" if with_min else "Q4_0")
+
+
+def byte_blocks(data: np.ndarray, rows: int, qtype: Any, name: str) -> ByteBlocks:
+    """Q8_0 and Q5_0: the values from gguf's dequantization divided by the block's d (exact: each is d times an
+    integer), checked to be integers."""
+    from gguf.quants import dequantize
+
+    width = 34 if name == "Q8_0" else 22
+    blocks = data.reshape(rows, -1, width)
+    d = fp16(blocks[..., 0:2]).astype(np.float32)  # [N, K/32]
+    w = dequantize(data, qtype).reshape(rows, -1, GROUP)
+    values = np.divide(w, d[..., None], out=np.zeros_like(w), where=d[..., None] != 0)
+    if not (np.all(values == np.round(values)) and np.abs(values).max(initial=0) <= 127):
+        raise ValueError(f"a {name} tensor whose blocks are not d times int8 values")
+    return ByteBlocks(torch.from_numpy(values.astype(np.int8).reshape(rows, -1)), torch.from_numpy(d), name)
+
+
+def tensor_blocks(tensor: Any) -> Blocks | None:
+    """One GGUF tensor's blocks, or None for a type without a block form here."""
+    return unpack(np.asarray(tensor.data), tensor.tensor_type, int(np.prod(tensor.shape[1:])))
+
+
+def unpack(data: np.ndarray, qtype: Any, rows: int) -> Blocks | None:
+    """The raw blocks of a tensor of `rows` rows of GGML type qtype (gguf.GGMLQuantizationType) as blocks, or None."""
+    name = qtype.name
+    if name == "Q4_K":
+        return q4_k(data, rows)
+    if name == "Q6_K":
+        return q6_k(data, rows)
+    if name in ("Q4_0", "Q4_1"):
+        return q4_legacy(data, rows, name == "Q4_1")
+    if name in ("Q8_0", "Q5_0"):
+        return byte_blocks(data, rows, qtype, name)
+    return None
+
+
+def permute_rows(blocks: Blocks, heads: int) -> Blocks:
+    """llama.cpp's q/k row order undone (loading.unpermute_rope) on every per-row tensor of the blocks."""
+    fields = {k: unpermute_rope(v, heads) for k, v in vars(blocks).items() if isinstance(v, torch.Tensor)}
+    return type(blocks)(**{**vars(blocks), **fields})
+
+
+def linear_blocks(path: Path, config: dict[str, Any]) -> dict[str, Blocks | None]:
+    """Every 2-D weight of the GGUF at path by its Hugging Face name ('lm_head.weight' for a tied embedding too),
+    as blocks, or None where its type has no block form here."""
+    reader = open_gguf(path)
+    out: dict[str, Blocks | None] = {}
+    for tensor in reader.tensors:
+        if len(tensor.shape) != 2 or not tensor.name.endswith(".weight"):
+            continue
+        name = hf_name(tensor.name)
+        blocks = tensor_blocks(tensor)
+        if blocks is not None and config["model_type"] in ("llama", "mistral") and tensor.name.endswith(
+                ("attn_q.weight", "attn_k.weight")):
+            blocks = permute_rows(blocks, config["num_attention_heads" if "attn_q" in tensor.name else "num_key_value_heads"])
+        out[name] = blocks
+    if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out

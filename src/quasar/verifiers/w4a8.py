@@ -1,0 +1,59 @@
+"""The 'w4a8' verifier: a GGUF model's own quantized blocks, computed on as they are (no requantization).
+
+Every linear whose tensor is Q4_0, Q4_1 or Q4_K becomes a W4A8Linear holding the file's 4-bit quants, scales and
+mins (quant/w4a8.py); Q6_K ones a W6A8Linear holding its 6-bit quants and scales; Q8_0 and Q5_0 ones group-wise W8A8
+linears holding the file's int8 values and block scales (Int8Linear, G = 32). Those weights are exactly the file's:
+against the float model (the file dequantized) the only difference is activation rounding, one int8 scale per 32
+inputs. Linears of other types (Q5_K, float, ...) are quantized to W8A8 per group of 32 from their dequantized
+weights, and the load says how many.
+Norms and embeddings stay float32 as in the float model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+from torch import nn
+
+from quasar.model.gguf_blocks import Blocks, ByteBlocks, FourBitBlocks, SixBitBlocks, linear_blocks
+from quasar.model.loading import LoadedModel, ModelLoadError, load, read_config, resolve
+from quasar.quant.int8 import Int8Linear
+from quasar.quant.schemes import swap_module_
+from quasar.quant.w4a8 import W4A8Linear, W6A8Linear
+from quasar.spec import VerifierSpec
+
+log = logging.getLogger("quasar")
+
+
+def block_linear(linear: nn.Linear, blocks: Blocks | None) -> tuple[nn.Module, str]:
+    """The layer computing `linear` from its blocks, and where its weights came from."""
+    if isinstance(blocks, FourBitBlocks):
+        return W4A8Linear.from_blocks(blocks, linear.bias), blocks.source
+    if isinstance(blocks, SixBitBlocks):
+        return W6A8Linear.from_blocks(blocks, linear.bias), blocks.source
+    if isinstance(blocks, ByteBlocks):
+        layer = Int8Linear(linear.in_features, linear.out_features, linear.bias is not None, group_size=32)
+        layer.weight, layer.weight_scale = blocks.values, blocks.scale
+        if linear.bias is not None:
+            layer.bias = linear.bias.detach().float().clone()
+        return layer, blocks.source
+    return Int8Linear.from_float(linear, group_size=32), "requantized"
+
+
+def load_w4a8(model: str | Path, spec: VerifierSpec | None = None) -> LoadedModel:
+    path = resolve(model)
+    if not path.is_file():
+        raise ModelLoadError(f"the w4a8 verifier computes on a GGUF file's own 4-bit blocks; {path} is not a GGUF file "
+                             "(for a float or quantized directory use w8a8)")
+    loaded = load(model, "fp32")
+    blocks = linear_blocks(path, read_config(loaded.directory))
+    sources: Counter[str] = Counter()
+    names = [n for n, m in loaded.model.named_modules() if isinstance(m, nn.Linear)]
+    for name in names:
+        layer, source = block_linear(loaded.model.get_submodule(name), blocks.get(f"{name}.weight"))
+        swap_module_(loaded.model, name, layer)
+        sources[source] += 1
+    log.info("w4a8 from %s: %s", path.name, ", ".join(f"{n} linears {s}" for s, n in sorted(sources.items())))
+    return loaded

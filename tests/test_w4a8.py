@@ -1,0 +1,135 @@
+"""W4A8 from a GGUF's own blocks: the unpacked blocks dequantize as gguf does, the torch reference follows its formula
+(close to float64), every kernel path gives the reference's floats bit for bit over the whole quant range, group and
+block tails and 1-17 rows, and a row's result depends on its own input only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+from helpers import assert_rows_alone
+from conftest import needs_kernels
+
+from quasar.kernels import native, plan
+from quasar.kernels.quant_layers import KernelW4A8Linear, KernelW6A8Linear
+from quasar.model.gguf_blocks import ByteBlocks, FourBitBlocks, SixBitBlocks, unpack
+from quasar.quant.int8 import quantize_tokens
+from quasar.quant.w4a8 import W4A8Linear, W6A8Linear
+
+BLOCK_BYTES = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q6_K: (256, 210)}
+SCALES_AT = {T.Q4_0: slice(0, 2), T.Q4_1: slice(0, 4), T.Q4_K: slice(0, 4), T.Q6_K: slice(208, 210)}  # float16
+PATHS = native.kernel().int8_paths() if native.kernel() is not None else []
+
+
+def random_blocks(qtype, rows: int, K: int, seed: int = 0) -> np.ndarray:
+    """Raw blocks of random bytes with finite float16 scales: any quant, scale and min the format can hold."""
+    rng = np.random.default_rng(seed)
+    size, width = BLOCK_BYTES[qtype]
+    raw = rng.integers(0, 256, (rows, K // size, width), dtype=np.uint8)
+    at = SCALES_AT[qtype]
+    halves = rng.normal(0, 0.02, (rows, K // size, (at.stop - at.start) // 2)).astype(np.float16)
+    raw[..., at] = halves.view(np.uint8).reshape(rows, K // size, -1)
+    return raw.reshape(rows, -1)
+
+
+def layer_class(qtype):
+    return W6A8Linear if qtype == T.Q6_K else W4A8Linear
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K])
+def test_quant_blocks_dequantize_as_gguf_does(qtype):
+    raw = random_blocks(qtype, 5, 512, seed=int(qtype))
+    blocks = unpack(raw, qtype, 5)
+    assert isinstance(blocks, SixBitBlocks if qtype == T.Q6_K else FourBitBlocks)
+    assert int(blocks.q.max()) == (63 if qtype == T.Q6_K else 15)
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(dequantize(raw, qtype).reshape(5, 512)))
+    assert torch.equal(layer_class(qtype).from_blocks(blocks).dequantize(), blocks.dequantize())
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0])
+def test_byte_blocks_hold_the_files_values(qtype):
+    w = np.random.default_rng(1).normal(0, 0.05, (6, 128)).astype(np.float32)
+    w[0, :32] = 0  # a block whose d is 0
+    raw = quantize(w, qtype)
+    blocks = unpack(raw, qtype, 6)
+    assert isinstance(blocks, ByteBlocks)
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(dequantize(raw, qtype).reshape(6, 128)))
+
+
+def test_types_without_a_block_form_are_left_out():
+    assert unpack(np.zeros((2, 176), dtype=np.uint8), T.Q5_K, 2) is None
+
+
+def layer_of(qtype, N: int, K: int, bias: bool, seed: int):
+    blocks = unpack(random_blocks(qtype, N, K, seed), qtype, N)
+    b = torch.randn(N, generator=torch.Generator().manual_seed(seed)) if bias else None
+    return layer_class(qtype).from_blocks(blocks, b)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K])
+def test_reference_is_the_dequantized_product_up_to_activation_rounding(qtype):
+    """Against float64 on the same int8 inputs: only the float32 rounding of five operations per group differs."""
+    layer = layer_of(qtype, 32, 512, True, 3)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(0))
+    xq, xs = quantize_tokens(x, 32)
+    x_rounded = (xq.double().view(4, 16, 32) * xs.double()[..., None]).view(4, 512)
+    exact = x_rounded @ layer.dequantize().double().t() + layer.bias.double()
+    assert torch.allclose(layer(x).double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    assert not torch.equal(layer(x).double(), exact)  # float32 rounding: the check can tell
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", ["auto", *PATHS])
+@pytest.mark.parametrize("qtype,K", [(T.Q4_0, 96), (T.Q4_1, 576), (T.Q4_K, 256), (T.Q4_K, 1536), (T.Q4_K, 2304),
+                                     (T.Q6_K, 256), (T.Q6_K, 2304)])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17])
+def test_every_path_gives_the_references_floats(path, qtype, K, M):
+    """Random blocks cover every quant (0-15, 0-63 on Q6_K), Q4_K's 6-bit sc and m up to 63, Q6_K's signed sc from
+    -128 to 127, negative mins, tails of row blocks (1-17 rows), panel tiles (N = 48: three panels) and chunks of K
+    (2304 = 9 super-blocks)."""
+    layer = layer_of(qtype, 48, K, M % 2 == 1, seed=K + M)
+    gen = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=gen) * torch.rand(M, 1, generator=gen) * 4
+    x[0, :40] = 0  # an all-zero group: scale 1, sum 0
+    want = layer(x)
+    panels, scales = plan.on_kernel(layer_of(qtype, 48, K, M % 2 == 1, seed=K + M)).kernel_weight
+    bias = layer.bias if layer.bias is not None else torch.empty(0)
+    got = native.kernel().block_linear_on(path, x, [panels], [scales], [bias])[0]
+    assert torch.equal(got, want)
+
+
+@needs_kernels
+def test_mixed_blocks_of_one_input_share_its_quantization():
+    """q/k in Q4_K and v in Q6_K (as Q4_K_M files hold them): one call gives each layer's own result."""
+    layers = [plan.on_kernel(layer_of(qtype, 32, 512, True, seed)) for seed, qtype in enumerate([T.Q4_K, T.Q6_K])]
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(9))
+    together = KernelW4A8Linear.forward_many(layers, x)
+    assert all(torch.equal(y, layer(x)) for y, layer in zip(together, layers))
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q6_K])
+def test_kernel_rows_never_depend_on_the_other_rows(qtype):
+    layer = plan.on_kernel(layer_of(qtype, 64, 512, True, 7))
+    assert isinstance(layer, KernelW6A8Linear if qtype == T.Q6_K else KernelW4A8Linear)
+    x = torch.randn(11, 512, generator=torch.Generator().manual_seed(2))
+    assert_rows_alone(layer, x, prefixes=True)
+
+
+@needs_kernels
+def test_kernel_refuses_malformed_weights():
+    kernel = native.kernel()
+    x = torch.zeros(1, 256)
+    panels = torch.zeros(1, 8, 256, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="block panels uint8"):
+        kernel.block_linear(x, torch.zeros(1, 4, 256, dtype=torch.uint8), torch.zeros(1, 1, 320, dtype=torch.uint8),
+                            torch.empty(0))
+    with pytest.raises(RuntimeError, match="block size"):
+        kernel.block_linear(x, panels, torch.zeros(1, 1, 100, dtype=torch.uint8), torch.empty(0))
+    with pytest.raises(RuntimeError, match="Q6_K block scales"):
+        kernel.block_linear(x, torch.zeros(1, 8, 384, dtype=torch.uint8), torch.zeros(1, 1, 320, dtype=torch.uint8),
+                            torch.empty(0))
+    with pytest.raises(RuntimeError, match="K % 32"):
+        kernel.block_linear(torch.zeros(1, 250), panels, torch.zeros(1, 1, 320, dtype=torch.uint8), torch.empty(0))
