@@ -57,7 +57,8 @@ def test_a_finite_margin_rechecks_some_positions(answers):
     assert 0 < sum(s.rechecked_tokens for s in stats) < sum(s.verify_steps for s in stats)
 
 
-@pytest.mark.parametrize("verifier,drafter,match", [("bf16", "ngram", "already float"), ("w8a8", "none", "needs a drafter")])
+@pytest.mark.parametrize("verifier,drafter,match", [("bf16", "ngram", "bf16 is not one"), ("w4a8", "ngram", "w4a8 is not one"),
+                                                   ("w8a8", "none", "needs a drafter")])
 def test_guard_refuses_what_it_cannot_guard(verifier, drafter, match):
     with pytest.raises(ValueError, match=match):
         EngineSpec(parse_levels(verifier), drafter, guard=1.0)

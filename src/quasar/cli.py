@@ -20,7 +20,7 @@ COMMANDS = {  # name -> one-line help; quasar.commands.<name> (with register(sub
     "serve": "serve a model behind an OpenAI-compatible HTTP API",
     "models": "install and list the bigger named models",
     "export": "export the W8A8 model for vLLM (compressed-tensors)",
-    "quantize": "quantize a model to W8A8 (SmoothQuant) or W8A16 and save it",
+    "quantize": "quantize a model to W8A8 (SmoothQuant), W4A8 or W8A16 and save it",
     "fidelity": "compare quantized verifiers with the float model (KL, top-1, perplexity)",
 }
 

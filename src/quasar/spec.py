@@ -4,7 +4,8 @@
     EngineSpec.parse("ngram+w8a8+bf16")     # drafter ngram, levels (w8a8, bf16): w8a8 drafts for bf16
     EngineSpec.parse("ar:w8a8")             # plain decoding (no drafter) with the w8a8 verifier
 
-Verifier names: fp32, bf16, w8a16, w4a8 (a GGUF's own 4-bit blocks), pruned:N and w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16]. An engine name is
+Verifier names: fp32, bf16, w8a16, w4a8[:gN][:awq|:rtn] (a GGUF's own 4-bit blocks, or calibrated 4-bit blocks),
+pruned:N and w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16]. An engine name is
 [DRAFTER+]LEVEL[+LEVEL] or ar:LEVEL[+LEVEL]: with two levels the first drafts for the second, whose output the
 request gets (the cascade). `str(spec)` writes a spec back in its canonical form, which parses to the same spec.
 Every other module takes these values and never splits a name again.
@@ -16,9 +17,10 @@ from dataclasses import dataclass, replace
 
 FLOAT_KINDS = ("fp32", "bf16")
 QUANTIZED_KINDS = ("w8a8", "w8a16")
-FILE_BLOCK_KINDS = ("w4a8",)  # the GGUF file's own quantized blocks, computed on as they are
+FILE_BLOCK_KINDS = ("w4a8",)  # plain: the GGUF file's own quantized blocks, computed on as they are
 KINDS = (*FLOAT_KINDS, *QUANTIZED_KINDS, *FILE_BLOCK_KINDS, "pruned")
-VERIFIER_FORMS = "fp32, bf16, w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16], w8a16, w4a8, pruned:N"
+VERIFIER_FORMS = "fp32, bf16, w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16], w8a16, w4a8[:gN][:awq|:rtn], pruned:N"
+FIT_METHODS = ("awq", "rtn")  # how calibrated 4-bit blocks are fitted: activation-aware search, or min-max rounding
 ENGINE_FORMS = "[DRAFTER+]VERIFIER[+VERIFIER] or ar:VERIFIER[+VERIFIER] (e.g. ngram+w8a8, ar:bf16, ngram+w8a8+bf16)"
 NO_DRAFTER = "none"
 PLAIN = "ar"
@@ -37,12 +39,19 @@ class VerifierSpec:
     alpha: float | str | None = None  # w8a8: smoothing strength, 'auto' or 'none'; None: unnamed (auto)
     lm_head: str | None = None  # w8a8: 'lm8' (W8A8 lm_head) or 'lmbf16'; None: unnamed (W8A8)
     layers: int | None = None  # pruned: how many layers to drop
+    method: str | None = None  # w4a8: how calibrated blocks are fitted ('awq', 'rtn'); None: unnamed
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown verifier {self.kind!r}; choose from {VERIFIER_FORMS}")
-        if self.kind != "w8a8" and (self.group, self.alpha, self.lm_head) != (None, None, None):
-            raise ValueError(f"only w8a8 takes a group, alpha or lm_head part (got {self!s})")
+        if self.kind != "w8a8" and (self.alpha, self.lm_head) != (None, None):
+            raise ValueError(f"only w8a8 takes an alpha or lm_head part (got {self!s})")
+        if self.kind not in ("w8a8", "w4a8") and self.group is not None:
+            raise ValueError(f"only w8a8 and w4a8 take a group part (got {self!s})")
+        if self.kind != "w4a8" and self.method is not None or self.method not in (None, *FIT_METHODS):
+            raise ValueError(f"only w4a8 takes a fitting method, {' or '.join(FIT_METHODS)} (got {self!s})")
+        if self.kind == "w4a8" and self.group == 0:
+            raise ValueError("w4a8 keeps a scale per group of inputs; pc (per channel) is a w8a8 part")
         if (self.kind == "pruned") != (self.layers is not None):
             raise ValueError("pruned:N names how many layers to drop; no other verifier takes a number"
                              if self.kind == "pruned" else f"{self.kind} takes no argument")
@@ -62,7 +71,7 @@ class VerifierSpec:
             if len(parts) != 1 or not parts[0].isdigit() or int(parts[0]) < 1:
                 raise ValueError(f"pruned:N names how many layers to drop (N >= 1), got {text!r}")
             return cls(kind, layers=int(parts[0]))
-        if kind != "w8a8" and parts:
+        if kind not in ("w8a8", "w4a8") and parts:
             raise ValueError(f"the {kind} verifier takes no argument (got {text!r}); choose from {VERIFIER_FORMS}")
         fields: dict[str, object] = {}
         for part in parts:
@@ -82,12 +91,19 @@ class VerifierSpec:
             parts.append(str(self.alpha))
         if self.lm_head is not None:
             parts.append(self.lm_head)
+        if self.method is not None:
+            parts.append(self.method)
         return ":".join(parts)
 
     @property
     def quantized(self) -> bool:
         """Quantized weights, from the float model's (and cached on disk): w8a8 and w8a16."""
         return self.kind in QUANTIZED_KINDS
+
+    @property
+    def calibrated_blocks(self) -> bool:
+        """w4a8 with a group or method named: 4-bit blocks fitted to the float weights (else a GGUF's own blocks)."""
+        return self.kind == "w4a8" and (self.group, self.method) != (None, None)
 
     @property
     def int8_lm_head(self) -> bool:
@@ -99,6 +115,8 @@ def part_value(part: str, text: str) -> tuple[str, object]:
     """One part of a w8a8 name -> (field, value)."""
     if part in LM_HEADS:
         return "lm_head", part
+    if part in FIT_METHODS:
+        return "method", part
     if part == "pc":
         return "group", 0
     if part[:1] == "g" and part[1:].isdigit():
@@ -108,7 +126,7 @@ def part_value(part: str, text: str) -> tuple[str, object]:
     try:
         return "alpha", float(part)
     except ValueError:
-        raise ValueError(f"verifier {text!r}: {part!r} is neither pc, gN, lm8, lmbf16, auto, none nor an alpha; "
+        raise ValueError(f"verifier {text!r}: {part!r} is neither pc, gN, lm8, lmbf16, awq, rtn, auto, none nor an alpha; "
                          f"choose from {VERIFIER_FORMS}") from None
 
 
@@ -131,8 +149,9 @@ class EngineSpec:
             if self.drafter == NO_DRAFTER:
                 raise ValueError("--guard re-scores speculative decoding's verify steps: it needs a drafter")
             if self.middle is not None or not self.top.quantized:
-                raise ValueError(f"--guard re-scores a quantized verifier's ({', '.join(QUANTIZED_KINDS)}) unsure "
-                                 f"positions with bf16; --verifier {self.verifier_name} is already float or a cascade")
+                what = "a cascade" if self.middle is not None else "not one"
+                raise ValueError(f"--guard re-scores the unsure positions of a {' or '.join(QUANTIZED_KINDS)} verifier "
+                                 f"with bf16; --verifier {self.verifier_name} is {what}")
 
     @classmethod
     def parse(cls, text: str, k: int | str = AUTO, guard: float | None = None) -> EngineSpec:

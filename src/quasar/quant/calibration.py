@@ -109,11 +109,17 @@ def token_windows(tokenizer: Any, texts: list[str], samples: int, seq_len: int) 
 
 @dataclass
 class Calibration:
-    """absmax[name] [K]: per-input-channel max |x| of linear `name`; rows[name] [R, K]: sampled inputs."""
+    """absmax[name] [K]: per-input-channel max |x| of linear `name`; squares[name] [K]: the sum of x^2 over every token;
+    rows[name] [R, K]: sampled inputs."""
 
     absmax: dict[str, torch.Tensor] = field(default_factory=dict)
+    squares: dict[str, torch.Tensor] = field(default_factory=dict)
     rows: dict[str, torch.Tensor] = field(default_factory=dict)
     tokens: int = 0
+
+    def mean_square(self) -> dict[str, torch.Tensor]:
+        """name -> [K]: each input channel's mean of x^2 (the weight of its error in the linear's output)."""
+        return {name: sq / max(self.tokens, 1) for name, sq in self.squares.items()}
 
 
 def _hook(calib: Calibration, name: str, rows_per_window: int, keep_rows: bool):
@@ -121,6 +127,8 @@ def _hook(calib: Calibration, name: str, rows_per_window: int, keep_rows: bool):
         x = args[0].reshape(-1, args[0].shape[-1]).float()  # [M, K]
         amax = x.abs().amax(dim=0)  # [K]
         calib.absmax[name] = torch.maximum(calib.absmax[name], amax) if name in calib.absmax else amax
+        squares = x.double().square().sum(0)
+        calib.squares[name] = calib.squares[name] + squares if name in calib.squares else squares
         if keep_rows:
             pick = x[torch.linspace(0, x.shape[0] - 1, min(rows_per_window, x.shape[0])).long()]
             calib.rows[name] = torch.cat([calib.rows[name], pick]) if name in calib.rows else pick

@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from quasar.quant.int8 import Int8Linear, Int8WeightOnlyLinear, check_group_size
+from quasar.quant.w4a8 import W4A8Linear, block_size
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,22 @@ class W8A16Config:
 
 
 @dataclass(frozen=True)
+class W4A8Config:
+    """4-bit weights in blocks (a scale and a min per group of inputs, stored as Q4_K stores them) and dynamic int8
+    activations per 32 inputs; fitted to the inputs' mean squares ('awq') or by min-max rounding ('rtn')."""
+
+    group_size: int = 32
+    method: str = "awq"
+    lm_head: bool = True
+    ignore: tuple[str, ...] = ()
+    backend: str = "auto"
+
+
+@dataclass(frozen=True)
 class Scheme:
     name: str
-    from_float: Callable[[nn.Linear, Any], nn.Module]  # (linear, config) -> quantized layer
+    # (linear, config, its inputs' mean square [K] or None) -> quantized layer
+    from_float: Callable[[nn.Linear, Any, Any], nn.Module]
     empty: Callable[[int, int, bool, Any], nn.Module]  # (in, out, bias, config) -> layer to load into
 
 
@@ -53,13 +67,18 @@ def register_scheme(config_type: type, scheme: Scheme) -> None:
 
 register_scheme(W8A8Config, Scheme(
     "w8a8",
-    lambda linear, cfg: Int8Linear.from_float(linear, cfg.backend, cfg.group_size),
+    lambda linear, cfg, _: Int8Linear.from_float(linear, cfg.backend, cfg.group_size),
     lambda k, n, bias, cfg: Int8Linear(k, n, bias, cfg.backend, cfg.group_size),
 ))
 register_scheme(W8A16Config, Scheme(
     "w8a16",
-    lambda linear, cfg: Int8WeightOnlyLinear.from_float(linear),
+    lambda linear, cfg, _: Int8WeightOnlyLinear.from_float(linear),
     lambda k, n, bias, cfg: Int8WeightOnlyLinear(k, n, bias),
+))
+register_scheme(W4A8Config, Scheme(
+    "w4a8",
+    lambda linear, cfg, importance: W4A8Linear.from_float(linear, cfg.group_size, importance, cfg.method == "awq"),
+    lambda k, n, bias, cfg: W4A8Linear(k, n, bias, block_size(k)),
 ))
 
 
@@ -100,15 +119,16 @@ def check_targets(model: nn.Module, config: Any, names: list[str]) -> None:
         check_group_size(getattr(config, "group_size", 0), model.get_submodule(name).in_features, name)
 
 
-def quantize_(model: nn.Module, config: Any) -> list[str]:
-    """Replace the target linears of `model` in place by quantized layers; returns their names."""
+def quantize_(model: nn.Module, config: Any, mean_squares: dict[str, Any] | None = None) -> list[str]:
+    """Replace the target linears of `model` in place by quantized layers; returns their names. mean_squares: each
+    linear's inputs' mean square per channel (calibration), for schemes that fit to it."""
     from quasar.progress import progress
 
     scheme = SCHEMES[type(config)]
     names = target_linears(model, config)
     check_targets(model, config, names)
     for name in progress(names, f"quantizing to {scheme.name}"):
-        swap_module_(model, name, scheme.from_float(model.get_submodule(name), config))
+        swap_module_(model, name, scheme.from_float(model.get_submodule(name), config, (mean_squares or {}).get(name)))
     return names
 
 

@@ -28,6 +28,86 @@ from torch import nn
 from quasar.quant.int8 import quantize_tokens
 
 GROUP = 32
+LEVELS = 15  # the largest 4-bit quant
+CLIP_RATIOS = torch.linspace(1.0, 0.7, 13).tolist()  # the range searched for each group's scale and min
+ROWS_AT_ONCE = 4096  # rows of a weight fitted together (bounds the fit's temporaries)
+
+
+def block_size(in_features: int) -> int:
+    """The inputs one float16 (d, dmin) pair spans in a calibrated W4A8 weight: 256 as Q4_K where that divides K, else
+    the largest of 128, 64, 32 that does."""
+    return next(b for b in (256, 128, 64, 32) if in_features % b == 0)
+
+
+def fit_groups(w: torch.Tensor, importance: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [R, G] (one group a row) -> (scale [R], low [R]): w ~ scale * q + low, q in [0, 15], low <= 0 <= scale * 15 + low,
+    minimising sum_k importance[k] * (w - w_hat)^2 (importance [R, G]: the inputs' mean square, so that the error
+    is the linear's expected output error). search: try the clip ratios and refine scale and low by weighted least
+    squares (the activation-aware fit); else min-max round to nearest."""
+    hi, lo = w.amax(1).clamp_min(0), w.amin(1).clamp_max(0)  # [R]
+    best = None
+    for ratio in CLIP_RATIOS if search else [1.0]:
+        scale, low = ((hi - lo) * ratio / LEVELS).clamp_min(1e-12), lo * ratio
+        for _ in range(2 if search else 0):  # weighted least squares for (scale, low) with q fixed
+            q = ((w - low[:, None]) / scale[:, None]).round_().clamp_(0, LEVELS)
+            a, aq, aqq = importance.sum(1), (importance * q).sum(1), (importance * q * q).sum(1)
+            aw, aqw = (importance * w).sum(1), (importance * q * w).sum(1)
+            det = aqq * a - aq * aq
+            ok = det > 1e-20 * aqq * a
+            new_scale = torch.where(ok, (aqw * a - aq * aw) / det.clamp_min(1e-30), scale)
+            new_low = torch.where(ok, (aqq * aw - aq * aqw) / det.clamp_min(1e-30), low)
+            positive = new_low > 0  # keep low <= 0 (the min is subtracted): refit the scale alone there
+            new_scale = torch.where(positive, aqw / aqq.clamp_min(1e-30), new_scale)
+            scale, low = new_scale.clamp_min(1e-12), torch.where(positive, torch.zeros_like(new_low), new_low)
+        q = ((w - low[:, None]) / scale[:, None]).round_().clamp_(0, LEVELS)
+        err = (importance * (scale[:, None] * q + low[:, None] - w) ** 2).sum(1)
+        if best is None:
+            best = (err, scale, low)
+        else:
+            better = err < best[0]
+            best = (torch.where(better, err, best[0]), torch.where(better, scale, best[1]), torch.where(better, low, best[2]))
+    return best[1], best[2]
+
+
+def two_level(values: torch.Tensor, per: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """values [N, groups] >= 0 -> (d [N, groups / per] float16, byte [N, groups] uint8): values ~ d * byte, the largest
+    of each block of `per` groups at byte 255."""
+    N, groups = values.shape
+    top = values.view(N, groups // per, per).amax(2)  # [N, blocks]
+    d = (top / 255).half()
+    step = d.float().repeat_interleave(per, 1)
+    byte = torch.where(step > 0, (values / step.clamp_min(1e-30)).round(), torch.zeros_like(values)).clamp_(0, 255)
+    return d, byte.to(torch.uint8)
+
+
+def quantize_4bit(weight: torch.Tensor, group: int = GROUP, importance: torch.Tensor | None = None,
+                  search: bool = True):
+    """weight [N, K] float -> FourBitBlocks (quasar.model.gguf_blocks): a scale and a min per `group` inputs (a multiple
+    of 32 dividing K), stored as Q4_K stores them (bytes sc and m per 32 inputs times float16 d and dmin per block of
+    block_size(K) inputs), the quants refitted to the stored scales. importance [K]: the inputs' mean square
+    (calibration), None for all alike."""
+    from quasar.model.gguf_blocks import FourBitBlocks
+
+    N, K = weight.shape
+    if group % GROUP or K % group:
+        raise ValueError(f"a W4A8 group of {group} inputs must be a multiple of 32 dividing K = {K}")
+    weight = weight.detach().float()
+    imp = torch.ones(K) if importance is None else importance.float().clamp_min(1e-8 * importance.float().mean())
+    scale, low = torch.empty(N, K // group), torch.empty(N, K // group)
+    for r0 in range(0, N, ROWS_AT_ONCE):
+        rows = weight[r0 : r0 + ROWS_AT_ONCE]
+        R = rows.shape[0]
+        s, lo = fit_groups(rows.reshape(-1, group), imp.view(1, K // group, group).expand(R, -1, -1).reshape(-1, group),
+                           search)
+        scale[r0 : r0 + R], low[r0 : r0 + R] = s.view(R, -1), lo.view(R, -1)
+    B, repeat = block_size(K), group // GROUP
+    d, sc = two_level(scale.repeat_interleave(repeat, 1), B // GROUP)
+    dmin, m = two_level((-low).repeat_interleave(repeat, 1), B // GROUP)
+    S = d.float().repeat_interleave(B // GROUP, 1) * sc.float()  # [N, K/32] as stored
+    M = dmin.float().repeat_interleave(B // GROUP, 1) * m.float()
+    w = weight.view(N, K // GROUP, GROUP)
+    q = torch.where(S[..., None] > 0, ((w + M[..., None]) / S[..., None].clamp_min(1e-30)).round(), torch.zeros_like(w))
+    return FourBitBlocks(q.clamp_(0, LEVELS).to(torch.uint8).view(N, K), d, dmin, sc, m, B, f"w4a8:g{group}")
 
 
 class W4A8Linear(nn.Module):
@@ -59,6 +139,12 @@ class W4A8Linear(nn.Module):
         if bias is not None:
             layer.bias = bias.detach().float().clone()
         return layer
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, group: int = GROUP, importance: torch.Tensor | None = None,
+                   search: bool = True) -> W4A8Linear:
+        """Calibrated 4-bit blocks of a float linear (quantize_4bit)."""
+        return cls.from_blocks(quantize_4bit(linear.weight, group, importance, search), linear.bias)
 
     def quants(self) -> torch.Tensor:
         """q [N, K] uint8 in [0, 15]."""

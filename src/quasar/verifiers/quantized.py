@@ -25,7 +25,8 @@ from quasar.spec import VerifierSpec
 
 log = logging.getLogger("quasar")
 QUANT_DIR = Path(__file__).parents[1] / "quant"
-QUANT_CODE = ("calibration.py", "checkpoint.py", "bf16.py", "int8.py", "recipe.py", "schemes.py", "smoothquant.py")
+QUANT_CODE = ("calibration.py", "checkpoint.py", "bf16.py", "int8.py", "recipe.py", "schemes.py", "smoothquant.py",
+              "w4a8.py")
 
 
 @functools.cache
@@ -51,7 +52,9 @@ def quantized_cached(model: str | Path, recipe: QuantRecipe) -> LoadedModel:
 
 
 def checkpoint_spec(block: dict) -> VerifierSpec:
-    """The verifier a checkpoint's quantization block holds: w8a8:g32, w8a8:pc, w8a8:g32:lmbf16, w8a16."""
+    """The verifier a checkpoint's quantization block holds: w8a8:g32, w8a8:pc, w8a8:g32:lmbf16, w8a16, w4a8:g32:awq."""
+    if block["scheme"] == "w4a8":
+        return VerifierSpec("w4a8", group=block.get("group_size", 32), method=block.get("method", "awq"))
     if block["scheme"] != "w8a8":
         return VerifierSpec(block["scheme"])
     head = "lm8" if block.get("lm_head_dtype") == "int8" else "lmbf16"
@@ -68,6 +71,7 @@ def load_quantized_verifier(model: str | Path, spec: VerifierSpec) -> LoadedMode
         return quantized_cached(model, recipe)
     held = checkpoint_spec(block)
     if (held.kind != spec.kind or (spec.group is not None and held.group != spec.group)
+            or (spec.method is not None and held.method != spec.method)
             or (spec.lm_head is not None and held.int8_lm_head != spec.int8_lm_head)):
         raise ValueError(f"{path} is a {held} checkpoint, but --verifier asks for {spec}")
     return load_quantized(path)

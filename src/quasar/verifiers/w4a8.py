@@ -1,4 +1,6 @@
-"""The 'w4a8' verifier: a GGUF model's own quantized blocks, computed on as they are (no requantization).
+"""The 'w4a8' verifier: a GGUF model's own quantized blocks, computed on as they are (no requantization); or, for
+'w4a8:gN[:awq|:rtn]' and for a model that is no GGUF file, 4-bit blocks fitted to the float weights once and cached
+as the w8a8 checkpoints are (verifiers/quantized.py, quant/w4a8.quantize_4bit).
 
 Every linear whose tensor is Q4_0, Q4_1 or Q4_K becomes a W4A8Linear holding the file's 4-bit quants, scales and
 mins (quant/w4a8.py); Q6_K ones a W6A8Linear holding its 6-bit quants and scales; Q8_0 and Q5_0 ones group-wise W8A8
@@ -18,11 +20,12 @@ from pathlib import Path
 from torch import nn
 
 from quasar.model.gguf_blocks import Blocks, ByteBlocks, FourBitBlocks, SixBitBlocks, linear_blocks
-from quasar.model.loading import LoadedModel, ModelLoadError, load, read_config, resolve
+from quasar.model.loading import LoadedModel, load, read_config, resolve
 from quasar.quant.int8 import Int8Linear
 from quasar.quant.schemes import swap_module_
 from quasar.quant.w4a8 import W4A8Linear, W6A8Linear
 from quasar.spec import VerifierSpec
+from quasar.verifiers.quantized import load_quantized_verifier
 
 log = logging.getLogger("quasar")
 
@@ -43,10 +46,16 @@ def block_linear(linear: nn.Linear, blocks: Blocks | None) -> tuple[nn.Module, s
 
 
 def load_w4a8(model: str | Path, spec: VerifierSpec | None = None) -> LoadedModel:
+    """Plain 'w4a8' on a GGUF file: the file's own blocks; else calibrated blocks (a cached or given checkpoint)."""
+    spec = spec or VerifierSpec("w4a8")
+    if spec.calibrated_blocks or not resolve(model).is_file():
+        return load_quantized_verifier(model, spec)
+    return load_file_blocks(model)
+
+
+def load_file_blocks(model: str | Path) -> LoadedModel:
+    """The float model of a GGUF file with every linear swapped for one computing on the file's own blocks."""
     path = resolve(model)
-    if not path.is_file():
-        raise ModelLoadError(f"the w4a8 verifier computes on a GGUF file's own 4-bit blocks; {path} is not a GGUF file "
-                             "(for a float or quantized directory use w8a8)")
     loaded = load(model, "fp32")
     blocks = linear_blocks(path, read_config(loaded.directory))
     sources: Counter[str] = Counter()

@@ -1,8 +1,10 @@
-"""F16, BF16 and Q8_0 copies of a GGUF model, for the llama.cpp peers (same weights as quasar's methods).
+"""F16, BF16, Q8_0 and Q4_K_M copies of a GGUF model, for the llama.cpp peers (same weights as quasar's methods).
 
 Every metadata field is copied; each 2-D weight is dequantized and re-encoded (F16, BF16, or Q8_0 where rows
-are a multiple of its 32-value block), 1-D tensors (norms, biases) stay F32 as llama.cpp expects.
-Written once into the user cache, keyed by the source's sha256.
+are a multiple of its 32-value block), 1-D tensors (norms, biases) stay F32 as llama.cpp expects. The Q4_K_M copy
+is llama.cpp's own quantizer (`llama_model_quantize`, needs llama-cpp-python) run on the F16 copy: llama.cpp's 4-bit
+blocks of the same float weights that quasar's calibrated `w4a8:gN` fits. Written once into the user cache, keyed by
+the source's sha256.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from quasar.model.loading import open_gguf, resolve
 
 log = logging.getLogger("quasar")
 PRECISIONS = {"f16": ("F16", "MOSTLY_F16"), "bf16": ("BF16", "MOSTLY_BF16"), "q8_0": ("Q8_0", "MOSTLY_Q8_0")}  # -> (tensor type, file type)
+LLAMA_QUANTIZED = {"q4_k_m": "Q4_K_M"}  # copies made by llama.cpp's quantizer from the F16 copy -> its file type
 
 
 def encode(weights: np.ndarray, precision: str) -> tuple[np.ndarray, object]:
@@ -60,10 +63,24 @@ def write_copy(source: Path, target: Path, precision: str) -> None:
     os.replace(tmp, target)
 
 
+def llama_quantize(source: Path, target: Path, file_type: str) -> None:
+    """llama.cpp's own quantizer: `source` (F16) to `target` of `file_type` ('Q4_K_M'), through a temporary file."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{file_type}")
+    params.nthread = os.cpu_count() or 1
+    tmp = target.with_name(f".{target.name}.tmp.{os.getpid()}")
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), params) != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"llama.cpp could not quantize {source.name} to {file_type}")
+    os.replace(tmp, target)
+
+
 def exported_gguf(model: str | Path, precision: str) -> Path:
-    """The cached `precision` ('f16', 'bf16' or 'q8_0') copy of a GGUF model, made on first use."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown GGUF precision {precision!r}; choose from {', '.join(PRECISIONS)}")
+    """The cached `precision` ('f16', 'bf16', 'q8_0' or 'q4_k_m') copy of a GGUF model, made on first use."""
+    if precision not in (*PRECISIONS, *LLAMA_QUANTIZED):
+        raise ValueError(f"unknown GGUF precision {precision!r}; choose from {', '.join((*PRECISIONS, *LLAMA_QUANTIZED))}")
     source = resolve(model)
     if not source.is_file():
         raise ValueError("the llama.cpp peers need a GGUF model (--model default or a .gguf file)")
@@ -71,7 +88,10 @@ def exported_gguf(model: str | Path, precision: str) -> Path:
     if not target.exists():
         log.info("writing a %s copy of %s for llama.cpp into %s", precision, source.name, target)
         target.parent.mkdir(parents=True, exist_ok=True)
-        write_copy(source, target, precision)
+        if precision in LLAMA_QUANTIZED:
+            llama_quantize(exported_gguf(model, "f16"), target, LLAMA_QUANTIZED[precision])
+        else:
+            write_copy(source, target, precision)
     return target
 
 

@@ -1,5 +1,6 @@
 """llama.cpp as a fidelity peer: the logits of its Q8_0 (int8 weights and activations, one scale per block
-of 32) copy of the same weights, or of the model's own GGUF file (`llamacpp:file`: the Q4_K_M or Q4_1 users run), on
+of 32) copy of the same weights, of its own Q4_K_M of them (`llamacpp:q4_k_m`), or of the model's own GGUF file
+(`llamacpp:file`: the Q4_K_M or Q4_1 users run), on
 the same token windows as quasar's verifiers (`quasar fidelity --peer llamacpp`). Needs llama-cpp-python and a GGUF
 model; the Q8_0 copy is written once (bench/gguf_export.py).
 """
@@ -14,7 +15,7 @@ import torch
 
 INSTALL = ("llama.cpp rows skipped: llama-cpp-python is not installed "
            "(pip install llama-cpp-python; it builds from source in about 12 minutes)")
-PRECISIONS = ("q8_0", "file")
+PRECISIONS = ("q8_0", "q4_k_m", "file")
 
 
 def available() -> bool:
@@ -49,7 +50,7 @@ def peers(names: list[str], model: str | Path, max_tokens: int) -> dict[str, Lla
     for name in names:
         kind, _, precision = name.partition(":")
         if kind != "llamacpp" or (precision or "q8_0") not in PRECISIONS:
-            raise ValueError(f"unknown fidelity peer {name!r}; choose from llamacpp, llamacpp:q8_0, llamacpp:file")
+            raise ValueError(f"unknown fidelity peer {name!r}; choose from llamacpp, llamacpp:q8_0, llamacpp:q4_k_m, llamacpp:file")
         wanted.append(precision or "q8_0")
     if wanted and not available():
         print(INSTALL, file=sys.stderr)

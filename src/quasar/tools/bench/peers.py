@@ -197,7 +197,7 @@ def build_hf(name: str, pool: Pool) -> HFMethod:
 
 def build_llamacpp(name: str, pool: Pool) -> LlamaCppMethod:
     _, mode, precision = (name.split(":") + ["q8_0"])[:3]
-    if mode not in ("ar", "pld") or precision not in ("q8_0", "f16", "file"):
-        raise ValueError(f"unknown llama.cpp peer {name!r}; choose llamacpp:{{ar,pld}}[:f16|:q8_0|:file] (file: the "
-                         "model's own GGUF)")
+    if mode not in ("ar", "pld") or precision not in ("q8_0", "f16", "q4_k_m", "file"):
+        raise ValueError(f"unknown llama.cpp peer {name!r}; choose llamacpp:{{ar,pld}}[:f16|:q8_0|:q4_k_m|:file] (file: "
+                         "the model's own GGUF)")
     return LlamaCppMethod(name, pool, precision, pool.options.pld_tokens if mode == "pld" else None)
