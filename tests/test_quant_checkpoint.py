@@ -242,7 +242,7 @@ def test_a_warm_cache_loads_no_float_model_and_the_quantizer_code_keys_it(tiny_m
     assert loaded_floats == []
     assert torch.equal(again.model.model.layers[0].mlp.up_proj.weight, first.model.model.layers[0].mlp.up_proj.weight)
     assert len(list((cache / "quantized").iterdir())) == 1
-    monkeypatch.setattr(quant_verifiers, "quant_code_sha256", lambda: "a fix in the quantizer")
+    monkeypatch.setattr(quant_verifiers, "quant_code_sha256", lambda scheme: "a fix in the quantizer")
     load_verifier(tiny_model_dir, "w8a8")
     assert len(loaded_floats) == 1 and len(list((cache / "quantized").iterdir())) == 2
 

@@ -18,8 +18,10 @@ from quasar.model.gguf_blocks import ByteBlocks, FourBitBlocks, SixBitBlocks, un
 from quasar.quant.int8 import quantize_tokens
 from quasar.quant.w4a8 import W4A8Linear, W6A8Linear, block_size, quantize_4bit
 
-BLOCK_BYTES = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q6_K: (256, 210)}
-SCALES_AT = {T.Q4_0: slice(0, 2), T.Q4_1: slice(0, 4), T.Q4_K: slice(0, 4), T.Q6_K: slice(208, 210)}  # float16
+BLOCK_BYTES = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q5_K: (256, 176), T.Q6_K: (256, 210)}
+SCALES_AT = {T.Q4_0: slice(0, 2), T.Q4_1: slice(0, 4), T.Q4_K: slice(0, 4), T.Q5_K: slice(0, 4),
+             T.Q6_K: slice(208, 210)}  # float16
+LARGEST = {T.Q4_0: 15, T.Q4_1: 15, T.Q4_K: 15, T.Q5_K: 31, T.Q6_K: 63}
 PATHS = native.kernel().int8_paths() if native.kernel() is not None else []
 
 
@@ -38,12 +40,12 @@ def layer_class(qtype):
     return W6A8Linear if qtype == T.Q6_K else W4A8Linear
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K])
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K])
 def test_quant_blocks_dequantize_as_gguf_does(qtype):
     raw = random_blocks(qtype, 5, 512, seed=int(qtype))
     blocks = unpack(raw, qtype, 5)
     assert isinstance(blocks, SixBitBlocks if qtype == T.Q6_K else FourBitBlocks)
-    assert int(blocks.q.max()) == (63 if qtype == T.Q6_K else 15)
+    assert int(blocks.q.max()) == LARGEST[qtype]
     assert torch.equal(blocks.dequantize(), torch.from_numpy(dequantize(raw, qtype).reshape(5, 512)))
     assert torch.equal(layer_class(qtype).from_blocks(blocks).dequantize(), blocks.dequantize())
 
@@ -59,7 +61,7 @@ def test_byte_blocks_hold_the_files_values(qtype):
 
 
 def test_types_without_a_block_form_are_left_out():
-    assert unpack(np.zeros((2, 176), dtype=np.uint8), T.Q5_K, 2) is None
+    assert unpack(np.zeros((2, 110), dtype=np.uint8), T.Q3_K, 2) is None
 
 
 def layer_of(qtype, N: int, K: int, bias: bool, seed: int):
@@ -68,7 +70,7 @@ def layer_of(qtype, N: int, K: int, bias: bool, seed: int):
     return layer_class(qtype).from_blocks(blocks, b)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q6_K])
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K])
 def test_reference_is_the_dequantized_product_up_to_activation_rounding(qtype):
     """Against float64 on the same int8 inputs: only the float32 rounding of five operations per group differs."""
     layer = layer_of(qtype, 32, 512, True, 3)
@@ -83,10 +85,10 @@ def test_reference_is_the_dequantized_product_up_to_activation_rounding(qtype):
 @needs_kernels
 @pytest.mark.parametrize("path", ["auto", *PATHS])
 @pytest.mark.parametrize("qtype,K", [(T.Q4_0, 96), (T.Q4_1, 576), (T.Q4_K, 256), (T.Q4_K, 1536), (T.Q4_K, 2304),
-                                     (T.Q6_K, 256), (T.Q6_K, 2304)])
+                                     (T.Q5_K, 256), (T.Q5_K, 2304), (T.Q6_K, 256), (T.Q6_K, 2304)])
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17])
 def test_every_path_gives_the_references_floats(path, qtype, K, M):
-    """Random blocks cover every quant (0-15, 0-63 on Q6_K), Q4_K's 6-bit sc and m up to 63, Q6_K's signed sc from
+    """Random blocks cover every quant (0-15, 0-31 on Q5_K, 0-63 on Q6_K), the K-quants' 6-bit sc and m up to 63, Q6_K's signed sc from
     -128 to 127, negative mins, tails of row blocks (1-17 rows), panel tiles (N = 48: three panels) and chunks of K
     (2304 = 9 super-blocks)."""
     layer = layer_of(qtype, 48, K, M % 2 == 1, seed=K + M)
@@ -110,7 +112,7 @@ def test_mixed_blocks_of_one_input_share_its_quantization():
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q6_K])
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K])
 def test_kernel_rows_never_depend_on_the_other_rows(qtype):
     layer = plan.on_kernel(layer_of(qtype, 64, 512, True, 7))
     assert isinstance(layer, KernelW6A8Linear if qtype == T.Q6_K else KernelW4A8Linear)

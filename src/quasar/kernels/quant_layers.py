@@ -83,14 +83,21 @@ class KernelInt8Linear(KernelModule, Int8Linear):
 
 
 def pack_w4_panels(layer: W4A8Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """A W4A8Linear's blocks as csrc/w4a8_panel.cpp reads them: (panels [N/16, K/32, 256] uint8, block scales
-    [N/16, K/B, 64 + B] uint8). A group's 256 bytes are 4 chunks of 8 inputs, each 16 channels x 4 bytes, byte j of a
-    channel holding inputs 8t + j (low nibble) and 8t + 4 + j (high nibble); a block's scales are d[16] and dmin[16]
-    as float16, then sc[16] and m[16] for each of its groups."""
+    """A W4A8Linear's blocks as csrc/w4a8_panel.cpp reads them: (panels [N/16, K/32, 256] uint8 ([.., 320] for 5-bit
+    quants), block scales [N/16, K/B, 64 + B] uint8). A group's 256 bytes are 4 chunks of 8 inputs, each 16 channels x
+    4 bytes, byte j of a channel holding the low 4 bits of inputs 8t + j (low nibble) and 8t + 4 + j (high nibble);
+    5-bit quants add 16 channels x 4 bytes, byte j of a channel holding the fifth bit of input 8t + 4h + j in bit
+    2t + h; a block's scales are d[16] and dmin[16] as float16, then sc[16] and m[16] for each of its groups."""
     N, K, B = layer.out_features, layer.in_features, layer.block
     P, G, nb = N // 16, K // GROUP, K // B
     q = layer.quants().view(P, 16, G, 4, 2, 4)  # [panel, channel, group, chunk, nibble, byte]
-    panels = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(P, G, 256).contiguous()
+    low = q & 0x0F
+    panels = (low[..., 0, :] | (low[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(P, G, 256)
+    if layer.bits == 5:
+        shifts = torch.arange(8, dtype=torch.uint8).view(4, 2, 1)  # bit 2t + h
+        fifth = ((q >> 4) << shifts).sum((3, 4), dtype=torch.uint8)  # [P, 16, G, 4]: distinct bits, the sum is their OR
+        panels = torch.cat([panels, fifth.permute(0, 2, 1, 3).reshape(P, G, 64)], -1)
+    panels = panels.contiguous()
 
     def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, nb] float16 -> [P, nb, 32] bytes
         return t.view(P, 16, nb).transpose(1, 2).contiguous().view(torch.uint8)
@@ -121,7 +128,7 @@ class KernelW4A8Linear(KernelModule, W4A8Linear):
         """Keep only the packed copy: the plain blocks become empty."""
         if not self.qweight.numel():
             return False
-        for name in ("qweight", "d", "dmin", "sc", "m"):
+        for name in ("qweight", "d", "dmin", "sc", "m") + (("qhigh",) if self.qhigh is not None else ()):
             setattr(self, name, torch.empty(0, dtype=getattr(self, name).dtype))
         return True
 

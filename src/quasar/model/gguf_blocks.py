@@ -3,14 +3,15 @@ compute with the file's own weights (quasar.verifiers.w4a8) instead of the float
 
 Two forms, each exact (dequantizing it gives gguf's own dequantization of the tensor, float for float):
 
-- FourBitBlocks (Q4_0, Q4_1, Q4_K): quants q in [0, 15] and w = d * sc * q - dmin * m, with float16 d and dmin per
-  block of `block` inputs (Q4_K's super-blocks of 256; 32 for Q4_0 and Q4_1) and byte sc and m per group of 32
-  (Q4_K's 6-bit scales and mins; sc = m = 1 for Q4_0, whose dmin is 8 d, and Q4_1, whose dmin is -min).
+- FourBitBlocks (Q4_0, Q4_1, Q4_K, and with 5-bit quants Q5_K): quants q in [0, 15] ([0, 31]) and
+  w = d * sc * q - dmin * m, with float16 d and dmin per block of `block` inputs (the K-quants' super-blocks of 256;
+  32 for Q4_0 and Q4_1) and byte sc and m per group of 32 (the K-quants' 6-bit scales and mins; sc = m = 1 for Q4_0,
+  whose dmin is 8 d, and Q4_1, whose dmin is -min).
 - SixBitBlocks (Q6_K): quants q in [0, 63] and w = d * sc * (q - 32), with float16 d per block of 256 inputs and a
   signed byte sc per sub-block of 16.
 - ByteBlocks (Q8_0, Q5_0): int8 values and one float scale per group of 32 (Q5_0's quants less 16).
 
-Other tensor types (Q5_K, Q2_K, Q3_K, IQ*, float) have no block form here (`unpack` gives None).
+Other tensor types (Q2_K, Q3_K, IQ*, float) have no block form here (`unpack` gives None).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ GROUP = 32
 
 @dataclass(frozen=True)
 class FourBitBlocks:
-    """w [N, K] = (d * sc)[group] * q - (dmin * m)[group]: q [N, K] uint8 in [0, 15], d and dmin [N, K/block]
+    """w [N, K] = (d * sc)[group] * q - (dmin * m)[group]: q [N, K] uint8 in [0, 2^bits), d and dmin [N, K/block]
     float16, sc and m [N, K/32] uint8."""
 
     q: torch.Tensor
@@ -38,7 +39,8 @@ class FourBitBlocks:
     sc: torch.Tensor
     m: torch.Tensor
     block: int
-    source: str  # the GGUF tensor type: Q4_0, Q4_1 or Q4_K
+    source: str  # the GGUF tensor type: Q4_0, Q4_1, Q4_K or Q5_K
+    bits: int = 4
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K], as gguf dequantizes the tensor."""
@@ -91,16 +93,23 @@ def fp16(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(raw).view(np.float16)[..., 0]
 
 
-def q4_k(data: np.ndarray, rows: int) -> FourBitBlocks:
+def k_quant(data: np.ndarray, rows: int, five: bool) -> FourBitBlocks:
+    """Q4_K (d, dmin, 12 bytes of 6-bit scales and mins, 128 of quants) and Q5_K (the same with 32 bytes of fifth
+    bits before the quants)."""
     from gguf.quants import Q4_K
 
-    blocks = data.reshape(rows, -1, 144)  # [N, K/256, 144]: d, dmin, 12 bytes of scales, 128 of quants
+    width = 176 if five else 144
+    blocks = data.reshape(rows, -1, width)  # [N, K/256, width]
     nb = blocks.shape[1]
     sc, m = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))  # [N * nb, 8] each
-    qs = blocks[..., 16:].reshape(rows, nb, 4, 32)  # four chunks of 64 weights: low nibbles, then high ones
-    q = halves(qs).reshape(rows, nb * 256)
-    return FourBitBlocks(torch.from_numpy(q), torch.from_numpy(fp16(blocks[..., 0:2])), torch.from_numpy(fp16(blocks[..., 2:4])),
-                         torch.from_numpy(sc.reshape(rows, nb * 8)), torch.from_numpy(m.reshape(rows, nb * 8)), 256, "Q4_K")
+    qs = blocks[..., width - 128 :].reshape(rows, nb, 4, 32)  # four chunks of 64 weights: low nibbles, then high ones
+    q = halves(qs).reshape(rows, nb, 8, 32)  # [N, nb, group, 32]
+    if five:  # bit j of byte i: the fifth bit of weight 32 j + i
+        qh = blocks[..., 16:48].reshape(rows, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+        q = q | ((qh & 0x01) << 4)
+    return FourBitBlocks(torch.from_numpy(q.reshape(rows, nb * 256)), torch.from_numpy(fp16(blocks[..., 0:2])),
+                         torch.from_numpy(fp16(blocks[..., 2:4])), torch.from_numpy(sc.reshape(rows, nb * 8)),
+                         torch.from_numpy(m.reshape(rows, nb * 8)), 256, "Q5_K" if five else "Q4_K", 5 if five else 4)
 
 
 def q6_k(data: np.ndarray, rows: int) -> SixBitBlocks:
@@ -153,8 +162,8 @@ def tensor_blocks(tensor: Any) -> Blocks | None:
 def unpack(data: np.ndarray, qtype: Any, rows: int) -> Blocks | None:
     """The raw blocks of a tensor of `rows` rows of GGML type qtype (gguf.GGMLQuantizationType) as blocks, or None."""
     name = qtype.name
-    if name == "Q4_K":
-        return q4_k(data, rows)
+    if name in ("Q4_K", "Q5_K"):
+        return k_quant(data, rows, name == "Q5_K")
     if name == "Q6_K":
         return q6_k(data, rows)
     if name in ("Q4_0", "Q4_1"):

@@ -1,9 +1,9 @@
 """The linears of the w4a8 verifier: GGUF's quantized blocks as the file holds them, times dynamic int8 activations
 with one scale per 32 inputs, exact int32 dot products per group of 32.
 
-W4A8Linear: 4-bit weights in blocks with scales and mins (Q4_0, Q4_1 and Q4_K).
+W4A8Linear: 4-bit weights in blocks with scales and mins (Q4_0, Q4_1 and Q4_K; 5-bit ones too, Q5_K).
 
-    w[n, k] = S[n, g] * q[n, k] - M[n, g]    q in [0, 15], g = k / 32,  S = d * sc,  M = dmin * m (exact products)
+    w[n, k] = S[n, g] * q[n, k] - M[n, g]    q in [0, 15] ([0, 31]), g = k / 32,  S = d * sc,  M = dmin * m (exact)
     y[m, n] = sum_g (float(q[n, g] . x[m, g]) * S[n, g] - M[n, g] * float(xsum[m, g])) * x_scale[m, g]   (+ bias)
 
 x[m, g] are the row's int8 inputs of group g (quant.int8.quantize_tokens with G = 32, as the w8a8 verifier's) and
@@ -111,16 +111,25 @@ def quantize_4bit(weight: torch.Tensor, group: int = GROUP, importance: torch.Te
 
 
 class W4A8Linear(nn.Module):
-    """The weights as blocks (quasar.model.gguf_blocks.FourBitBlocks): q nibble pairs [N, K/2] uint8 (q[2i] in the low
-    nibble), d and dmin [N, K/block] float16, sc and m [N, K/32] uint8."""
+    """The weights as blocks (quasar.model.gguf_blocks.FourBitBlocks): q's low 4 bits as nibble pairs qweight [N, K/2]
+    uint8 (q[2i] in the low nibble), 5-bit quants' fifth bits in qhigh [N, K/8] (bit i of byte j: q[8j + i]'s),
+    d and dmin [N, K/block] float16, sc and m [N, K/32] uint8."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, block: int = 256) -> None:
+    qhigh: torch.Tensor | None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, block: int = 256, bits: int = 4) -> None:
         super().__init__()
         if block % GROUP or in_features % block:
             raise ValueError(f"W4A8 blocks of {block} inputs must be a multiple of 32 dividing K = {in_features}")
-        self.in_features, self.out_features, self.block = in_features, out_features, block
+        if bits not in (4, 5):
+            raise ValueError(f"W4A8 blocks hold 4- or 5-bit quants, not {bits}-bit ones")
+        self.in_features, self.out_features, self.block, self.bits = in_features, out_features, block, bits
         N, K = out_features, in_features
         self.register_buffer("qweight", torch.zeros(N, K // 2, dtype=torch.uint8))
+        if bits == 5:
+            self.register_buffer("qhigh", torch.zeros(N, K // 8, dtype=torch.uint8))
+        else:
+            self.qhigh = None
         self.register_buffer("d", torch.zeros(N, K // block, dtype=torch.float16))
         self.register_buffer("dmin", torch.zeros(N, K // block, dtype=torch.float16))
         self.register_buffer("sc", torch.zeros(N, K // GROUP, dtype=torch.uint8))
@@ -131,9 +140,12 @@ class W4A8Linear(nn.Module):
     def from_blocks(cls, blocks, bias: torch.Tensor | None = None) -> W4A8Linear:
         """From FourBitBlocks (q [N, K] in [0, 15])."""
         N, K = blocks.q.shape
-        layer = cls(K, N, bias is not None, blocks.block)
-        q = blocks.q.view(N, K // 2, 2)
+        layer = cls(K, N, bias is not None, blocks.block, blocks.bits)
+        q = (blocks.q & 0x0F).view(N, K // 2, 2)
         layer.qweight = (q[..., 0] | (q[..., 1] << 4)).contiguous()
+        if blocks.bits == 5:
+            fifth = (blocks.q >> 4).view(N, K // 8, 8) << torch.arange(8, dtype=torch.uint8)
+            layer.qhigh = fifth.sum(-1, dtype=torch.uint8).contiguous()  # distinct bits: the sum is their OR
         layer.d, layer.dmin = blocks.d.contiguous(), blocks.dmin.contiguous()
         layer.sc, layer.m = blocks.sc.contiguous(), blocks.m.contiguous()
         if bias is not None:
@@ -147,8 +159,12 @@ class W4A8Linear(nn.Module):
         return cls.from_blocks(quantize_4bit(linear.weight, group, importance, search), linear.bias)
 
     def quants(self) -> torch.Tensor:
-        """q [N, K] uint8 in [0, 15]."""
-        return torch.stack([self.qweight & 0x0F, self.qweight >> 4], dim=-1).view(self.out_features, self.in_features)
+        """q [N, K] uint8 in [0, 2^bits)."""
+        q = torch.stack([self.qweight & 0x0F, self.qweight >> 4], dim=-1).view(self.out_features, self.in_features)
+        if self.qhigh is not None:
+            fifth = (self.qhigh[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [N, K/8, 8]
+            q = q | (fifth.view(self.out_features, self.in_features) << 4)
+        return q
 
     def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(S, M) [N, K/32] float32: each group's scale d * sc and min dmin * m."""
@@ -180,7 +196,8 @@ class W4A8Linear(nn.Module):
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+        bits = ", bits=5" if self.bits == 5 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}{bits}"
 
 
 class W6A8Linear(nn.Module):

@@ -25,18 +25,19 @@ from quasar.spec import VerifierSpec
 
 log = logging.getLogger("quasar")
 QUANT_DIR = Path(__file__).parents[1] / "quant"
-QUANT_CODE = ("calibration.py", "checkpoint.py", "bf16.py", "int8.py", "recipe.py", "schemes.py", "smoothquant.py",
-              "w4a8.py")
+QUANT_CODE = ("calibration.py", "checkpoint.py", "bf16.py", "int8.py", "recipe.py", "schemes.py", "smoothquant.py")
+SCHEME_CODE = {"w4a8": ("w4a8.py",)}  # what decides one scheme's weights alone: a change there keeps the others' caches
 
 
 @functools.cache
-def quant_code_sha256() -> str:
-    """A hash of the code that decides quantized weights: any change to it invalidates cached checkpoints."""
-    return hashlib.sha256(b"".join((QUANT_DIR / name).read_bytes() for name in QUANT_CODE)).hexdigest()
+def quant_code_sha256(scheme: str = "w8a8") -> str:
+    """A hash of the code that decides a scheme's quantized weights: any change to it invalidates cached checkpoints."""
+    files = QUANT_CODE + SCHEME_CODE.get(scheme, ())
+    return hashlib.sha256(b"".join((QUANT_DIR / name).read_bytes() for name in files)).hexdigest()
 
 
 def recipe_key(source_sha256: str, recipe: QuantRecipe) -> str:
-    settings = {"source_sha256": source_sha256, "quant_code": quant_code_sha256(), **recipe.settings()}
+    settings = {"source_sha256": source_sha256, "quant_code": quant_code_sha256(recipe.scheme), **recipe.settings()}
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:32]
 
 

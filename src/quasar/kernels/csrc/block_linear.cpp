@@ -1,7 +1,8 @@
-// The linears of GGUF's quantized blocks (W4A8: Q4_0, Q4_1, Q4_K; W6A8: Q6_K): dynamic int8 activations, one scale
+// The linears of GGUF's quantized blocks (W4A8: Q4_0, Q4_1, Q4_K, Q5_K; W6A8: Q6_K): dynamic int8 activations, one scale
 // per 32 inputs (quantized by norm_quant.cpp as the group-wise W8A8 linears quantize theirs), their sums per 32 and
 // per 16 inputs, then the panel kernels (w4a8_panel.cpp, w6a8_panel.cpp) over every output panel of every weight in
-// one parallel region, and the bias. A weight's panels say its format: [N/16, K/32, 256] 4-bit, [.., 384] Q6_K.
+// one parallel region, and the bias. A weight's panels say its format: [N/16, K/32, 256] 4-bit, [.., 320] 5-bit,
+// [.., 384] Q6_K.
 #include "kernels.h"
 #include "block_panels.h"
 
@@ -13,12 +14,12 @@ constexpr int64_t kGroup = 32;
 
 using Panels = void (*)(Int8Path, const BlockCall&, int64_t, int64_t);
 
-// A packed weight's kernel, after checking its panels [N/16, K/32, 256 or 384] and block scales (4-bit: [N/16, K/B,
-// 64 + B] for blocks of B inputs; Q6_K: [N/16, K/256, 288]); B into *B.
+// A packed weight's kernel, after checking its panels [N/16, K/32, 256, 320 or 384] and block scales (4- and 5-bit:
+// [N/16, K/B, 64 + B] for blocks of B inputs; Q6_K: [N/16, K/256, 288]); B into *B.
 Panels check_blocks(const torch::Tensor& w, const torch::Tensor& scales, int64_t K, int64_t* B) {
   TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 3 && w.size(1) * kGroup == K &&
-                  (w.size(2) == 256 || w.size(2) == 384),
-              "block panels uint8 [N/16, K/32, 256 (4-bit) or 384 (Q6_K)] expected for K = ", K);
+                  (w.size(2) == 256 || w.size(2) == 320 || w.size(2) == 384),
+              "block panels uint8 [N/16, K/32, 256 (4-bit), 320 (5-bit) or 384 (Q6_K)] expected for K = ", K);
   TORCH_CHECK(scales.dtype() == torch::kUInt8 && scales.dim() == 3 && scales.size(0) == w.size(0) && scales.size(1) > 0,
               "block scales uint8 [N/16, K/B, bytes] expected");
   if (w.size(2) == 384) {
@@ -29,7 +30,7 @@ Panels check_blocks(const torch::Tensor& w, const torch::Tensor& scales, int64_t
   *B = scales.size(2) - 64;
   TORCH_CHECK(*B > 0 && *B % kGroup == 0 && *B * scales.size(1) == K,
               "4-bit block scales [N/16, K/B, 64 + B] need a block size B that is a multiple of 32 dividing K = ", K);
-  return w4a8_panels;
+  return w.size(2) == 320 ? w5a8_panels : w4a8_panels;
 }
 
 }  // namespace

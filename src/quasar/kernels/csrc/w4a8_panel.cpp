@@ -1,24 +1,27 @@
-// W4A8: 4-bit weights as GGUF's Q4_0, Q4_1 and Q4_K blocks hold them, times dynamic int8 activations (one scale
-// per 32 inputs), with the weights packed in panels of 16 output channels:
+// W4A8: 4- and 5-bit weights with scales and mins as GGUF's Q4_0, Q4_1, Q4_K and Q5_K blocks hold them, times dynamic
+// int8 activations (one scale per 32 inputs), with the weights packed in panels of 16 output channels:
 //
-//   w[n, k] = S[n, g] * q[n, k] - M[n, g]      q in [0, 15], g = k / 32 (a group)
+//   w[n, k] = S[n, g] * q[n, k] - M[n, g]      q in [0, 15] (Q5_K: [0, 31]), g = k / 32 (a group)
 //   S[n, g] = d[n, b] * sc[n, g],  M[n, g] = dmin[n, b] * m[n, g]      b = k / B (a block of B = 32 or 256 inputs)
 //   y[m, n] = sum_g ((float(sum_{k in g} q[n, k] x[m, k]) * S[n, g] - M[n, g] * float(xsum[m, g])) * x_scale[m, g])
 //
-// d and dmin are float16, sc and m bytes: Q4_K's super-blocks as they are (B = 256, 6-bit sc and m), and Q4_0 /
+// d and dmin are float16, sc and m bytes: Q4_K's and Q5_K's super-blocks as they are (B = 256, 6-bit sc and m), and Q4_0 /
 // Q4_1 with B = 32, sc = m = 1 and dmin = 8 d (Q4_0) or -min (Q4_1). S and M are exact products (11 x 8 bits), so
 // the weights are exactly the file's. xsum[m, g] is the sum of the row's int8 inputs over the group; the group's
 // dot product is exact in int32; then five float operations per group (no fused multiply-add, so a float32
 // reference gives the same floats), each lane taking its own channel's groups in order: a row's result never
 // depends on the other rows, the tile shape, the chunking of K or the instruction set.
 //
-//   wp [N/16][K/32][4][16][4] uint8: per group, 4 chunks of 8 inputs, each 16 channels x 4 bytes, byte j of channel
-//                                    c holding inputs 8t + j (low nibble) and 8t + 4 + j (high nibble)
+//   wp [N/16][K/32][256] uint8: per group, 4 chunks of 8 inputs, each 16 channels x 4 bytes, byte j of channel c
+//                               holding inputs 8t + j (low nibble) and 8t + 4 + j (high nibble); 5-bit quants
+//                               ([N/16][K/32][320]) add 16 channels x 4 bytes of their fifth bits, byte j of channel
+//                               c holding that of input 8t + 4h + j in bit 2t + h
 //   sp [N/16][K/B][64 + B] uint8:    per block, d[16] and dmin[16] as float16, then per group sc[16] and m[16]
 //
-// AVX-512 VNNI: vpdpbusd takes the nibbles (unsigned) against 4 inputs broadcast (signed), 4 inputs of 16 channels
-// an instruction. AVX2: maddubs takes the same operands into int16 pairs, summed in int16 over the group (at most
-// 16 * 15 * 127 < 2^15: no saturation, as |x| <= 127), then madd by ones into each channel's int32 lane.
+// AVX-512 VNNI: vpdpbusd takes the quants (unsigned) against 4 inputs broadcast (signed), 4 inputs of 16 channels
+// an instruction. AVX2: maddubs takes the same operands into int16 pairs, summed in int16 over the group for 4-bit
+// quants (at most 16 * 15 * 127 < 2^15: no saturation, as |x| <= 127) and over a chunk for 5-bit ones (4 * 31 * 127),
+// then madd by ones into each channel's int32 lane.
 #include "block_panels.h"
 #include "blocking.h"
 #include "vnni.h"
@@ -28,11 +31,15 @@
 
 namespace {
 
-constexpr int64_t kGroup = 32, kGroupBytes = 256, kBlockHead = 64;
+constexpr int64_t kGroup = 32, kBlockHead = 64, kFifthBits = 256;
+
+// The bytes of one group of a panel: 4-bit or 5-bit quants.
+template <bool Five>
+constexpr int64_t kGroupBytes = Five ? 320 : 256;
 
 // ---- AVX2 (maddubs): a panel's 64 bytes per 8 inputs are two 256-bit registers, channels 0-7 and 8-15 ----------
 
-template <int R, Prefetch P>
+template <bool Five, int R, Prefetch P>
 void maddubs_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, const uint8_t* wp, const uint8_t* sp,
                   int64_t B, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t k0, int64_t k1) {
   constexpr int H = 2;
@@ -47,8 +54,11 @@ void maddubs_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, co
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_si256();
-    const uint8_t* group = wp + (p0 * groups + g) * kGroupBytes;
+    const uint8_t* group = wp + (p0 * groups + g) * kGroupBytes<Five>;
     prefetch_weights<P>(group);
+    __m256i fifth[H];
+    if constexpr (Five)
+      for (int h = 0; h < H; ++h) fifth[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kFifthBits + 32 * h));
     for (int t = 0; t < 4; ++t) {
       __m256i lo[H], hi[H];
 #pragma GCC unroll 2
@@ -56,15 +66,21 @@ void maddubs_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, co
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 64 * t + 32 * h));
         lo[h] = _mm256_and_si256(v, low);
         hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if constexpr (Five) {  // bit 2t (+ 1) of each byte to bit 4 (shifts within 16 bits, masked per byte)
+          const __m256i one = _mm256_set1_epi8(1);
+          lo[h] = _mm256_or_si256(lo[h], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(fifth[h], 2 * t), one), 4));
+          hi[h] = _mm256_or_si256(hi[h], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(fifth[h], 2 * t + 1), one), 4));
+        }
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = x + (m0 + r) * K + g * kGroup + 8 * t;
         const __m256i x0 = _mm256_set1_epi32(four_inputs(xr)), x1 = _mm256_set1_epi32(four_inputs(xr + 4));
 #pragma GCC unroll 2
-        for (int h = 0; h < H; ++h)
-          acc[r][h] = _mm256_add_epi16(acc[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], x0),
-                                                                   _mm256_maddubs_epi16(hi[h], x1)));
+        for (int h = 0; h < H; ++h) {
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], x0), _mm256_maddubs_epi16(hi[h], x1));
+          acc[r][h] = Five ? _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(pairs, ones)) : _mm256_add_epi16(acc[r][h], pairs);
+        }
       }
     }
     const uint8_t* block = sp + (p0 * blocks + g / per) * block_bytes;
@@ -81,7 +97,7 @@ void maddubs_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, co
       for (int r = 0; r < R; ++r) {
         const __m256 xs = _mm256_set1_ps(x_scale[(m0 + r) * groups + g]);
         const __m256 sums = _mm256_set1_ps(static_cast<float>(xsum[(m0 + r) * groups + g]));
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r][h], ones));
+        const __m256 dot = _mm256_cvtepi32_ps(Five ? acc[r][h] : _mm256_madd_epi16(acc[r][h], ones));
         const __m256 part = _mm256_mul_ps(_mm256_sub_ps(_mm256_mul_ps(dot, s), _mm256_mul_ps(mn, sums)), xs);
         facc[r][h] = _mm256_add_ps(facc[r][h], part);
       }
@@ -99,7 +115,7 @@ void maddubs_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, co
 QUASAR_TARGET_PUSH(QUASAR_AVX512_VNNI)
 namespace {
 
-template <int R, int C, Prefetch P>
+template <bool Five, int R, int C, Prefetch P>
 void dpbusd_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, const uint8_t* wp, const uint8_t* sp,
                  int64_t B, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t k0, int64_t k1) {
   const int64_t groups = K / kGroup, per = B / kGroup, blocks = K / B, block_bytes = kBlockHead + B;
@@ -117,11 +133,16 @@ void dpbusd_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, con
       __m512i lo[C], hi[C];
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
-        const uint8_t* chunk = wp + ((p0 + c) * groups + g) * kGroupBytes + 64 * t;
-        prefetch_weights<P>(chunk);
-        const __m512i v = _mm512_loadu_si512(chunk);
+        const uint8_t* group = wp + ((p0 + c) * groups + g) * kGroupBytes<Five>;
+        prefetch_weights<P>(group + 64 * t);
+        const __m512i v = _mm512_loadu_si512(group + 64 * t);
         lo[c] = _mm512_and_si512(v, low);
         hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if constexpr (Five) {  // bit 2t (+ 1) of each byte to bit 4 (shifts within 16 bits, masked per byte)
+          const __m512i fifth = _mm512_loadu_si512(group + kFifthBits), one = _mm512_set1_epi8(1);
+          lo[c] = _mm512_or_si512(lo[c], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(fifth, 2 * t), one), 4));
+          hi[c] = _mm512_or_si512(hi[c], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(fifth, 2 * t + 1), one), 4));
+        }
       }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
@@ -156,16 +177,17 @@ void dpbusd_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, con
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(y + (m0 + r) * N + 16 * (p0 + c), facc[r][c]);
 }
 
+template <bool Five>
 void dpbusd_panels(const BlockCall& call, int64_t p0, int64_t p1) {
   with_prefetch(prefetch_policy(), [&](auto policy) {
     const auto tile = [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
-      dpbusd_tile<decltype(rows)::value, decltype(panels)::value, decltype(policy)::value>(
+      dpbusd_tile<Five, decltype(rows)::value, decltype(panels)::value, decltype(policy)::value>(
           call.x, call.xsum, call.x_scale, call.wp, call.sp, call.B, call.y, m, p, call.N, call.K, k0, k1);
     };
     if (call.M <= 2)  // decode: more panels side by side for more independent chains
       panel_tiles<2, 4>(call.M, p0, p1, call.K, 8, call.B, tile);
-    else  // 4 x 2 tiles: 8 int32 and 8 float accumulators, 4 weight registers
-      panel_tiles<4, 2>(call.M, p0, p1, call.K, 8, call.B, tile);
+    else  // 6 x 2 tiles: 12 int32 and 12 float accumulators, 4 weight registers
+      panel_tiles<6, 2>(call.M, p0, p1, call.K, 8, call.B, tile);
   });
 }
 
@@ -181,13 +203,21 @@ void group_sums(const int8_t* x, int64_t M, int64_t K, int64_t G, int32_t* xsum)
     }
 }
 
-void w4a8_panels(Int8Path path, const BlockCall& call, int64_t p0, int64_t p1) {
-  if (path == Int8Path::Dpbusd) return dpbusd_panels(call, p0, p1);
+namespace {
+
+template <bool Five>
+void panels(Int8Path path, const BlockCall& call, int64_t p0, int64_t p1) {
+  if (path == Int8Path::Dpbusd) return dpbusd_panels<Five>(call, p0, p1);
   with_prefetch(prefetch_policy(call.M, true), [&](auto policy) {
     const auto tile = [&](auto rows, auto, int64_t m, int64_t p, int64_t k0, int64_t k1) {
-      maddubs_tile<decltype(rows)::value, decltype(policy)::value>(call.x, call.xsum, call.x_scale, call.wp, call.sp,
-                                                                   call.B, call.y, m, p, call.N, call.K, k0, k1);
+      maddubs_tile<Five, decltype(rows)::value, decltype(policy)::value>(
+          call.x, call.xsum, call.x_scale, call.wp, call.sp, call.B, call.y, m, p, call.N, call.K, k0, k1);
     };
     panel_tiles<2, 1>(call.M, p0, p1, call.K, 8, call.B, tile);  // 2 rows: 8 accumulators, 4 weight registers
   });
 }
+
+}  // namespace
+
+void w4a8_panels(Int8Path path, const BlockCall& call, int64_t p0, int64_t p1) { panels<false>(path, call, p0, p1); }
+void w5a8_panels(Int8Path path, const BlockCall& call, int64_t p0, int64_t p1) { panels<true>(path, call, p0, p1); }

@@ -181,8 +181,8 @@ void dpbusd_panels(const BlockCall& call, int64_t p0, int64_t p1) {
     };
     if (call.M <= 2)  // decode: two panels side by side
       panel_tiles<2, 2>(call.M, p0, p1, call.K, 12, kBlock, tile);
-    else  // 4 x 2 tiles: 8 int32, 8 float and 8 group accumulators, 4 weight registers
-      panel_tiles<4, 2>(call.M, p0, p1, call.K, 12, kBlock, tile);
+    else  // 6 rows: 6 int32, 6 float and 6 group accumulators, 2 weight registers
+      panel_tiles<6, 1>(call.M, p0, p1, call.K, 12, kBlock, tile);
   });
 }
 
