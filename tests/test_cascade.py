@@ -49,6 +49,16 @@ def test_greedy_cascade_equals_the_float_verifier(float_answers, drafter):
         assert got.stats.verify_steps < len(got.token_ids) - 1  # the float level checks blocks, not single tokens
 
 
+def test_the_files_own_blocks_draft_for_the_float_model(float_answers):
+    """ngram+w4a8+bf16 (the --exact of a GGUF's own blocks): the float model's tokens."""
+    from quasar.verifiers.registry import load_verifier
+
+    target, _, prompts, expected = float_answers
+    engine = Engine(target, decoder_for("ngram", target, k=5, middle=load_verifier("default", "w4a8")))
+    for ids, want in zip(prompts, expected):
+        assert engine.generate(ids, SamplingParams(max_new_tokens=32)).token_ids == want.token_ids
+
+
 def test_build_engine_takes_a_cascade_name():
     engine = engine_for("ngram+w8a8+bf16")
     assert isinstance(engine.decoder.drafter, CascadeDrafter) and engine.target.model.plan.paths.startswith(("kernels", "torch"))

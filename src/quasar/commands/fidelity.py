@@ -46,11 +46,11 @@ def build_variants(loaded, names: list[str], spec) -> dict:
     from quasar.quant.recipe import calibrate_model, quantize_model, recipe_for
     from quasar.quant.smoothquant import SmoothConfig
     from quasar.spec import VerifierSpec
-
     from quasar.verifiers.registry import load_verifier
 
     specs = {name: VerifierSpec.parse(name) for name in names}
-    file_blocks = {name: s for name, s in specs.items() if s.kind in FILE_BLOCK_KINDS}  # computed on the file as it is
+    # plain w4a8: a GGUF's own blocks (or, for a float model, the verifier's default fit), loaded as generate loads it
+    file_blocks = {name: s for name, s in specs.items() if s.kind == "w4a8" and not s.calibrated_blocks}
     recipes = {name: recipe_for(s, spec) for name, s in specs.items() if name not in file_blocks}
     calib = None
     if any(r.calibrated for r in recipes.values()):

@@ -77,7 +77,9 @@ register_scheme(W8A16Config, Scheme(
 ))
 register_scheme(W4A8Config, Scheme(
     "w4a8",
-    lambda linear, cfg, importance: W4A8Linear.from_float(linear, cfg.group_size, importance, cfg.method == "awq"),
+    # the activation-aware fit where the calibration saw the linear's inputs (not the lm_head's: min-max there)
+    lambda linear, cfg, importance: W4A8Linear.from_float(linear, cfg.group_size, importance,
+                                                          cfg.method == "awq" and importance is not None),
     lambda k, n, bias, cfg: W4A8Linear(k, n, bias, block_size(k)),
 ))
 
