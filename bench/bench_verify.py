@@ -36,7 +36,7 @@ from quasar.kernels import native
 from quasar.tools.bench.bandwidth import bytes_per_forward, cache_sweep, read_bandwidth
 from quasar.decoding.engine import CACHE_BUCKET
 from quasar.model.loading import load
-from quasar.quant.bf16 import pack_panels
+from quasar.kernels.quant_layers import pack_panels
 from quasar.verifiers.registry import load_verifier
 
 SIZES = (1, 6)

@@ -38,7 +38,8 @@ import torch
 from quasar.builder import Verifiers, build_engine
 from quasar.spec import EngineSpec, parse_levels
 from quasar.tools.bench.suites import load_suite
-from quasar.model.loading import gguf_directory, resolve, sha256_file
+from quasar.files import sha256_file
+from quasar.model.loading import gguf_directory, resolve
 from quasar.model.config import CAUSAL_LM_CLASSES
 from quasar.decoding.sampling import SamplingParams
 
