@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from quasar.kernels.layers import NONE, KernelModule, LinearKind, pack_channels
 from quasar.quant.bf16 import BF16Linear
@@ -82,68 +83,94 @@ class KernelInt8Linear(KernelModule, Int8Linear):
         return [y.to(x.dtype).reshape(*x.shape[:-1], layer.out_features) for y, layer in zip(ys, layers)]
 
 
+def nibble_panels(q: torch.Tensor) -> torch.Tensor:
+    """The low 4 bits of quants q [N, K] as csrc/w4a8_panel.cpp and w6a8_panel.cpp read them: [N/16, K/32, 256] uint8,
+    per group 4 chunks of 8 inputs, each 16 channels x 4 bytes, byte j of a channel holding inputs 8t + j (low nibble)
+    and 8t + 4 + j (high nibble)."""
+    N, K = q.shape
+    low = (q & 0x0F).view(N // 16, 16, K // GROUP, 4, 2, 4)  # [panel, channel, group, chunk, nibble, byte]
+    return (low[..., 0, :] | (low[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(N // 16, K // GROUP, 256)
+
+
+def per_block(t: torch.Tensor) -> torch.Tensor:
+    """float16 block scales [N, nb] -> [N/16, nb, 32] bytes: each block's 16 channels side by side."""
+    N, nb = t.shape
+    return t.view(N // 16, 16, nb).transpose(1, 2).contiguous().view(torch.uint8)
+
+
 def pack_w4_panels(layer: W4A8Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """A W4A8Linear's blocks as csrc/w4a8_panel.cpp reads them: (panels [N/16, K/32, 256] uint8 ([.., 320] for 5-bit
-    quants), block scales [N/16, K/B, 64 + B] uint8). A group's 256 bytes are 4 chunks of 8 inputs, each 16 channels x
-    4 bytes, byte j of a channel holding the low 4 bits of inputs 8t + j (low nibble) and 8t + 4 + j (high nibble);
-    5-bit quants add 16 channels x 4 bytes, byte j of a channel holding the fifth bit of input 8t + 4h + j in bit
-    2t + h; a block's scales are d[16] and dmin[16] as float16, then sc[16] and m[16] for each of its groups."""
+    """A W4A8Linear's blocks as csrc/w4a8_panel.cpp reads them: (panels [N/16, K/32, 256] uint8 (nibble_panels; [..,
+    320] for 5-bit quants, whose 16 channels x 4 more bytes hold the fifth bit of input 8t + 4h + j of a channel in
+    bit 2t + h of its byte j), block scales [N/16, K/B, 64 + B] uint8: d[16] and dmin[16] as float16, then sc[16] and
+    m[16] for each group of the block)."""
     N, K, B = layer.out_features, layer.in_features, layer.block
     P, G, nb = N // 16, K // GROUP, K // B
-    q = layer.quants().view(P, 16, G, 4, 2, 4)  # [panel, channel, group, chunk, nibble, byte]
-    low = q & 0x0F
-    panels = (low[..., 0, :] | (low[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(P, G, 256)
+    q = layer.quants()
+    panels = nibble_panels(q)
     if layer.bits == 5:
         shifts = torch.arange(8, dtype=torch.uint8).view(4, 2, 1)  # bit 2t + h
-        fifth = ((q >> 4) << shifts).sum((3, 4), dtype=torch.uint8)  # [P, 16, G, 4]: distinct bits, the sum is their OR
+        fifth = ((q.view(P, 16, G, 4, 2, 4) >> 4) << shifts).sum((3, 4), dtype=torch.uint8)  # [P, 16, G, 4]: the OR
         panels = torch.cat([panels, fifth.permute(0, 2, 1, 3).reshape(P, G, 64)], -1)
-    panels = panels.contiguous()
-
-    def per_block(t: torch.Tensor) -> torch.Tensor:  # [N, nb] float16 -> [P, nb, 32] bytes
-        return t.view(P, 16, nb).transpose(1, 2).contiguous().view(torch.uint8)
-
     groups = torch.stack([layer.sc.view(P, 16, nb, B // GROUP), layer.m.view(P, 16, nb, B // GROUP)], dim=-1)
     groups = groups.permute(0, 2, 3, 4, 1).reshape(P, nb, 2 * B // GROUP * 16)  # [P, nb, per group: sc[16], m[16]]
-    return panels, torch.cat([per_block(layer.d), per_block(layer.dmin), groups], dim=-1).contiguous()
+    return panels.contiguous(), torch.cat([per_block(layer.d), per_block(layer.dmin), groups], dim=-1).contiguous()
 
 
-class KernelW4A8Linear(KernelModule, W4A8Linear):
-    """W4A8Linear on quasar's CPU kernel (csrc/w4a8_panel.cpp): the blocks packed once at load in panels of 16
-    channels; the int8 path's instruction set (vpdpbusd on AVX-512 VNNI, maddubs on AVX2), the same floats on
-    each. A loaded verifier keeps the packed copy alone."""
+def pack_w6_panels(layer: W6A8Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """A W6A8Linear's Q6_K blocks as csrc/w6a8_panel.cpp reads them: (panels [N/16, K/32, 384] uint8: per group the
+    quants' low 4 bits (nibble_panels), then two 64-byte vectors of their high 2 bits, one per sub-block u of 16
+    inputs, byte j of a channel holding those of inputs 16u + j, 16u + 4 + j, 16u + 8 + j and 16u + 12 + j (bits 0-1,
+    2-3, 4-5, 6-7); block scales [N/16, K/256, 288] uint8: d[16] as float16, then sc[16] for each of its 16
+    sub-blocks)."""
+    N, K = layer.out_features, layer.in_features
+    P, G, nb = N // 16, K // GROUP, K // W6A8Linear.BLOCK
+    high = (layer.qweight >> 4).view(P, 16, G, 2, 4, 4)  # [.., sub-block, quarter (inputs 4i .. 4i + 3), byte]
+    high = high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)
+    high = high.permute(0, 2, 3, 1, 4).reshape(P, G, 128)
+    sc = layer.sc.view(P, 16, nb, 16).permute(0, 2, 3, 1).reshape(P, nb, 256).view(torch.uint8)
+    return (torch.cat([nibble_panels(layer.qweight), high], -1).contiguous(),
+            torch.cat([per_block(layer.d), sc], -1).contiguous())
 
+
+class KernelBlocks(KernelModule):
+    """What the kernel forms of GGUF-block linears share (csrc/block_linear.cpp): the blocks packed once at load in
+    panels of 16 channels by PACK, run on the int8 path's instruction set (vpdpbusd on AVX-512 VNNI, maddubs on AVX2)
+    with the same floats on each; a loaded verifier keeps the packed copy alone."""
+
+    KIND: LinearKind
+    PACK: Any  # layer -> (panels, block scales)
+    PLAIN: tuple[str, ...]  # the buffers of the plain blocks
     kernel_weight: tuple[torch.Tensor, torch.Tensor]  # (panels, block scales)
 
     @staticmethod
-    def takes(layer: W4A8Linear) -> bool:
+    def takes(layer: nn.Module) -> bool:
         return layer.qweight.device.type == "cpu" and layer.out_features % 16 == 0
 
     @classmethod
-    def adopt(cls, layer: W4A8Linear, kernel: Any) -> KernelW4A8Linear:
+    def adopt(cls, layer: nn.Module, kernel: Any) -> nn.Module:
         super().adopt(layer, kernel)
-        layer.kernel_weight = pack_w4_panels(layer)
+        layer.kernel_weight = cls.PACK(layer)
         return layer
 
     def drop_plain_(self) -> bool:
         """Keep only the packed copy: the plain blocks become empty."""
         if not self.qweight.numel():
             return False
-        for name in ("qweight", "d", "dmin", "sc", "m") + (("qhigh",) if self.qhigh is not None else ()):
-            setattr(self, name, torch.empty(0, dtype=getattr(self, name).dtype))
+        for name in self.PLAIN:
+            if getattr(self, name, None) is not None:
+                setattr(self, name, torch.empty(0, dtype=getattr(self, name).dtype))
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float()  # [M, K]
-        y = self.kernel.block_linear(rows, *self.kernel_weight, NONE if self.bias is None else self.bias)  # [M, N]
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return KernelBlocks.forward_many([self], x)[0]
 
     def kernel_args(self) -> tuple[LinearKind, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kind, weight, scale, bias) for the fused decoder-layer kernel: W4A8 panels and block scales."""
-        return LinearKind.W4A8, *self.kernel_weight, NONE if self.bias is None else self.bias
+        """(kind, weight, scale, bias) for the fused decoder-layer kernel: panels and block scales."""
+        return self.KIND, *self.kernel_weight, NONE if self.bias is None else self.bias
 
     @staticmethod
-    def forward_many(layers: list[KernelModule], x: torch.Tensor) -> list[torch.Tensor]:
-        """layer(x) for each layer with x quantized once (bitwise the same as one call each)."""
+    def forward_many(layers: list[KernelBlocks], x: torch.Tensor) -> list[torch.Tensor]:
+        """layer(x) for each layer with x quantized once (bitwise the same as one call each; 4- and 6-bit mixed)."""
         rows = x.reshape(-1, layers[0].in_features).float()  # [M, K]
         ys = layers[0].kernel.block_linear_many(rows, [layer.kernel_weight[0] for layer in layers],
                                                 [layer.kernel_weight[1] for layer in layers],
@@ -151,51 +178,16 @@ class KernelW4A8Linear(KernelModule, W4A8Linear):
         return [y.to(x.dtype).reshape(*x.shape[:-1], layer.out_features) for y, layer in zip(ys, layers)]
 
 
-def pack_w6_panels(layer: W6A8Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """A W6A8Linear's Q6_K blocks as csrc/w6a8_panel.cpp reads them: (panels [N/16, K/32, 384] uint8, block scales
-    [N/16, K/256, 288] uint8). A group's first 256 bytes are the quants' low 4 bits packed as pack_w4_panels packs its
-    quants, then two 64-byte vectors of their high 2 bits, one per sub-block u of 16 inputs: byte j of a channel
-    holds those of inputs 16u + j, 16u + 4 + j, 16u + 8 + j and 16u + 12 + j (bits 0-1, 2-3, 4-5, 6-7). A block's
-    scales are d[16] as float16, then sc[16] for each of its 16 sub-blocks."""
-    N, K = layer.out_features, layer.in_features
-    P, G, nb = N // 16, K // GROUP, K // W6A8Linear.BLOCK
-    q = layer.qweight.view(P, 16, G, 4, 2, 4)  # [panel, channel, group, chunk, nibble, byte]
-    low = q & 0x0F
-    low = (low[..., 0, :] | (low[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(P, G, 256)
-    high = (q >> 4).view(P, 16, G, 2, 4, 4)  # [.., sub-block, quarter (inputs 4i .. 4i + 3), byte]
-    high = high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)
-    high = high.permute(0, 2, 3, 1, 4).reshape(P, G, 128)
-    d = layer.d.view(P, 16, nb).transpose(1, 2).contiguous().view(torch.uint8)  # [P, nb, 32]
-    sc = layer.sc.view(P, 16, nb, 16).permute(0, 2, 3, 1).reshape(P, nb, 256).view(torch.uint8)
-    return torch.cat([low, high], -1).contiguous(), torch.cat([d, sc], -1).contiguous()
+class KernelW4A8Linear(KernelBlocks, W4A8Linear):
+    """W4A8Linear on quasar's CPU kernel (csrc/w4a8_panel.cpp)."""
+
+    KIND, PACK, PLAIN = LinearKind.W4A8, staticmethod(pack_w4_panels), ("qweight", "qhigh", "d", "dmin", "sc", "m")
 
 
-class KernelW6A8Linear(KernelModule, W6A8Linear):
-    """W6A8Linear on quasar's CPU kernel (csrc/w6a8_panel.cpp), the Q6_K blocks packed once at load in panels of 16
-    channels; the same floats on every int8 path."""
+class KernelW6A8Linear(KernelBlocks, W6A8Linear):
+    """W6A8Linear on quasar's CPU kernel (csrc/w6a8_panel.cpp)."""
 
-    kernel_weight: tuple[torch.Tensor, torch.Tensor]  # (panels, block scales)
-    takes = KernelW4A8Linear.takes
-    forward = KernelW4A8Linear.forward
-    forward_many = KernelW4A8Linear.forward_many
-
-    @classmethod
-    def adopt(cls, layer: W6A8Linear, kernel: Any) -> KernelW6A8Linear:
-        super().adopt(layer, kernel)
-        layer.kernel_weight = pack_w6_panels(layer)
-        return layer
-
-    def drop_plain_(self) -> bool:
-        """Keep only the packed copy: the plain blocks become empty."""
-        if not self.qweight.numel():
-            return False
-        for name in ("qweight", "d", "sc"):
-            setattr(self, name, torch.empty(0, dtype=getattr(self, name).dtype))
-        return True
-
-    def kernel_args(self) -> tuple[LinearKind, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kind, weight, scale, bias) for the fused decoder-layer kernel: Q6_K panels and block scales."""
-        return LinearKind.W6A8, *self.kernel_weight, NONE if self.bias is None else self.bias
+    KIND, PACK, PLAIN = LinearKind.W6A8, staticmethod(pack_w6_panels), ("qweight", "d", "sc")
 
 
 class KernelInt8WeightOnlyLinear(KernelModule, Int8WeightOnlyLinear):

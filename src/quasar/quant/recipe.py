@@ -131,7 +131,7 @@ def quantize_model(loaded: LoadedModel, recipe: QuantRecipe, calib: Calibration 
         calib = calib or calibrate_model(loaded, recipe.calib, smoothing)
     if smoothing is not None:
         alphas = smooth_(model, calib, smoothing)
-    quantize_(model, recipe.scheme_config(), calib.mean_square() if calib is not None and recipe.scheme == "w4a8" else {})
+    quantize_(model, recipe.scheme_config(), calib.mean_square() if calib is not None else None)
     if not recipe.lm_head:  # the float lm_head reads half the bytes as bf16; part of the recipe on every host
         use_bf16_linears_(model, ["lm_head"])
     return {

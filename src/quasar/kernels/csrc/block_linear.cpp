@@ -47,11 +47,12 @@ std::vector<torch::Tensor> block_linear_on(const std::string& path, torch::Tenso
   auto xsum = kernel_result({M, K / kGroup}, x.options().dtype(torch::kInt32));
   auto xsum16 = kernel_result({M, K / 16}, x.options().dtype(torch::kInt32));
   over_rows(M, K, [&](int64_t m0, int64_t m1) {
-    const int8_t* rows = q.data_ptr<int8_t>() + m0 * K;
     quantize_rows(x.data_ptr<float>() + m0 * K, m1 - m0, K, kGroup, q.data_ptr<int8_t>() + m0 * K,
                   x_scale.data_ptr<float>() + m0 * (K / kGroup));
-    group_sums(rows, m1 - m0, K, kGroup, xsum.data_ptr<int32_t>() + m0 * (K / kGroup));
-    group_sums(rows, m1 - m0, K, 16, xsum16.data_ptr<int32_t>() + m0 * (K / 16));
+    int32_t* sums16 = xsum16.data_ptr<int32_t>() + m0 * (K / 16);
+    int32_t* sums = xsum.data_ptr<int32_t>() + m0 * (K / kGroup);
+    group_sums(q.data_ptr<int8_t>() + m0 * K, m1 - m0, K, 16, sums16);  // one pass; a group's sum is its halves'
+    for (int64_t g = 0; g < (m1 - m0) * (K / kGroup); ++g) sums[g] = sums16[2 * g] + sums16[2 * g + 1];
   });
   std::vector<BlockCall> calls;
   std::vector<Panels> kernels;
