@@ -1,4 +1,4 @@
-"""Progress on stderr for long work: a bar on a terminal; a plain line every minute otherwise (a log file, a
+"""Progress on stderr for long work: a bar on a terminal; a plain line every 10 s otherwise (a log file, a
 job run under nohup), so long runs say how far they are wherever their output goes."""
 
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import TypeVar
 
 from tqdm.auto import tqdm
 
 Item = TypeVar("Item")
-LINE_EVERY_S = 60.0  # without a terminal: how often a progress line is written
+LINE_EVERY_S = 10.0  # without a terminal: how often a progress line is written
 IN_NOTEBOOK = any(c.__module__ == "tqdm.notebook" for c in tqdm.__mro__)  # tqdm.auto draws a widget there
 
 
@@ -39,9 +39,10 @@ def lines(items: Iterable[Item], description: str, total: int | None = None, ini
             print(f"{description}: {status(initial + done, total, done / (now - start))}", file=sys.stderr, flush=True)
 
 
-def status(count: int, total: int | None, per_s: float) -> str:
+def status(count: int, total: int | None, per_s: float, unit: str = "") -> str:
     """'53/250 (21%), 9.1/min, about 22 min left'; without a total, the count and the rate."""
-    rate = f"{per_s:.2f}/s" if per_s >= 1 else f"{per_s * 60:.1f}/min"
+    unit = f" {unit}" if unit else ""
+    rate = f"{per_s:.2f}{unit}/s" if per_s >= 1 else f"{per_s * 60:.1f}{unit}/min"
     if not total:
         return f"{count} done, {rate}"
     left_s = (total - count) / per_s if per_s > 0 else float("inf")
@@ -50,18 +51,25 @@ def status(count: int, total: int | None, per_s: float) -> str:
 
 
 @contextmanager
-def timed(description: str, expected_s: float) -> Iterator[None]:
-    """A bar for one blocking call that reports no progress of its own (a compile): it fills with the time
-    spent against `expected_s` (a measured estimate), so the user sees it move and roughly how long is left."""
-    bar = tqdm(total=round(expected_s), desc=description, unit="s", disable=None, leave=False, dynamic_ncols=True,
-               bar_format="{desc}: {bar} {n_fmt}/~{total_fmt} s")
+def polled(description: str, total: int, count: Callable[[], int], unit: str = "") -> Iterator[None]:
+    """Progress of one blocking call that reports none of its own (a compile, a copy another library writes):
+    count() is asked twice a second how far it is (of `total`), for a bar on a terminal or a line every
+    LINE_EVERY_S seconds otherwise."""
+    terminal = sys.stderr.isatty() or IN_NOTEBOOK
+    bar = tqdm(total=total, desc=description, unit=unit or "it", leave=False, dynamic_ncols=True,
+               disable=not terminal)
     done = threading.Event()
 
     def tick() -> None:
-        start = time.monotonic()
+        start = last = time.monotonic()
         while not done.wait(0.5):
-            bar.n = min(round(time.monotonic() - start), bar.total - 1)
+            n = min(count(), total)
+            bar.n = n
             bar.refresh()
+            now = time.monotonic()
+            if not terminal and now - last >= LINE_EVERY_S:
+                last = now
+                print(f"{description}: {status(n, total, n / (now - start), unit)}", file=sys.stderr, flush=True)
 
     ticker = threading.Thread(target=tick, daemon=True)
     ticker.start()
@@ -71,3 +79,4 @@ def timed(description: str, expected_s: float) -> Iterator[None]:
         done.set()
         ticker.join()
         bar.close()
+

@@ -172,10 +172,10 @@ void AttentionSteps::attend(int64_t layer, int64_t i, const float* q_rot, float*
 namespace {
 
 // The steps' rope and attention of layer `layer` over every row, split between ATen's threads.
-void attend_steps(const AttentionSteps& steps, int64_t layer, const torch::Tensor& q, const torch::Tensor& k,
-                  const torch::Tensor& v, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& out) {
+void attend_steps(const AttentionSteps& steps, int64_t layer, const at::Tensor& q, const at::Tensor& k,
+                  const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
   for (const auto& t : {q, k, v, cos, sin})
-    TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(),
+    TORCH_CHECK(t.dtype() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
                 "contiguous float32 CPU tensors expected");
   const int64_t T = q.size(0), H = steps.heads(), H_kv = steps.kv_heads(), D = steps.head_dim();
   TORCH_CHECK(q.size(1) == H * D && k.size(1) == H_kv * D && v.size(1) == H_kv * D, "bad head shapes");
@@ -203,10 +203,10 @@ void attend_steps(const AttentionSteps& steps, int64_t layer, const torch::Tenso
 
 // q [T, H*D], k and v [T, H_kv*D], cos and sin [T, D], cache_k and cache_v [H_kv, S, D] (one layer, batch
 // 0), all float32 -> out [T, H*D]. Writes the rotated k and v at cache positions [start, start + T).
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
-                               torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v, int64_t start,
+at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos,
+                               at::Tensor sin, at::Tensor cache_k, at::Tensor cache_v, int64_t start,
                                bool bf16_products) {
-  TORCH_CHECK(cache_k.dtype() == torch::kFloat32 && cache_v.dtype() == torch::kFloat32 && cache_k.is_contiguous() &&
+  TORCH_CHECK(cache_k.dtype() == at::kFloat && cache_v.dtype() == at::kFloat && cache_k.is_contiguous() &&
               cache_v.is_contiguous() && cache_k.device().is_cpu() && cache_k.dim() == 3 && cache_k.sizes() == cache_v.sizes(),
               "contiguous float32 CPU caches [H_kv, S, D] expected");
   auto out = kernel_result(q.sizes(), q.options());
@@ -219,7 +219,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 
 // The rows of several sequences one after another (q, k, v, cos, sin as decode_attention's, over all rows),
 // segment i attending over layer `layer` of its own cache [L, H_kv, S, D] (checked by FusedLayers::forward_segments).
-torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
+at::Tensor segment_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos, at::Tensor sin,
                                 const std::vector<Segment>& segments, int64_t layer, bool bf16_products) {
   const int64_t D = segments.at(0).cache_k.size(3);
   TORCH_CHECK(q.dim() == 2 && q.size(1) % D == 0, "q [T, H*D] expected");

@@ -3,6 +3,8 @@
 #include "int8_dot.h"
 #include "kernels.h"
 
+#include <torch/csrc/utils/pybind.h>
+
 // Every kernel runs without the GIL (as PyTorch's own operators do): a server's HTTP thread keeps streaming
 // while a forward computes.
 using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
@@ -58,7 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("W4A8", LinearKind::W4A8)
       .value("W6A8", LinearKind::W6A8);
   pybind11::class_<LinearWeights>(m, "LinearWeights", "one linear: its kind, weight, scale and bias (empty: none)")
-      .def(pybind11::init<LinearKind, torch::Tensor, torch::Tensor, torch::Tensor>(), pybind11::arg("kind"),
+      .def(pybind11::init<LinearKind, at::Tensor, at::Tensor, at::Tensor>(), pybind11::arg("kind"),
            pybind11::arg("weight"), pybind11::arg("scale"), pybind11::arg("bias"))
       .def_readwrite("kind", &LinearWeights::kind)
       .def_readwrite("weight", &LinearWeights::weight)
@@ -78,7 +80,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("up", &LayerWeights::up)
       .def_readwrite("down", &LayerWeights::down);
   pybind11::class_<HeadWeights>(m, "HeadWeights", "the final norm's weight and the lm_head")
-      .def(pybind11::init<torch::Tensor, LinearWeights>(), pybind11::arg("norm"), pybind11::arg("lm_head"))
+      .def(pybind11::init<at::Tensor, LinearWeights>(), pybind11::arg("norm"), pybind11::arg("lm_head"))
       .def_readwrite("norm", &HeadWeights::norm)
       .def_readwrite("lm_head", &HeadWeights::lm_head);
   pybind11::class_<FusedLayers>(m, "FusedLayers", "all decoder layers of a model, tensors handed over once")

@@ -16,11 +16,11 @@ using Panels = void (*)(Int8Path, const BlockCall&, int64_t, int64_t);
 
 // A packed weight's kernel, after checking its panels [N/16, K/32, 256, 320 or 384] and block scales (4- and 5-bit:
 // [N/16, K/B, 64 + B] for blocks of B inputs; Q6_K: [N/16, K/256, 288]); B into *B.
-Panels check_blocks(const torch::Tensor& w, const torch::Tensor& scales, int64_t K, int64_t* B) {
-  TORCH_CHECK(w.dtype() == torch::kUInt8 && w.dim() == 3 && w.size(1) * kGroup == K &&
+Panels check_blocks(const at::Tensor& w, const at::Tensor& scales, int64_t K, int64_t* B) {
+  TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 3 && w.size(1) * kGroup == K &&
                   (w.size(2) == 256 || w.size(2) == 320 || w.size(2) == 384),
               "block panels uint8 [N/16, K/32, 256 (4-bit), 320 (5-bit) or 384 (Q6_K)] expected for K = ", K);
-  TORCH_CHECK(scales.dtype() == torch::kUInt8 && scales.dim() == 3 && scales.size(0) == w.size(0) && scales.size(1) > 0,
+  TORCH_CHECK(scales.dtype() == at::kByte && scales.dim() == 3 && scales.size(0) == w.size(0) && scales.size(1) > 0,
               "block scales uint8 [N/16, K/B, bytes] expected");
   if (w.size(2) == 384) {
     TORCH_CHECK(scales.size(2) == 288 && scales.size(1) * 256 == K, "Q6_K block scales [N/16, K/256, 288] expected");
@@ -35,17 +35,17 @@ Panels check_blocks(const torch::Tensor& w, const torch::Tensor& scales, int64_t
 
 }  // namespace
 
-std::vector<torch::Tensor> block_linear_on(const std::string& path, torch::Tensor x, std::vector<torch::Tensor> w,
-                                           std::vector<torch::Tensor> scales, std::vector<torch::Tensor> bias) {
+std::vector<at::Tensor> block_linear_on(const std::string& path, at::Tensor x, std::vector<at::Tensor> w,
+                                           std::vector<at::Tensor> scales, std::vector<at::Tensor> bias) {
   TORCH_CHECK(w.size() == scales.size() && w.size() == bias.size() && !w.empty(), "one scale and one bias per weight");
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) % kGroup == 0, "float32 x [M, K], K % 32 == 0");
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) % kGroup == 0, "float32 x [M, K], K % 32 == 0");
   x = x.contiguous();
   const Int8Path p = path == "current" ? linear_path() : parse_int8_path(path);
   const int64_t M = x.size(0), K = x.size(1);
-  auto q = kernel_result({M, K}, x.options().dtype(torch::kInt8));
+  auto q = kernel_result({M, K}, x.options().dtype(at::kChar));
   auto x_scale = kernel_result({M, K / kGroup}, x.options());
-  auto xsum = kernel_result({M, K / kGroup}, x.options().dtype(torch::kInt32));
-  auto xsum16 = kernel_result({M, K / 16}, x.options().dtype(torch::kInt32));
+  auto xsum = kernel_result({M, K / kGroup}, x.options().dtype(at::kInt));
+  auto xsum16 = kernel_result({M, K / 16}, x.options().dtype(at::kInt));
   over_rows(M, K, [&](int64_t m0, int64_t m1) {
     quantize_rows(x.data_ptr<float>() + m0 * K, m1 - m0, K, kGroup, q.data_ptr<int8_t>() + m0 * K,
                   x_scale.data_ptr<float>() + m0 * (K / kGroup));
@@ -56,7 +56,7 @@ std::vector<torch::Tensor> block_linear_on(const std::string& path, torch::Tenso
   });
   std::vector<BlockCall> calls;
   std::vector<Panels> kernels;
-  std::vector<torch::Tensor> out;
+  std::vector<at::Tensor> out;
   std::vector<int64_t> first{0};
   for (size_t i = 0; i < w.size(); ++i) {
     w[i] = w[i].contiguous();
@@ -65,7 +65,7 @@ std::vector<torch::Tensor> block_linear_on(const std::string& path, torch::Tenso
     int64_t B = 0;
     kernels.push_back(check_blocks(w[i], scales[i], K, &B));
     const int64_t N = w[i].size(0) * 16;
-    TORCH_CHECK(bias[i].numel() == 0 || (bias[i].dtype() == torch::kFloat32 && bias[i].numel() == N),
+    TORCH_CHECK(bias[i].numel() == 0 || (bias[i].dtype() == at::kFloat && bias[i].numel() == N),
                 "float32 bias [N] or empty expected");
     out.push_back(kernel_result({M, N}, x.options()));
     calls.push_back(BlockCall{q.data_ptr<int8_t>(), xsum.data_ptr<int32_t>(), xsum16.data_ptr<int32_t>(),
@@ -88,11 +88,11 @@ std::vector<torch::Tensor> block_linear_on(const std::string& path, torch::Tenso
   return out;
 }
 
-std::vector<torch::Tensor> block_linear_many(torch::Tensor x, std::vector<torch::Tensor> w,
-                                             std::vector<torch::Tensor> scales, std::vector<torch::Tensor> bias) {
+std::vector<at::Tensor> block_linear_many(at::Tensor x, std::vector<at::Tensor> w,
+                                             std::vector<at::Tensor> scales, std::vector<at::Tensor> bias) {
   return block_linear_on("current", x, std::move(w), std::move(scales), std::move(bias));
 }
 
-torch::Tensor block_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor bias) {
+at::Tensor block_linear(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor bias) {
   return block_linear_many(x, {w}, {scales}, {bias})[0];
 }

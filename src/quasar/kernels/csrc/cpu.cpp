@@ -3,7 +3,8 @@
 #include "cpu.h"
 #include "targets.h"
 
-#include <torch/extension.h>
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 
 #include <cpuid.h>
 #include <immintrin.h>

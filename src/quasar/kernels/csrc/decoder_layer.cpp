@@ -13,25 +13,29 @@
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/tensor.h>
 
 #include <algorithm>
 #include <cstring>
 
 namespace {
 
-using LinearFn = torch::Tensor (*)(const torch::Tensor& x, const LinearWeights& w);
+using LinearFn = at::Tensor (*)(const at::Tensor& x, const LinearWeights& w);
 
 // The kernel of each linear kind, in LinearKind's order.
 constexpr LinearFn kLinears[kLinearKinds] = {
-    [](const torch::Tensor& x, const LinearWeights& w) { return w8a8_linear(x, w.weight, w.scale, w.bias); },
-    [](const torch::Tensor& x, const LinearWeights& w) { return float_act_linear(x, w.weight, w.scale, w.bias); },
-    [](const torch::Tensor& x, const LinearWeights& w) { return bf16_linear(x, w.weight, w.bias); },
-    [](const torch::Tensor& x, const LinearWeights& w) { return fp32_linear(x, w.weight, w.bias); },
-    [](const torch::Tensor& x, const LinearWeights& w) { return block_linear(x, w.weight, w.scale, w.bias); },
-    [](const torch::Tensor& x, const LinearWeights& w) { return block_linear(x, w.weight, w.scale, w.bias); },
+    [](const at::Tensor& x, const LinearWeights& w) { return w8a8_linear(x, w.weight, w.scale, w.bias); },
+    [](const at::Tensor& x, const LinearWeights& w) { return float_act_linear(x, w.weight, w.scale, w.bias); },
+    [](const at::Tensor& x, const LinearWeights& w) { return bf16_linear(x, w.weight, w.bias); },
+    [](const at::Tensor& x, const LinearWeights& w) { return fp32_linear(x, w.weight, w.bias); },
+    [](const at::Tensor& x, const LinearWeights& w) { return block_linear(x, w.weight, w.scale, w.bias); },
+    [](const at::Tensor& x, const LinearWeights& w) { return block_linear(x, w.weight, w.scale, w.bias); },
 };
 
-torch::Tensor linear(const torch::Tensor& x, const LinearWeights& w) { return kLinears[static_cast<int>(w.kind)](x, w); }
+at::Tensor linear(const at::Tensor& x, const LinearWeights& w) { return kLinears[static_cast<int>(w.kind)](x, w); }
 
 bool all_of_kind(const std::vector<const LinearWeights*>& which, LinearKind kind) {
   return std::all_of(which.begin(), which.end(), [&](const LinearWeights* w) { return w->kind == kind; });
@@ -39,8 +43,8 @@ bool all_of_kind(const std::vector<const LinearWeights*>& which, LinearKind kind
 
 // Linears `which` of the same input; W8A8 ones share one activation quantization, GGUF-block ones (W4A8, W6A8)
 // another, bf16 ones one rounding.
-std::vector<torch::Tensor> linears(const torch::Tensor& x, const std::vector<const LinearWeights*>& which) {
-  std::vector<torch::Tensor> out;
+std::vector<at::Tensor> linears(const at::Tensor& x, const std::vector<const LinearWeights*>& which) {
+  std::vector<at::Tensor> out;
   if (all_of_kind(which, LinearKind::BF16)) {
     const auto rounded = bf16_input(x);
     for (const LinearWeights* w : which) out.push_back(bf16_linear_rounded(rounded, w->weight, w->bias));
@@ -54,7 +58,7 @@ std::vector<torch::Tensor> linears(const torch::Tensor& x, const std::vector<con
     for (const LinearWeights* w : which) out.push_back(linear(x, *w));
     return out;
   }
-  std::vector<torch::Tensor> weight, scale, bias;
+  std::vector<at::Tensor> weight, scale, bias;
   for (const LinearWeights* w : which) {
     weight.push_back(w->weight);
     scale.push_back(w->scale);
@@ -64,8 +68,8 @@ std::vector<torch::Tensor> linears(const torch::Tensor& x, const std::vector<con
 }
 
 // An absent tensor as the kernels take it: empty, never undefined.
-void fill_absent(torch::Tensor& t) {
-  if (!t.defined()) t = torch::empty({0});
+void fill_absent(at::Tensor& t) {
+  if (!t.defined()) t = at::empty({0});
 }
 
 void fill_absent(LinearWeights& w) {
@@ -78,18 +82,18 @@ void fill_absent(LinearWeights& w) {
 // rows that stay in L2, one pass over the hidden units instead of three (a 1.5B prefill's are 37 MB a tensor).
 // ATen's loops take 32 values a step and the rest one by one (another exp): pieces of whole rows of a multiple of
 // 32 values are stepped as the whole tensor is, so each value is the unfused one (the caller checks I % 32 == 0).
-torch::Tensor silu_mul_rounded(torch::Tensor gate, torch::Tensor up) {
+at::Tensor silu_mul_rounded(at::Tensor gate, at::Tensor up) {
   gate = gate.contiguous();
   up = up.contiguous();
   const int64_t M = gate.size(0), I = gate.size(1), rows = std::max<int64_t>(1, (64 << 10) / I);
-  auto out = kernel_result({M, I}, torch::dtype(bf16_input_dtype(I)));
+  auto out = kernel_result({M, I}, at::dtype(bf16_input_dtype(I)));
   float *g = gate.data_ptr<float>(), *u = up.data_ptr<float>();
   at::parallel_for(0, M, rows, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; m += rows) {
       const int64_t n = std::min(rows, m1 - m);
       // views made on this thread: tensors of the caller's inference mode may not change in place outside it
-      auto piece = at::from_blob(g + m * I, {n, I}, torch::dtype(torch::kFloat32));
-      torch::silu_(piece).mul_(at::from_blob(u + m * I, {n, I}, torch::dtype(torch::kFloat32)));
+      auto piece = at::from_blob(g + m * I, {n, I}, at::dtype(at::kFloat));
+      at::silu_(piece).mul_(at::from_blob(u + m * I, {n, I}, at::dtype(at::kFloat)));
       round_bf16_into(g + m * I, n * I, out, m * I);
     }
   });
@@ -98,8 +102,8 @@ torch::Tensor silu_mul_rounded(torch::Tensor gate, torch::Tensor up) {
 
 }  // namespace
 
-torch::Tensor decoder_layer(torch::Tensor x, const LayerWeights& w, double eps, const torch::Tensor& cos,
-                            const torch::Tensor& sin, const std::vector<Segment>& segments, int64_t layer) {
+at::Tensor decoder_layer(at::Tensor x, const LayerWeights& w, double eps, const at::Tensor& cos,
+                            const at::Tensor& sin, const std::vector<Segment>& segments, int64_t layer) {
   const int64_t T = x.size(0), D = segments[0].cache_k.size(3);
   auto qkv = linears(rms_norm(x, w.input_norm, eps), {&w.q, &w.k, &w.v});
   auto q = qkv[0], k = qkv[1];
@@ -115,7 +119,7 @@ torch::Tensor decoder_layer(torch::Tensor x, const LayerWeights& w, double eps, 
   auto gate_up = linears(rms_norm(x, w.post_attention_norm, eps), {&w.gate, &w.up});
   if (w.down.kind == LinearKind::BF16 && gate_up[0].size(1) % 32 == 0)
     return bf16_linear_rounded(silu_mul_rounded(gate_up[0], gate_up[1]), w.down.weight, w.down.bias).add_(x);
-  return linear(torch::silu_(gate_up[0]).mul_(gate_up[1]), w.down).add_(x);
+  return linear(at::silu_(gate_up[0]).mul_(gate_up[1]), w.down).add_(x);
 }
 
 FusedLayers::FusedLayers(std::vector<LayerWeights> layers, double eps, std::optional<HeadWeights> head)
@@ -133,8 +137,8 @@ FusedLayers::FusedLayers(std::vector<LayerWeights> layers, double eps, std::opti
   region_ = plan_region(layers_, head_);
 }
 
-std::vector<Segment> FusedLayers::segments(const std::vector<torch::Tensor>& caches_k,
-                                           const std::vector<torch::Tensor>& caches_v, const std::vector<int64_t>& starts,
+std::vector<Segment> FusedLayers::segments(const std::vector<at::Tensor>& caches_k,
+                                           const std::vector<at::Tensor>& caches_v, const std::vector<int64_t>& starts,
                                            const std::vector<int64_t>& rows, int64_t total) const {
   const size_t n = caches_k.size();
   TORCH_CHECK(n > 0 && caches_v.size() == n && starts.size() == n && rows.size() == n, "one cache, start and row count per segment");
@@ -145,7 +149,7 @@ std::vector<Segment> FusedLayers::segments(const std::vector<torch::Tensor>& cac
     TORCH_CHECK(k.dim() == 4 && k.size(0) == static_cast<int64_t>(layers_.size()) && k.sizes() == v.sizes() &&
                 k.size(1) == caches_k[0].size(1) && k.size(3) == caches_k[0].size(3),
                 "caches [L, H_kv, S, D] of this model expected");
-    TORCH_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 && k.is_contiguous() &&
+    TORCH_CHECK(k.dtype() == at::kFloat && v.dtype() == at::kFloat && k.is_contiguous() &&
                 v.is_contiguous() && k.device().is_cpu() && v.device().is_cpu(), "contiguous float32 CPU caches expected");
     TORCH_CHECK(rows[i] > 0, "every segment has at least one row");
     out.push_back(Segment{caches_k[i], caches_v[i], starts[i], rows[i]});
@@ -159,8 +163,8 @@ bool FusedLayers::one_region(int64_t rows) const { return region_ && region_runs
 
 // x [N, hidden], cos and sin [N, D]: the rows of several sequences one after another, `rows[i]` of them for
 // sequence i, whose cache is caches_k[i], caches_v[i] [L, H_kv, S, D] with `starts[i]` positions filled.
-torch::Tensor FusedLayers::forward_segments(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                                            std::vector<torch::Tensor> caches_k, std::vector<torch::Tensor> caches_v,
+at::Tensor FusedLayers::forward_segments(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                                            std::vector<at::Tensor> caches_k, std::vector<at::Tensor> caches_v,
                                             std::vector<int64_t> starts, std::vector<int64_t> rows) const {
   const auto segs = segments(caches_k, caches_v, starts, rows, x.size(0));
   TORCH_CHECK(cos.size(0) == x.size(0) && sin.size(0) == x.size(0), "one rope row per row of x");
@@ -173,12 +177,12 @@ namespace {
 
 // Rows ids of an embedding table, widened to float32 -> [N, D]: plain [V, D], or packed in panels of 16 rows as the
 // kernels read a tied lm_head ([V/16, D, 16], or [V/16, D/2, 16, 2] for bfloat16 inputs); float32 or bfloat16.
-torch::Tensor embed_rows(const torch::Tensor& table, const std::vector<int64_t>& ids) {
+at::Tensor embed_rows(const at::Tensor& table, const std::vector<int64_t>& ids) {
   TORCH_CHECK(table.is_contiguous() && table.device().is_cpu() && table.dim() >= 2 && table.dim() <= 4 &&
-              (table.dtype() == torch::kFloat32 || table.dtype() == torch::kBFloat16), "an embedding table as the kernels keep it expected");
-  const bool bf16 = table.dtype() == torch::kBFloat16, panels = table.dim() > 2;
+              (table.dtype() == at::kFloat || table.dtype() == at::kBFloat16), "an embedding table as the kernels keep it expected");
+  const bool bf16 = table.dtype() == at::kBFloat16, panels = table.dim() > 2;
   const int64_t V = panels ? table.size(0) * 16 : table.size(0), D = table.dim() == 4 ? table.size(1) * 2 : table.size(1);
-  auto out = torch::empty({static_cast<int64_t>(ids.size()), D}, table.options().dtype(torch::kFloat32));
+  auto out = at::empty({static_cast<int64_t>(ids.size()), D}, table.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   const float* f = bf16 ? nullptr : table.data_ptr<float>();
   const uint16_t* b = bf16 ? reinterpret_cast<const uint16_t*>(table.data_ptr()) : nullptr;
@@ -201,15 +205,15 @@ torch::Tensor embed_rows(const torch::Tensor& table, const std::vector<int64_t>&
 }
 
 // Rows starts[i] .. starts[i] + rows[i] - 1 of a rope table [L, D], segment after segment -> [N, D].
-torch::Tensor rope_rows(const torch::Tensor& table, const std::vector<int64_t>& starts, const std::vector<int64_t>& rows) {
-  TORCH_CHECK(table.dtype() == torch::kFloat32 && table.dim() == 2 && table.is_contiguous(), "a float32 rope table [L, D] expected");
+at::Tensor rope_rows(const at::Tensor& table, const std::vector<int64_t>& starts, const std::vector<int64_t>& rows) {
+  TORCH_CHECK(table.dtype() == at::kFloat && table.dim() == 2 && table.is_contiguous(), "a float32 rope table [L, D] expected");
   int64_t N = 0;
   for (size_t i = 0; i < rows.size(); ++i) {
     TORCH_CHECK(starts[i] >= 0 && starts[i] + rows[i] <= table.size(0), "the rope table ends before position ", starts[i] + rows[i] - 1);
     N += rows[i];
   }
   const int64_t D = table.size(1);
-  auto out = torch::empty({N, D}, table.options());
+  auto out = at::empty({N, D}, table.options());
   float* o = out.data_ptr<float>();
   for (size_t i = 0; i < rows.size(); ++i) {
     std::memcpy(o, table.data_ptr<float>() + starts[i] * D, rows[i] * D * sizeof(float));
@@ -225,9 +229,9 @@ torch::Tensor rope_rows(const torch::Tensor& table, const std::vector<int64_t>& 
 // of a verify step) -> float32 logits [picked, V], the values the model's own modules give one by one. After a
 // forward has streamed the weights through the caches each Python-level operation costs tens of microseconds,
 // and the embedding, the rope rows and the tail were about ten of them.
-torch::Tensor FusedLayers::forward_tokens(std::vector<int64_t> ids, torch::Tensor embedding, torch::Tensor cos_table,
-                                          torch::Tensor sin_table, std::vector<torch::Tensor> caches_k,
-                                          std::vector<torch::Tensor> caches_v, std::vector<int64_t> starts,
+at::Tensor FusedLayers::forward_tokens(std::vector<int64_t> ids, at::Tensor embedding, at::Tensor cos_table,
+                                          at::Tensor sin_table, std::vector<at::Tensor> caches_k,
+                                          std::vector<at::Tensor> caches_v, std::vector<int64_t> starts,
                                           std::vector<int64_t> rows, std::vector<int64_t> picked) const {
   TORCH_CHECK(head_.has_value(), "these layers were built without the final norm and lm_head");
   TORCH_CHECK(starts.size() == rows.size(), "one start per segment");
@@ -240,6 +244,6 @@ torch::Tensor FusedLayers::forward_tokens(std::vector<int64_t> ids, torch::Tenso
   auto hidden = forward_segments(embed_rows(embedding, ids), cos, sin, std::move(caches_k), std::move(caches_v),
                                  std::move(starts), std::move(rows));
   const bool all = static_cast<int64_t>(picked.size()) == N && std::is_sorted(picked.begin(), picked.end());
-  if (!all) hidden = hidden.index_select(0, torch::tensor(picked, torch::kInt64));
+  if (!all) hidden = hidden.index_select(0, at::tensor(picked, at::kLong));
   return linear(rms_norm(hidden, head_->norm, eps_), head_->lm_head);
 }

@@ -403,11 +403,11 @@ void epilogue(float* y, int64_t M, int64_t N, const float* sp, const float* bp) 
     }
 }
 
-void check_float_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias, int64_t multiple) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32, "float32 x expected");
+void check_float_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t multiple) {
+  TORCH_CHECK(x.dtype() == at::kFloat, "float32 x expected");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] and w [N, K] expected");
   TORCH_CHECK(x.size(1) % multiple == 0, "K must be a multiple of ", multiple);
-  TORCH_CHECK(bias.numel() == 0 || (bias.dtype() == torch::kFloat32 && bias.numel() == w.size(0)),
+  TORCH_CHECK(bias.numel() == 0 || (bias.dtype() == at::kFloat && bias.numel() == w.size(0)),
               "float32 bias [N] or empty expected");
 }
 
@@ -416,8 +416,8 @@ void check_float_linear(const torch::Tensor& x, const torch::Tensor& w, const to
 // Float activations times float32, int8 (W8A16) or bfloat16 weights, float32 sums in a fixed order:
 // x [M, K] float32, w [N, K], scale [N] float32 or empty, bias [N] float32 or empty
 // -> y [M, N] float32 = (x . w[n]) * scale[n] + bias[n]. Row m of the result depends on x[m] only.
-torch::Tensor float_act_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor bias) {
-  TORCH_CHECK(w.dtype() == torch::kInt8 || w.dtype() == torch::kBFloat16 || w.dtype() == torch::kFloat32,
+at::Tensor float_act_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor bias) {
+  TORCH_CHECK(w.dtype() == at::kChar || w.dtype() == at::kBFloat16 || w.dtype() == at::kFloat,
               "float32, int8 or bfloat16 w expected");
   check_float_linear(x, w, bias, 16);
   x = x.contiguous();
@@ -425,14 +425,14 @@ torch::Tensor float_act_linear(torch::Tensor x, torch::Tensor w, torch::Tensor s
   scale = scale.contiguous();
   bias = bias.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(scale.numel() == 0 || (scale.dtype() == torch::kFloat32 && scale.numel() == N),
+  TORCH_CHECK(scale.numel() == 0 || (scale.dtype() == at::kFloat && scale.numel() == N),
               "float32 scale [N] or empty expected");
   auto y = kernel_result({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (w.dtype() == torch::kInt8)
+  if (w.dtype() == at::kChar)
     act32_dot(xp, w.data_ptr<int8_t>(), yp, M, N, K);
-  else if (w.dtype() == torch::kFloat32)
+  else if (w.dtype() == at::kFloat)
     act32_dot(xp, w.data_ptr<float>(), yp, M, N, K);
   else
     act32_dot(xp, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), yp, M, N, K);
@@ -450,16 +450,16 @@ bool rounded_as_float(int64_t K) { return !amx_takes(K) && lanes_path() == Float
 // The packed products (bf16_linear_rounded, fp32_linear): x [M, K] times weights packed in panels of 16 channels:
 // bfloat16 pairs [N/16, K/2, 16, 2] (x as bf16_input rounds it), float32 [N/16, K, 16] or bfloat16 [N/16, K, 16]
 // (widened; x float32), plus bias [N] float32 or empty -> y [M, N] float32; one parallel region over the panels.
-torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias) {
-  const bool pairs = wp.dim() == 4, widened = wp.dim() == 3 && wp.dtype() == torch::kBFloat16;
-  TORCH_CHECK(pairs ? wp.dtype() == torch::kBFloat16 && wp.size(3) == 2 : wp.dim() == 3,
+at::Tensor packed_linear(at::Tensor x, at::Tensor wp, at::Tensor bias) {
+  const bool pairs = wp.dim() == 4, widened = wp.dim() == 3 && wp.dtype() == at::kBFloat16;
+  TORCH_CHECK(pairs ? wp.dtype() == at::kBFloat16 && wp.size(3) == 2 : wp.dim() == 3,
               "weights packed [N/16, K/2, 16, 2] (bfloat16 pairs) or [N/16, K, 16] (float32 or bfloat16) expected");
   TORCH_CHECK(wp.size(2) == 16, "panels of 16 channels expected");
   const int64_t K = pairs ? 2 * wp.size(1) : wp.size(1), P = wp.size(0), N = 16 * P;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.device().is_cpu(), "x [M, K] expected");
-  TORCH_CHECK(pairs ? x.scalar_type() == bf16_input_dtype(K) : x.dtype() == torch::kFloat32,
+  TORCH_CHECK(pairs ? x.scalar_type() == bf16_input_dtype(K) : x.dtype() == at::kFloat,
               pairs ? "x rounded as bf16_input rounds it for this path expected" : "float32 x expected");
-  TORCH_CHECK(bias.numel() == 0 || (bias.dtype() == torch::kFloat32 && bias.numel() == N), "float32 bias [N] or empty expected");
+  TORCH_CHECK(bias.numel() == 0 || (bias.dtype() == at::kFloat && bias.numel() == N), "float32 bias [N] or empty expected");
   const int64_t M = x.size(0);
   x = x.contiguous();
   wp = wp.contiguous();
@@ -470,10 +470,10 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bia
   // x rounded to bfloat16: as float32 for the AVX-512 FMAs, as bfloat16 bits for the tiles, vdpbf16ps and AVX2
   const float* xf = pairs && rounded_as_float(K) ? x.data_ptr<float>() : nullptr;
   const uint16_t* xb = pairs && !xf ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
-  auto y = kernel_result({M, N}, torch::dtype(torch::kFloat32));
+  auto y = kernel_result({M, N}, at::dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   const float* xp = pairs ? nullptr : x.data_ptr<float>();
-  const bool bf16 = wp.dtype() == torch::kBFloat16;
+  const bool bf16 = wp.dtype() == at::kBFloat16;
   const uint16_t* w16 = bf16 ? reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()) : nullptr;
   const float* w32 = bf16 ? nullptr : wp.data_ptr<float>();
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
@@ -504,34 +504,34 @@ torch::Tensor packed_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bia
 
 }  // namespace
 
-torch::ScalarType bf16_input_dtype(int64_t K) { return rounded_as_float(K) ? torch::kFloat32 : torch::kBFloat16; }
+at::ScalarType bf16_input_dtype(int64_t K) { return rounded_as_float(K) ? at::kFloat : at::kBFloat16; }
 
-void round_bf16_into(const float* x, int64_t count, torch::Tensor& out, int64_t offset) {
+void round_bf16_into(const float* x, int64_t count, at::Tensor& out, int64_t offset) {
   TORCH_CHECK(out.is_contiguous() && offset >= 0 && offset + count <= out.numel(), "the rounded values do not fit out");
-  if (out.dtype() == torch::kFloat32)
+  if (out.dtype() == at::kFloat)
     round_bf16(x, count, out.data_ptr<float>() + offset);
   else
     round_bf16(x, count, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + offset);
 }
 
-torch::Tensor bf16_input(torch::Tensor x) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.device().is_cpu(), "float32 x [M, K] expected");
+at::Tensor bf16_input(at::Tensor x) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.device().is_cpu(), "float32 x [M, K] expected");
   x = x.contiguous();
-  auto out = kernel_result(x.sizes(), torch::dtype(bf16_input_dtype(x.size(1))));
+  auto out = kernel_result(x.sizes(), at::dtype(bf16_input_dtype(x.size(1))));
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, x.numel(), 1 << 16, [&](int64_t i0, int64_t i1) { round_bf16_into(xp + i0, i1 - i0, out, i0); });
   return out;
 }
 
-torch::Tensor bf16_linear_rounded(torch::Tensor xr, torch::Tensor wp, torch::Tensor bias) {
-  TORCH_CHECK(wp.dtype() == torch::kBFloat16 && wp.dim() == 4, "bfloat16 weights packed [N/16, K/2, 16, 2] expected");
+at::Tensor bf16_linear_rounded(at::Tensor xr, at::Tensor wp, at::Tensor bias) {
+  TORCH_CHECK(wp.dtype() == at::kBFloat16 && wp.dim() == 4, "bfloat16 weights packed [N/16, K/2, 16, 2] expected");
   return packed_linear(xr, wp, bias);
 }
 
 // x [M, K] float32 rounded to bfloat16, times bfloat16 weights packed [N/16, K/2, 16, 2] (w[n, k] at
 // [n / 16, k / 2, n % 16, k % 2]), float32 sums as vdpbf16ps takes them, plus bias [N] float32 (or empty)
 // -> y [M, N] float32: the bf16 verifier. Row m of the result depends on x[m] only.
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias) {
+at::Tensor bf16_linear(at::Tensor x, at::Tensor wp, at::Tensor bias) {
   return bf16_linear_rounded(bf16_input(x), wp, bias);
 }
 
@@ -539,8 +539,8 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias)
 // bfloat16 widened to float32 exactly, each output one float32 FMA chain in k order, plus bias [N] float32
 // (or empty) -> y [M, N] float32: the fp32 verifier, and the bf16 lm_head of W8A8 checkpoints. Row m of the
 // result depends on x[m] only.
-torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor wp, torch::Tensor bias) {
-  TORCH_CHECK((wp.dtype() == torch::kFloat32 || wp.dtype() == torch::kBFloat16) && wp.dim() == 3,
+at::Tensor fp32_linear(at::Tensor x, at::Tensor wp, at::Tensor bias) {
+  TORCH_CHECK((wp.dtype() == at::kFloat || wp.dtype() == at::kBFloat16) && wp.dim() == 3,
               "float32 or bfloat16 weights packed [N/16, K, 16] expected");
   return packed_linear(x, wp, bias);
 }

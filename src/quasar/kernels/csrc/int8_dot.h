@@ -1,6 +1,5 @@
 // The int8 dot-product kernels (int8_dot.cpp), as w8a8_linear.cpp and bindings.cpp see them.
 #pragma once
-#include <torch/extension.h>
 #include "blocking.h"
 #include "cpu.h"
 

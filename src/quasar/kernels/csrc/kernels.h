@@ -1,6 +1,6 @@
 // quasar's CPU kernels, as the other kernel files and bindings.cpp see them.
 #pragma once
-#include <torch/extension.h>
+#include "aten.h"
 #include "cpu.h"
 #include "linear_kind.h"
 
@@ -9,61 +9,61 @@
 #include <string>
 #include <vector>
 
-// A new, unwritten tensor like torch::empty's, for a kernel to fill whole (result_pool.cpp): blocks of 1 MB and more are
+// A new, unwritten tensor like at::empty's, for a kernel to fill whole (result_pool.cpp): blocks of 1 MB and more are
 // handed back to the next result of the same size instead of to malloc (a forward repeats its sizes every layer).
-torch::Tensor kernel_result(at::IntArrayRef sizes, const torch::TensorOptions& options);
+at::Tensor kernel_result(at::IntArrayRef sizes, const at::TensorOptions& options);
 
-torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale, torch::Tensor bias);
-std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::Tensor> w,
-                                            std::vector<torch::Tensor> w_scale, std::vector<torch::Tensor> bias);
+at::Tensor w8a8_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor bias);
+std::vector<at::Tensor> w8a8_linear_many(at::Tensor x, std::vector<at::Tensor> w,
+                                            std::vector<at::Tensor> w_scale, std::vector<at::Tensor> bias);
 // The linears of GGUF blocks (block_linear.cpp; W4A8 and W6A8): x [M, K] float32 quantized per 32 inputs, times
 // 4-bit or Q6_K weights packed in panels [N/16, K/32, 256 or 384] uint8 with their block scales (uint8), plus bias [N]
 // (or empty). _many quantizes x once for several weights; _on runs a named int8 path ("auto", one of int8_paths(), or
 // "current").
-torch::Tensor block_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scales, torch::Tensor bias);
-std::vector<torch::Tensor> block_linear_many(torch::Tensor x, std::vector<torch::Tensor> w,
-                                             std::vector<torch::Tensor> scales, std::vector<torch::Tensor> bias);
-std::vector<torch::Tensor> block_linear_on(const std::string& path, torch::Tensor x, std::vector<torch::Tensor> w,
-                                           std::vector<torch::Tensor> scales, std::vector<torch::Tensor> bias);
-torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w, const std::string& path);
-torch::Tensor int8_group_mm(torch::Tensor q, torch::Tensor x_scale, torch::Tensor w, torch::Tensor w_scale,
+at::Tensor block_linear(at::Tensor x, at::Tensor w, at::Tensor scales, at::Tensor bias);
+std::vector<at::Tensor> block_linear_many(at::Tensor x, std::vector<at::Tensor> w,
+                                             std::vector<at::Tensor> scales, std::vector<at::Tensor> bias);
+std::vector<at::Tensor> block_linear_on(const std::string& path, at::Tensor x, std::vector<at::Tensor> w,
+                                           std::vector<at::Tensor> scales, std::vector<at::Tensor> bias);
+at::Tensor int8_mm(at::Tensor x, at::Tensor w, const std::string& path);
+at::Tensor int8_group_mm(at::Tensor q, at::Tensor x_scale, at::Tensor w, at::Tensor w_scale,
                             const std::string& path);
 // Float-activation linears (float_dot.cpp): float32 x times float32, bfloat16 or int8 w (float_act_linear);
 // x rounded to bfloat16 times bfloat16 w packed in panels of 16 channels, as vdpbf16ps sums (bf16_linear).
 // Same floats on every path, but for bf16_linear on "amx" (AMX-BF16 tiles: tdpbf16ps's sums).
-torch::Tensor float_act_linear(torch::Tensor x, torch::Tensor w, torch::Tensor scale, torch::Tensor bias);
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
+at::Tensor float_act_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor bias);
+at::Tensor bf16_linear(at::Tensor x, at::Tensor w, at::Tensor bias);
 // bf16_linear in two steps, for an input several linears share or one rounded in pieces (decoder_layer.cpp): x rounded
 // as the current float path's bf16 products take it (bf16_input_dtype(K): bfloat16 bits, or float32 numbers where the
 // path runs them on FMAs), then multiplied (bf16_linear_rounded); round_bf16_into rounds count floats into such an
 // input at element offset. bf16_linear(x, w, b) == bf16_linear_rounded(bf16_input(x), w, b), bit for bit.
-torch::ScalarType bf16_input_dtype(int64_t K);
-torch::Tensor bf16_input(torch::Tensor x);
-void round_bf16_into(const float* x, int64_t count, torch::Tensor& out, int64_t offset);
-torch::Tensor bf16_linear_rounded(torch::Tensor xr, torch::Tensor w, torch::Tensor bias);
+at::ScalarType bf16_input_dtype(int64_t K);
+at::Tensor bf16_input(at::Tensor x);
+void round_bf16_into(const float* x, int64_t count, at::Tensor& out, int64_t offset);
+at::Tensor bf16_linear_rounded(at::Tensor xr, at::Tensor w, at::Tensor bias);
 // float32 x times float32 w packed in panels of 16 channels, one FMA chain per output (fp32_linear).
-torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor w, torch::Tensor bias);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+at::Tensor fp32_linear(at::Tensor x, at::Tensor w, at::Tensor bias);
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 // One row of rms_norm (y may be x), and quantize_tokens on each group of G values (G % 16 == 0) of x [M, K] -> q
 // [M, K], scale [M, K / G]: the row operations of the W8A8 linears (norm_quant.cpp), for packed_w8a8_step.cpp too.
 void norm_row(const float* x, const float* weight, int64_t K, double eps, float* y);
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* q, float* scale);
 // logits [R, V] float32 -> torch.argmax(logits, -1) (logits.cpp).
-torch::Tensor argmax_rows(torch::Tensor logits);
+at::Tensor argmax_rows(at::Tensor logits);
 // Sampling at temperature > 0 (logits.cpp, quasar.decoding.sampling): the weights exp((logits - max) * inv_t) and their row
 // sums, the filters' cut, and one draw by the running float64 sum.
-std::vector<double> sampling_weights(torch::Tensor logits, torch::Tensor out, double inv_t);
-torch::Tensor filter_cuts(torch::Tensor logits, torch::Tensor weights, int64_t top_k, double top_p);
-std::vector<double> keep_weights(torch::Tensor logits, torch::Tensor weights, torch::Tensor keep_from);
-int64_t draw_index(torch::Tensor weights, double u);
+std::vector<double> sampling_weights(at::Tensor logits, at::Tensor out, double inv_t);
+at::Tensor filter_cuts(at::Tensor logits, at::Tensor weights, int64_t top_k, double top_p);
+std::vector<double> keep_weights(at::Tensor logits, at::Tensor weights, at::Tensor keep_from);
+int64_t draw_index(at::Tensor weights, double u);
 // bf16_products: the step's linears take bfloat16 inputs (the bf16 verifier): then attention too runs on bfloat16
 // products where bf16_attention says so (attention_amx.cpp).
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos,
-                               torch::Tensor sin, torch::Tensor cache_k, torch::Tensor cache_v, int64_t start,
+at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos,
+                               at::Tensor sin, at::Tensor cache_k, at::Tensor cache_v, int64_t start,
                                bool bf16_products);
 // One sequence's rows inside a call over several: its cache [L, H_kv, S, D], positions filled, row count.
 struct Segment {
-  torch::Tensor cache_k, cache_v;
+  at::Tensor cache_k, cache_v;
   int64_t start, rows;
 };
 // Rope, cache writes and attention of one step's rows over their sequences' caches (attention.cpp), in parts any
@@ -120,11 +120,11 @@ class AttentionSteps {
 };
 // decode_attention for the rows of several sequences, each over layer `layer` of its own cache (caches checked
 // by the caller: contiguous float32 [L, H_kv, S, D], one H_kv and D).
-torch::Tensor segment_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
+at::Tensor segment_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos, at::Tensor sin,
                                 const std::vector<Segment>& segments, int64_t layer, bool bf16_products);
 // One decoder layer (decoder_layer.cpp) over the rows of the segments, layer `layer` of each one's cache.
-torch::Tensor decoder_layer(torch::Tensor x, const LayerWeights& w, double eps, const torch::Tensor& cos,
-                            const torch::Tensor& sin, const std::vector<Segment>& segments, int64_t layer);
+at::Tensor decoder_layer(at::Tensor x, const LayerWeights& w, double eps, const at::Tensor& cos,
+                            const at::Tensor& sin, const std::vector<Segment>& segments, int64_t layer);
 
 // Every layer of a small step in one parallel region, for models whose linears are all packed W8A8
 // (packed_w8a8_step.cpp): plan_region is nullptr for any other model; run_region gives bitwise decoder_layer's results,
@@ -134,7 +134,7 @@ std::shared_ptr<const RegionPlan> plan_region(const std::vector<LayerWeights>& l
                                               const std::optional<HeadWeights>& head);
 bool region_runs(const RegionPlan& plan, int64_t rows);  // whether run_region takes a step of this many rows
 bool region_has_head(const RegionPlan& plan);
-torch::Tensor run_region(const RegionPlan& plan, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+at::Tensor run_region(const RegionPlan& plan, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                          const std::vector<Segment>& segments, double eps, const std::vector<int64_t>* picked);
 
 // All decoder layers of one model (see decoder_layer): built once, then one call per forward.
@@ -142,19 +142,19 @@ class FusedLayers {
  public:
   // head: the final norm and the lm_head, or none (forward_tokens then refuses).
   FusedLayers(std::vector<LayerWeights> layers, double eps, std::optional<HeadWeights> head);
-  torch::Tensor forward_segments(torch::Tensor x, torch::Tensor cos, torch::Tensor sin,
-                                 std::vector<torch::Tensor> caches_k, std::vector<torch::Tensor> caches_v,
+  at::Tensor forward_segments(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                                 std::vector<at::Tensor> caches_k, std::vector<at::Tensor> caches_v,
                                  std::vector<int64_t> starts, std::vector<int64_t> rows) const;
-  torch::Tensor forward_tokens(std::vector<int64_t> ids, torch::Tensor embedding, torch::Tensor cos_table,
-                               torch::Tensor sin_table, std::vector<torch::Tensor> caches_k,
-                               std::vector<torch::Tensor> caches_v, std::vector<int64_t> starts,
+  at::Tensor forward_tokens(std::vector<int64_t> ids, at::Tensor embedding, at::Tensor cos_table,
+                               at::Tensor sin_table, std::vector<at::Tensor> caches_k,
+                               std::vector<at::Tensor> caches_v, std::vector<int64_t> starts,
                                std::vector<int64_t> rows, std::vector<int64_t> picked) const;
   // Whether a step of this many rows runs every layer in one parallel region (packed_w8a8_step.cpp).
   bool one_region(int64_t rows) const;
 
  private:
   // The segments of the caches (checked), with rows[i] rows each, `total` in all.
-  std::vector<Segment> segments(const std::vector<torch::Tensor>& caches_k, const std::vector<torch::Tensor>& caches_v,
+  std::vector<Segment> segments(const std::vector<at::Tensor>& caches_k, const std::vector<at::Tensor>& caches_v,
                                 const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t total) const;
 
   std::vector<LayerWeights> layers_;

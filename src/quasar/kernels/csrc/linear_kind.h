@@ -1,7 +1,7 @@
 // The weights of a decoder layer as the fused kernels take them (FusedLayers, decoder_layer.cpp,
 // packed_w8a8_step.cpp), by name, and how each linear runs.
 #pragma once
-#include <torch/extension.h>
+#include "aten.h"
 
 #include <array>
 #include <cstdint>
@@ -23,12 +23,12 @@ constexpr int kLinearKinds = 6;
 // One linear: its kind, weight, scale and bias (scale and bias empty where it has none).
 struct LinearWeights {
   LinearKind kind = LinearKind::W8A8;
-  torch::Tensor weight, scale, bias;
+  at::Tensor weight, scale, bias;
 };
 
 // One decoder layer: its two norms, the q/k norms of qk-norm models (empty otherwise) and its seven linears.
 struct LayerWeights {
-  torch::Tensor input_norm, post_attention_norm, q_norm, k_norm;
+  at::Tensor input_norm, post_attention_norm, q_norm, k_norm;
   LinearWeights q, k, v, o, gate, up, down;
   // The seven linears in the order of a layer's forward.
   std::array<const LinearWeights*, 7> linears() const { return {&q, &k, &v, &o, &gate, &up, &down}; }
@@ -36,6 +36,6 @@ struct LayerWeights {
 
 // The model's final norm and lm_head, where FusedLayers runs them too.
 struct HeadWeights {
-  torch::Tensor norm;
+  at::Tensor norm;
   LinearWeights lm_head;
 };

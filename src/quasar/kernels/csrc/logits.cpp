@@ -9,6 +9,8 @@
 // above every number).
 #include "kernels.h"
 #include "simd_lanes.h"
+
+#include <ATen/ops/empty.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -53,12 +55,12 @@ int64_t argmax_row(const float* row, int64_t V) {
 }  // namespace
 
 // logits [R, V] float32 -> int64 [R]: torch.argmax(logits, -1), the same indices.
-torch::Tensor argmax_rows(torch::Tensor logits) {
-  TORCH_CHECK(logits.dtype() == torch::kFloat32 && logits.dim() == 2 && logits.device().is_cpu() && logits.size(1) > 0,
+at::Tensor argmax_rows(at::Tensor logits) {
+  TORCH_CHECK(logits.dtype() == at::kFloat && logits.dim() == 2 && logits.device().is_cpu() && logits.size(1) > 0,
               "float32 CPU logits [R, V] expected");
   logits = logits.contiguous();
   const int64_t R = logits.size(0), V = logits.size(1);
-  auto out = torch::empty({R}, logits.options().dtype(torch::kInt64));
+  auto out = at::empty({R}, logits.options().dtype(at::kLong));
   const float* p = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   for (int64_t r = 0; r < R; ++r) o[r] = argmax_row(p + r * V, V);
@@ -83,8 +85,8 @@ struct LaneSum {
   }
 };
 
-void check_rows(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 2 && t.is_contiguous() && t.device().is_cpu(),
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dtype() == at::kFloat && t.dim() == 2 && t.is_contiguous() && t.device().is_cpu(),
               "contiguous float32 CPU ", what, " [R, V] expected");
 }
 
@@ -92,7 +94,7 @@ void check_rows(const torch::Tensor& t, const char* what) {
 
 // out[r, v] = exp((logits[r, v] - max_v logits[r]) * inv_t), float32, each product rounded as torch's
 // (logits - top).mul_(inv_t); returns each row's sum (float64): quasar.decoding.sampling's weights before its filters.
-std::vector<double> sampling_weights(torch::Tensor logits, torch::Tensor out, double inv_t) {
+std::vector<double> sampling_weights(at::Tensor logits, at::Tensor out, double inv_t) {
   check_rows(logits, "logits");
   check_rows(out, "weights");
   TORCH_CHECK(out.sizes() == logits.sizes(), "weights of the logits' shape expected");
@@ -131,10 +133,10 @@ std::vector<double> sampling_weights(torch::Tensor logits, torch::Tensor out, do
 }
 
 // weights[r, v] = 0 where logits[r, v] < keep_from[r] (the filters' lowest kept logit); returns the rows' new sums.
-std::vector<double> keep_weights(torch::Tensor logits, torch::Tensor weights, torch::Tensor keep_from) {
+std::vector<double> keep_weights(at::Tensor logits, at::Tensor weights, at::Tensor keep_from) {
   check_rows(logits, "logits");
   check_rows(weights, "weights");
-  TORCH_CHECK(weights.sizes() == logits.sizes() && keep_from.dtype() == torch::kFloat32 &&
+  TORCH_CHECK(weights.sizes() == logits.sizes() && keep_from.dtype() == at::kFloat &&
               keep_from.numel() == logits.size(0), "weights of the logits' shape and one float32 threshold per row expected");
   keep_from = keep_from.contiguous();
   const int64_t R = logits.size(0), V = logits.size(1);
@@ -312,13 +314,13 @@ float cut_row(const float* logits, const float* weights, int64_t V, float floor,
 // row of logits [R, V], given its weights exp((logits - max) * inv_t) (sampling_weights) -> float32 [R, 1]; -inf
 // where neither filter is on. In descending logit order a token is kept while fewer than k tokens / less than
 // top_p of the mass lie ahead of it; tokens tying with the last one kept are kept too. Sums in float64.
-torch::Tensor filter_cuts(torch::Tensor logits, torch::Tensor weights, int64_t top_k, double top_p) {
+at::Tensor filter_cuts(at::Tensor logits, at::Tensor weights, int64_t top_k, double top_p) {
   check_rows(logits, "logits");
   check_rows(weights, "weights");
   TORCH_CHECK(weights.sizes() == logits.sizes(), "weights of the logits' shape expected");
   TORCH_CHECK(top_k >= 0 && top_p > 0 && top_p <= 1, "top_k >= 0 and top_p in (0, 1] expected");
   const int64_t R = logits.size(0), V = logits.size(1);
-  auto out = torch::empty({R, 1}, logits.options());
+  auto out = at::empty({R, 1}, logits.options());
   for (int64_t r = 0; r < R; ++r) {
     const float *row = logits.data_ptr<float>() + r * V, *w = weights.data_ptr<float>() + r * V;
     float floor = -INFINITY;
@@ -333,8 +335,8 @@ torch::Tensor filter_cuts(torch::Tensor logits, torch::Tensor weights, int64_t t
 // passes u * total, as torch.searchsorted(torch.cumsum(weights, 0, dtype=float64), u * total, right=True) (the
 // total summed in lanes); the last nonzero weight's index where rounding carries u * total past the running sum's
 // end; -1 when every weight is 0.
-int64_t draw_index(torch::Tensor weights, double u) {
-  TORCH_CHECK(weights.dtype() == torch::kFloat32 && weights.dim() == 1 && weights.is_contiguous() && weights.device().is_cpu(),
+int64_t draw_index(at::Tensor weights, double u) {
+  TORCH_CHECK(weights.dtype() == at::kFloat && weights.dim() == 1 && weights.is_contiguous() && weights.device().is_cpu(),
               "contiguous float32 CPU weights [V] expected");
   const float* w = weights.data_ptr<float>();
   const int64_t V = weights.size(0);

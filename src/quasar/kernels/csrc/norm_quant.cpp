@@ -9,8 +9,8 @@
 
 // RMSNorm of each row: y = weight * (x * (1 / sqrt(mean(x^2) + eps))), float32, the sum of squares in a
 // fixed order (8 lanes, then the lanes), so a row's result depends on that row only.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && weight.dtype() == torch::kFloat32, "float32 x and weight expected");
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.dtype() == at::kFloat && weight.dtype() == at::kFloat, "float32 x and weight expected");
   TORCH_CHECK(x.dim() == 2 && weight.numel() == x.size(1) && x.size(1) % 8 == 0, "x [M, K], weight [K], K % 8 == 0");
   x = x.contiguous();
   weight = weight.contiguous();

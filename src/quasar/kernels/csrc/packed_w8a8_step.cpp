@@ -12,6 +12,10 @@
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/silu.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -46,21 +50,21 @@ namespace {
 
 std::optional<PackedLinear> packed(const LinearWeights& linear) {
   if (linear.kind != LinearKind::W8A8) return std::nullopt;
-  const torch::Tensor &w = linear.weight, &scale = linear.scale, &bias = linear.bias;
-  const bool bytes = w.dtype() == torch::kInt8 || w.dtype() == torch::kUInt8;
+  const at::Tensor &w = linear.weight, &scale = linear.scale, &bias = linear.bias;
+  const bool bytes = w.dtype() == at::kChar || w.dtype() == at::kByte;
   if (w.dim() != 4 || !bytes || !w.is_contiguous() || !w.device().is_cpu() || w.size(2) != 16 || w.size(3) != 4 ||
-      scale.dim() != 3 || scale.dtype() != torch::kFloat32 || !scale.is_contiguous() || scale.size(2) != 16)
+      scale.dim() != 3 || scale.dtype() != at::kFloat || !scale.is_contiguous() || scale.size(2) != 16)
     return std::nullopt;
   const int64_t N = w.size(0) * 16, K = w.size(1) * 4, G = K / scale.size(1);
   if (G * scale.size(1) != K || G % 32 || scale.size(0) * 16 != N) return std::nullopt;
-  if (bias.numel() && (bias.dtype() != torch::kFloat32 || !bias.is_contiguous() || bias.numel() != N)) return std::nullopt;
+  if (bias.numel() && (bias.dtype() != at::kFloat || !bias.is_contiguous() || bias.numel() != N)) return std::nullopt;
   return PackedLinear{w.data_ptr(), scale.data_ptr<float>(), bias.numel() ? bias.data_ptr<float>() : nullptr, N, K, G,
-                      w.dtype() == torch::kUInt8};
+                      w.dtype() == at::kByte};
 }
 
 // A float32 CPU vector of n values, as the region reads it.
-bool float_vector(const torch::Tensor& t, int64_t n) {
-  return t.dtype() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu() && t.numel() == n;
+bool float_vector(const at::Tensor& t, int64_t n) {
+  return t.dtype() == at::kFloat && t.is_contiguous() && t.device().is_cpu() && t.numel() == n;
 }
 
 // A linear's input rows, quantized by one thread for itself: q [M, K], scale [M, K/G], start [M, K/G] (dpbusd).
@@ -176,10 +180,10 @@ bool region_has_head(const RegionPlan& plan) { return plan.head.has_value(); }
 // The rows of the segments through every layer (x [T, hidden], cos and sin [T, D], checked by the caller), then,
 // with `picked` and a packed head, the final norm and the lm_head on those rows: logits [picked, V], else the
 // hidden states [T, hidden].
-torch::Tensor run_region(const RegionPlan& plan, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+at::Tensor run_region(const RegionPlan& plan, at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                          const std::vector<Segment>& segments, double eps, const std::vector<int64_t>* picked) {
   for (const auto& t : {x, cos, sin})
-    TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 2 && t.device().is_cpu(), "float32 CPU x, cos and sin expected");
+    TORCH_CHECK(t.dtype() == at::kFloat && t.dim() == 2 && t.device().is_cpu(), "float32 CPU x, cos and sin expected");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "contiguous rope rows expected");
   const int64_t M = x.size(0), hidden = plan.hidden, I = plan.I;
   const RegionLayer& first = plan.layers[0];
@@ -190,15 +194,15 @@ torch::Tensor run_region(const RegionPlan& plan, torch::Tensor x, const torch::T
   const AttentionSteps steps(segments, M, H, threads);
   x = x.contiguous().clone();  // the residual stream, updated in place
   auto f32 = x.options();
-  auto yq = torch::empty({M, first.q.N}, f32), yk = torch::empty({M, first.k.N}, f32), yv = torch::empty({M, first.v.N}, f32);
-  auto q_rot = torch::empty_like(yq), attended = torch::empty_like(yq), y_out = torch::empty({M, hidden}, f32);
-  auto gate = torch::empty({M, I}, f32), up = torch::empty({M, I}, f32);
+  auto yq = at::empty({M, first.q.N}, f32), yk = at::empty({M, first.k.N}, f32), yv = at::empty({M, first.v.N}, f32);
+  auto q_rot = at::empty_like(yq), attended = at::empty_like(yq), y_out = at::empty({M, hidden}, f32);
+  auto gate = at::empty({M, I}, f32), up = at::empty({M, I}, f32);
   const int64_t G_down = first.down.G;
-  auto act_q = torch::empty({M, I}, x.options().dtype(torch::kInt8)), act_scale = torch::empty({M, I / G_down}, f32);
-  auto act_start = torch::empty({plan.unsigned_bytes ? M : 0, I / G_down}, x.options().dtype(torch::kInt32));
+  auto act_q = at::empty({M, I}, x.options().dtype(at::kChar)), act_scale = at::empty({M, I / G_down}, f32);
+  auto act_start = at::empty({plan.unsigned_bytes ? M : 0, I / G_down}, x.options().dtype(at::kInt));
   const bool head = picked && plan.head;
   const int64_t P = head ? static_cast<int64_t>(picked->size()) : 0;
-  auto logits = torch::empty({P, head ? plan.head->N : 0}, f32);
+  auto logits = at::empty({P, head ? plan.head->N : 0}, f32);
   float *xp = x.data_ptr<float>(), *qp = yq.data_ptr<float>(), *kp = yk.data_ptr<float>(), *vp = yv.data_ptr<float>();
   float *qr = q_rot.data_ptr<float>(), *att = attended.data_ptr<float>(), *yo = y_out.data_ptr<float>();
   float *gp = gate.data_ptr<float>(), *up_p = up.data_ptr<float>();
@@ -245,7 +249,7 @@ torch::Tensor run_region(const RegionPlan& plan, torch::Tensor x, const torch::T
         // ATen's silu on this thread's channels (its vectorised loop: the floats decoder_layer gets), times up;
         // then down's input groups that lie in them.
         auto slice = at::from_blob(gp + i0, {M, i1 - i0}, {I, 1}, f32);
-        torch::silu_(slice);
+        at::silu_(slice);
         for (int64_t m = 0; m < M; ++m) {
           for (int64_t n = i0; n < i1; ++n) gp[m * I + n] = gp[m * I + n] * up_p[m * I + n];
           quantize_rows(gp + m * I + i0, 1, i1 - i0, G_down, aq + m * I + i0, as + (m * I + i0) / G_down);

@@ -7,6 +7,9 @@
 // wait. Nothing else changes: a result is written whole by its kernel before anyone reads it.
 #include "kernels.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+
 #include <cstdlib>
 #include <list>
 #include <mutex>
@@ -64,12 +67,12 @@ void give_back(void* block, size_t bytes) {
 
 }  // namespace
 
-torch::Tensor kernel_result(at::IntArrayRef sizes, const torch::TensorOptions& options) {
+at::Tensor kernel_result(at::IntArrayRef sizes, const at::TensorOptions& options) {
   int64_t count = 1;
   for (int64_t s : sizes) count *= s;
   const size_t size = static_cast<size_t>(count) * options.dtype().itemsize();
-  if (size < kSmallest || options.device().type() != c10::DeviceType::CPU) return torch::empty(sizes, options);
+  if (size < kSmallest || options.device().type() != c10::DeviceType::CPU) return at::empty(sizes, options);
   const size_t bytes = (size + kAlign - 1) / kAlign * kAlign;
   void* block = take(bytes);
-  return torch::from_blob(block, sizes, [bytes](void* p) { give_back(p, bytes); }, options);
+  return at::from_blob(block, sizes, [bytes](void* p) { give_back(p, bytes); }, options);
 }

@@ -110,16 +110,16 @@ void run_jobs(Int8Path path, const int8_t* q, const float* x_scale, const std::v
 
 namespace {
 
-void check_int8_weight(const torch::Tensor& w, int64_t K) {
-  TORCH_CHECK(w.dtype() == torch::kInt8 && w.dim() == 2 && w.size(1) == K, "int8 w [N, K] expected");
+void check_int8_weight(const at::Tensor& w, int64_t K) {
+  TORCH_CHECK(w.dtype() == at::kChar && w.dim() == 2 && w.size(1) == K, "int8 w [N, K] expected");
 }
 
 // x [M, K] float32 -> (int8 q [M, K], float32 x_scale [M, K / G]), as quantize_tokens (G = K: per row).
-std::pair<torch::Tensor, torch::Tensor> quantize(const torch::Tensor& x, int64_t G) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) % 16 == 0, "float32 x [M, K], K % 16 == 0");
+std::pair<at::Tensor, at::Tensor> quantize(const at::Tensor& x, int64_t G) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) % 16 == 0, "float32 x [M, K], K % 16 == 0");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(G % 16 == 0 && K % G == 0, "group size ", G, " must be a multiple of 16 dividing K = ", K);
-  auto q = kernel_result({M, K}, x.options().dtype(torch::kInt8));
+  auto q = kernel_result({M, K}, x.options().dtype(at::kChar));
   auto scale = kernel_result({M, K / G}, x.options());
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
@@ -131,8 +131,8 @@ std::pair<torch::Tensor, torch::Tensor> quantize(const torch::Tensor& x, int64_t
 }
 
 // The group size of a W8A8 weight's scales: 0 for w_scale [N] (per channel), K / groups for [N, groups].
-int64_t group_size(const torch::Tensor& w_scale, int64_t N, int64_t K) {
-  TORCH_CHECK(w_scale.dtype() == torch::kFloat32 && w_scale.size(0) == N && w_scale.dim() <= 2,
+int64_t group_size(const at::Tensor& w_scale, int64_t N, int64_t K) {
+  TORCH_CHECK(w_scale.dtype() == at::kFloat && w_scale.size(0) == N && w_scale.dim() <= 2,
               "float32 w_scale [N] or [N, K / G] expected");
   if (w_scale.dim() == 1) return 0;
   const int64_t groups = w_scale.size(1), G = groups ? K / groups : 0;
@@ -146,26 +146,26 @@ int64_t group_size(const torch::Tensor& w_scale, int64_t N, int64_t K) {
 // x [M, K] int8 (already quantized), w [N, K] int8 -> exact int32 [M, N], on `path` (see int8_dot.cpp).
 // maddubs takes |x| <= 127, so there x = max(x, -127) + d with d in {-1, 0}, and rows holding -128 get a
 // second pass over d; the dpbusd paths take every int8 value.
-torch::Tensor int8_mm(torch::Tensor x, torch::Tensor w, const std::string& path) {
-  TORCH_CHECK(x.dtype() == torch::kInt8 && x.dim() == 2 && x.size(1) % 16 == 0, "int8 x [M, K], K % 16 == 0");
+at::Tensor int8_mm(at::Tensor x, at::Tensor w, const std::string& path) {
+  TORCH_CHECK(x.dtype() == at::kChar && x.dim() == 2 && x.size(1) % 16 == 0, "int8 x [M, K], K % 16 == 0");
   w = w.contiguous();
   check_int8_weight(w, x.size(1));
   const Int8Path p = parse_int8_path(path);
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto input = p == Int8Path::Maddubs ? x.clamp_min(-127).contiguous() : x.contiguous();
-  auto out = kernel_result({M, N}, x.options().dtype(torch::kInt32));
+  auto out = kernel_result({M, N}, x.options().dtype(at::kInt));
   run_jobs(p, input.data_ptr<int8_t>(), nullptr, {IntJob{w.data_ptr<int8_t>(), N, out.data_ptr<int32_t>()}}, M, K);
   if (p != Int8Path::Maddubs) return out;
   auto low = x.eq(-128);
-  if (low.any().item<bool>()) out += int8_mm(low.to(torch::kInt8).neg(), w, path);  // d: -1 where x was -128
+  if (low.any().item<bool>()) out += int8_mm(low.to(at::kChar).neg(), w, path);  // d: -1 where x was -128
   return out;
 }
 
 // Group-wise int8 product without the quantization, for tests: q [M, K] int8 (|q| <= 127 on "maddubs"),
 // x_scale [M, K / G], w [N, K] int8, w_scale [N, K / G] float32 -> float32 [M, N] on `path`.
-torch::Tensor int8_group_mm(torch::Tensor q, torch::Tensor x_scale, torch::Tensor w, torch::Tensor w_scale,
+at::Tensor int8_group_mm(at::Tensor q, at::Tensor x_scale, at::Tensor w, at::Tensor w_scale,
                             const std::string& path) {
-  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2, "int8 q [M, K] expected");
+  TORCH_CHECK(q.dtype() == at::kChar && q.dim() == 2, "int8 q [M, K] expected");
   q = q.contiguous();
   w = w.contiguous();
   w_scale = w_scale.contiguous();
@@ -174,7 +174,7 @@ torch::Tensor int8_group_mm(torch::Tensor q, torch::Tensor x_scale, torch::Tenso
   check_int8_weight(w, K);
   TORCH_CHECK(w_scale.dim() == 2, "w_scale [N, K / G] expected");
   const int64_t G = group_size(w_scale, N, K);
-  TORCH_CHECK(x_scale.dtype() == torch::kFloat32 && x_scale.dim() == 2 && x_scale.size(0) == M &&
+  TORCH_CHECK(x_scale.dtype() == at::kFloat && x_scale.dim() == 2 && x_scale.size(0) == M &&
               x_scale.size(1) == K / G, "float32 x_scale [M, K / G] expected");
   const Int8Path p = parse_int8_path(path);
   TORCH_CHECK(p != Int8Path::Maddubs || q.min().item<int>() > -128, "the maddubs path takes q in [-127, 127]");
@@ -187,18 +187,18 @@ torch::Tensor int8_group_mm(torch::Tensor q, torch::Tensor x_scale, torch::Tenso
 // Several W8A8 linears of the same input (q/k/v, gate/up): x is quantized once, one parallel region sums
 // and rescales all of them. Each result is bitwise the torch reference of its linear:
 // y [M, N] = acc * x_scale[m] * w_scale[n] (+ bias[n]).
-std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::Tensor> w,
-                                            std::vector<torch::Tensor> w_scale, std::vector<torch::Tensor> bias) {
+std::vector<at::Tensor> w8a8_linear_many(at::Tensor x, std::vector<at::Tensor> w,
+                                            std::vector<at::Tensor> w_scale, std::vector<at::Tensor> bias) {
   TORCH_CHECK(w.size() == w_scale.size() && w.size() == bias.size() && !w.empty(), "one scale and one bias per weight");
   TORCH_CHECK(x.dim() == 2, "x [M, K] expected");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<IntJob> jobs;
-  std::vector<torch::Tensor> acc, out;
+  std::vector<at::Tensor> acc, out;
   for (size_t i = 0; i < w.size(); ++i) {
     w[i] = w[i].contiguous();
     const bool packed = w[i].dim() == 4;  // [N/16][K/4][16][4] uint8 w + 128 or int8 w, w_scale [N/16][K/G][16]
-    const bool bytes = w[i].dtype() == torch::kUInt8 || w[i].dtype() == torch::kInt8;
+    const bool bytes = w[i].dtype() == at::kByte || w[i].dtype() == at::kChar;
     TORCH_CHECK(!packed || (bytes && w[i].size(1) * 4 == K && w[i].size(2) == 16 && w[i].size(3) == 4 &&
                             w_scale[i].dim() == 3 && w_scale[i].size(2) == 16),
                 "packed uint8 w + 128 or int8 w [N/16, K/4, 16, 4] with w_scale [N/16, K/G, 16] expected");
@@ -207,17 +207,17 @@ std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::
     w_scale[i] = w_scale[i].contiguous();
     bias[i] = bias[i].contiguous();
     const int64_t G = packed ? K / w_scale[i].size(1) : group_size(w_scale[i], N, K);
-    TORCH_CHECK(!packed || (w_scale[i].dtype() == torch::kFloat32 && G * w_scale[i].size(1) == K && G % 32 == 0),
+    TORCH_CHECK(!packed || (w_scale[i].dtype() == at::kFloat && G * w_scale[i].size(1) == K && G % 32 == 0),
                 "packed w_scale [N/16, K/G, 16] needs a group size G that is a multiple of 32 dividing K");
     TORCH_CHECK(jobs.empty() || jobs[0].G == G, "the linears of one input must share their group size");
-    TORCH_CHECK(bias[i].numel() == 0 || (bias[i].dtype() == torch::kFloat32 && bias[i].numel() == N),
+    TORCH_CHECK(bias[i].numel() == 0 || (bias[i].dtype() == at::kFloat && bias[i].numel() == N),
                 "float32 bias [N] or empty expected");
-    acc.push_back(G ? torch::Tensor() : kernel_result({M, N}, x.options().dtype(torch::kInt32)));
+    acc.push_back(G ? at::Tensor() : kernel_result({M, N}, x.options().dtype(at::kInt)));
     out.push_back(kernel_result({M, N}, x.options()));
     jobs.push_back(IntJob{static_cast<const int8_t*>(w[i].data_ptr()), N, G ? nullptr : acc.back().data_ptr<int32_t>(),
                           out.back().data_ptr<float>(), w_scale[i].data_ptr<float>(),
                           bias[i].numel() ? bias[i].data_ptr<float>() : nullptr, G,
-                          !packed ? Panels::None : w[i].dtype() == torch::kUInt8 ? Panels::Unsigned : Panels::Signed});
+                          !packed ? Panels::None : w[i].dtype() == at::kByte ? Panels::Unsigned : Panels::Signed});
   }
   auto [q, x_scale] = quantize(x, jobs[0].G ? jobs[0].G : K);
   run_jobs(linear_path(), q.data_ptr<int8_t>(), x_scale.data_ptr<float>(), jobs, M, K);
@@ -225,7 +225,7 @@ std::vector<torch::Tensor> w8a8_linear_many(torch::Tensor x, std::vector<torch::
 }
 
 // The whole W8A8 linear: x [M, K] float32, w [N, K] int8, w_scale [N] float32, bias [N] float32 or empty.
-torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor w_scale, torch::Tensor bias) {
+at::Tensor w8a8_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor bias) {
   return w8a8_linear_many(x, {w}, {w_scale}, {bias})[0];
 }
 
