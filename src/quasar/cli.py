@@ -19,6 +19,7 @@ COMMANDS = {  # name -> one-line help; quasar.commands.<name> (with register(sub
     "bench": "benchmark methods side by side (speedup, mean accepted tokens, plots)",
     "serve": "serve a model behind an OpenAI-compatible HTTP API",
     "models": "install and list the bigger named models",
+    "data": "fetch the benchmark, evaluation and calibration data into the cache",
     "export": "export the W8A8 model for vLLM (compressed-tensors)",
     "quantize": "quantize a model to W8A8 (SmoothQuant), W4A8 or W8A16 and save it",
     "fidelity": "compare quantized verifiers with the float model (KL, top-1, perplexity)",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from quasar import wheels
+from quasar.model.loading import default_model_path
 from quasar.tools import model_store
 
 
@@ -15,8 +17,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     install = actions.add_parser("install", help="download, check and assemble a model")
-    install.add_argument("name", choices=sorted(model_store.RECIPES), metavar="NAME",
-                         help=f"one of: {', '.join(sorted(model_store.RECIPES))}")
+    names = ["default", *sorted(model_store.RECIPES)]
+    install.add_argument("name", choices=names, metavar="NAME",
+                         help=f"one of: {', '.join(names)} (default: the embedded SmolLM2-135M-Instruct, fetched on "
+                         "first use anyway)")
     install.add_argument("--force", action="store_true", help="download and assemble again even if installed")
     install.add_argument("--cache-dir", help="where models are installed (default: $XDG_CACHE_HOME/quasar or ~/.cache/quasar)")
     install.set_defaults(run=run_install)
@@ -26,12 +30,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_install(args: argparse.Namespace) -> int:
-    path = model_store.install(args.name, force=args.force)
+    if args.name == "default":
+        wheels.install([wheels.DEFAULT_MODEL], force=args.force)
+        path = default_model_path()
+    else:
+        path = model_store.install(args.name, force=args.force)
     print(f"installed {args.name}: {path}")
     return 0
 
 
 def run_list(args: argparse.Namespace) -> int:
+    default = "installed" if wheels.folder(wheels.DEFAULT_MODEL).is_dir() else "fetched on first use"
+    print(f"{'default':<22} {default:<40}  SmolLM2-135M-Instruct, Q4_1 GGUF ({wheels.DEFAULT_MODEL.requirement})")
     for recipe in model_store.RECIPES.values():
         path = model_store.model_path(recipe)
         status = f"installed at {path}" if path.exists() else "not installed"

