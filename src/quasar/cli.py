@@ -15,6 +15,7 @@ from quasar.version import __version__
 
 COMMANDS = {  # name -> one-line help; quasar.commands.<name> (with register(subparsers)) is imported only to run it
     "generate": "generate text from a prompt",
+    "chat": "chat with a model in the terminal",
     "eval": "task accuracy of float vs quantized verifiers",
     "bench": "benchmark methods side by side (speedup, mean accepted tokens, plots)",
     "serve": "serve a model behind an OpenAI-compatible HTTP API",
@@ -24,6 +25,7 @@ COMMANDS = {  # name -> one-line help; quasar.commands.<name> (with register(sub
     "quantize": "quantize a model to W8A8 (SmoothQuant), W4A8 or W8A16 and save it",
     "fidelity": "compare quantized verifiers with the float model (KL, top-1, perplexity)",
 }
+RUNS_MODELS = {"generate", "chat", "eval", "bench", "serve", "quantize", "fidelity"}  # these compile the kernels ahead
 
 
 class Parser(argparse.ArgumentParser):
@@ -62,6 +64,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen_cache = getattr(args, "cache_dir", None)  # the commands that take --cache-dir
     previous = use_cache_dir(chosen_cache) if chosen_cache else None
     try:
+        if args.command in RUNS_MODELS:  # a first run compiles the kernels while it fetches and converts the model
+            from quasar.kernels.native import compile_ahead
+
+            compile_ahead()
         return args.run(args) or 0
     except KeyboardInterrupt:
         print("quasar: interrupted", file=sys.stderr)

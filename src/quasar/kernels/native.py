@@ -22,6 +22,7 @@ import logging
 import os
 import platform
 import shutil
+import threading
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -173,10 +174,39 @@ def take_forced_paths(module: Any) -> None:
         log.info("%s=%s: quasar's kernels take that path", variable, name)
 
 
+_loading = threading.Lock()  # one build per process, whichever thread asks first (compile_ahead's or the model's)
+
+
+def compile_ahead() -> None:
+    """Start the one-time compile in a background thread where it has yet to run, so that it overlaps what a
+    first command does before it needs the kernels (downloads, the GGUF conversion, calibration), which
+    leaves a core idle much of the time. kernel() then waits for it."""
+    if _status is None and cannot_build() is None and not any(build_dir().glob("*.so")):
+        threading.Thread(target=quietly(kernel), name="quasar-kernel-compile", daemon=True).start()
+
+
+def quietly(call):
+    """call() for a background thread: an error (a path QUASAR_INT8_PATH names that this CPU lacks) is left for the
+    main thread's own call to raise."""
+
+    def run() -> None:
+        try:
+            call()
+        except Exception:  # noqa: BLE001 - raised again, where it is reported, by the main thread's kernel()
+            pass
+
+    return run
+
+
 def kernel() -> Any | None:
     """The compiled extension module, or None where it cannot be used (see status()). Built on first call,
     into the cache's kernels/ folder (quasar.files.cache_root); one build per process. It runs on the fastest
     paths the CPU has, or on those QUASAR_INT8_PATH / QUASAR_FLOAT_PATH name (ValueError if the CPU lacks one)."""
+    with _loading:
+        return load_once()
+
+
+def load_once() -> Any | None:
     global _status, _module
     if _status is None:
         module, status = try_build()

@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from quasar.tools.bench.base import Method
 from quasar.tools.bench.metrics import Record
 from quasar.tools.bench.suites import BenchItem
 from quasar.decoding.engine import PromptTooLongError
 from quasar.decoding.sampling import SamplingParams
+from quasar.progress import progress
 
 log = logging.getLogger("quasar")
 WARMUP_PROMPT = "Write one sentence about the sea."
@@ -117,12 +116,11 @@ def run(methods: list[Method], items: list[BenchItem], config: RunConfig, answer
         raise ValueError("no method to run")
     answers.parent.mkdir(parents=True, exist_ok=True)
     total = len(items) * len(config.temperatures)
-    with open(answers, "x") as out, tqdm(total=total, unit="prompt", desc="bench", disable=None, dynamic_ncols=True) as bar:
+    with open(answers, "x") as out:
         done, active = 0, list(methods)
         try:
             warm_up(active, config.warmup_tokens, result)
-            start = time.perf_counter()
-            for temperature, i, item in schedule(items, config):
+            for temperature, i, item in progress(schedule(items, config), "bench: prompts", total=total):
                 if not active:
                     log.error("every method failed; stopping")
                     break
@@ -139,9 +137,6 @@ def run(methods: list[Method], items: list[BenchItem], config: RunConfig, answer
                 out.flush()
                 result.records.extend(batch)
                 done += 1
-                bar.update()
-                log.info("prompt %d/%d done (%s), about %.0f s left", done, total, item.question_id,
-                         (time.perf_counter() - start) / done * (total - done))
         except KeyboardInterrupt:
             result.interrupted = True
             log.warning("interrupted: keeping the %d prompts that finished", done)
