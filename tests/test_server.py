@@ -382,3 +382,20 @@ def test_sixty_four_clients_with_disconnects_get_their_own_answers(model_dir, tm
         assert again.choices[0].text == wanted[1].text
     finally:
         server.stop()
+
+
+def test_the_openai_client_stop_seed_and_n(server):
+    """What the official client sends for stop strings, a seed and n: stop ends the text before the string with
+    finish_reason 'stop'; the same seed samples the same text; n > 1 is refused with a 400 naming n."""
+    client = server.client()
+    full = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=16, temperature=0)
+    stop = full.choices[0].text[4:7]
+    cut = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and stop not in cut.choices[0].text
+    assert full.choices[0].text.startswith(cut.choices[0].text)
+    messages = [{"role": "user", "content": "Say something surprising."}]
+    sampled = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0.9, seed=7)
+               for _ in range(2)]
+    assert sampled[0].choices[0].message.content == sampled[1].choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="n"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, n=2)

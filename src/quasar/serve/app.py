@@ -168,11 +168,15 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
 
     async def sse(job: Job, envelope: Envelope, include_usage: bool) -> AsyncIterator[str]:
         try:
-            if envelope.chat:
-                yield event(envelope.chunk(None, role=True))
-            try:
+            role = envelope.chat  # the chat's role chunk goes out with the first text, as vLLM's does: a client
+            try:  # that times its first chunk (vLLM's benchmark does) then measures the prefill, not the queue
                 async for piece in job.pieces():
+                    if role:
+                        yield event(envelope.chunk(None, role=True))
+                        role = False
                     yield event(envelope.chunk(piece))
+                if role:
+                    yield event(envelope.chunk(None, role=True))
             except Exception as e:  # generation failed after the 200 went out: say so in the stream
                 yield event(error_body(f"generation failed: {e}", "server_error"))
                 return
