@@ -10,7 +10,8 @@ from quasar.model.llama import FIXED_ROWS
 from quasar.decoding.drafters.model_drafter import ModelDrafter
 from quasar.decoding.engine import Engine
 from quasar.decoding.drafters.ngram import NgramDrafter
-from helpers import drive
+from conftest import needs_kernels
+from helpers import drive, engine_for
 from quasar.decoding.autoregressive import StopRule
 from quasar.model.config import ModelConfig
 from quasar.model.llama import Transformer
@@ -200,3 +201,19 @@ def test_forward_is_row_independent(tiny_model):
         for i, token in enumerate([5, 6, 7]):
             alone = model(torch.tensor([[token]]), cache)[0, 0]  # [V]
             assert torch.equal(alone, block[i])
+
+
+@needs_kernels
+@pytest.mark.parametrize("stop", ["brown", "lazy", "river"])
+def test_a_stop_string_ends_the_output_at_the_token_that_completes_it(stop):
+    """A verify step accepts a run of copied tokens at once (here 8); a stop string inside the run ends the output
+    at the token that completes it: the tokens after it are neither returned nor counted."""
+    engine = engine_for("ngram+w8a8", k=7)
+    text = "The quick brown fox jumps over the lazy dog near the quiet river bank at dawn."
+    prompt = engine.encode(f"Repeat this sentence exactly, once: {text}")
+    out = engine.generate(prompt, SamplingParams(max_new_tokens=40, stop=(stop,)))
+    assert out.stats.finish_reason == "stop" and stop not in out.text
+    assert max(out.stats.accept_lengths) > 1  # a run was accepted at once
+    assert stop in engine.tokenizer.decode(out.token_ids)  # the last token completes the stop string...
+    assert stop not in engine.tokenizer.decode(out.token_ids[:-1])  # ...and no token comes after it
+    assert out.stats.new_tokens == len(out.token_ids)

@@ -85,13 +85,18 @@ class Request:
             raise
 
     def emit(self, tokens: list[int]) -> None:
-        self.output.token_ids.extend(tokens)
-        piece = self.detok.add(tokens)
-        if piece:
-            self.pieces.append(piece)
-        if self.detok.done:
-            self.output.stats.finish_reason = "stop"
-            self.finish()
+        """A step's new tokens. With stop strings they go in one at a time, so that the output ends with the token
+        that completed a stop string: the draft tokens a verify step accepted past it are not part of the answer
+        (nor of its token count)."""
+        for part in ([t] for t in tokens) if self.detok.stop else (tokens,):
+            self.output.token_ids.extend(part)
+            piece = self.detok.add(part)
+            if piece:
+                self.pieces.append(piece)
+            if self.detok.done:
+                self.output.stats.finish_reason = "stop"
+                self.finish()
+                return
 
     def take(self) -> list[str]:
         pieces, self.pieces = self.pieces, []
