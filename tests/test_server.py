@@ -57,8 +57,9 @@ class Server:
     def client(self, key: str | None = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0, timeout=600)
 
-    def exposition(self) -> str:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+    def exposition(self, key: str = KEY) -> str:
+        request = urllib.request.Request(self.url + "/metrics", headers={"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(request, timeout=10) as r:
             return r.read().decode()
 
     def metrics(self) -> dict[str, float]:

@@ -67,8 +67,19 @@ class OneThreadTokenizer:
     """Fails as the Rust-backed tokenizer can ("Already borrowed") when two threads use it at once; every call
     takes a little while, so that overlaps happen whenever the server allows them."""
 
-    def __init__(self, inner: Any) -> None:
-        self._inner, self._busy, self.overlaps = inner, threading.Lock(), 0
+    def __init__(self, inner: Any, overlaps: list[int] | None = None) -> None:
+        self._inner, self._busy, self._overlaps = inner, threading.Lock(), overlaps if overlaps is not None else [0]
+
+    @property
+    def overlaps(self) -> int:
+        """Overlaps on this tokenizer and on every copy of it."""
+        return self._overlaps[0]
+
+    def __deepcopy__(self, memo: dict) -> OneThreadTokenizer:
+        """A copy (the server encodes prompts with its own) is one more tokenizer that must not overlap itself."""
+        import copy
+
+        return OneThreadTokenizer(copy.deepcopy(self._inner, memo), self._overlaps)
 
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._inner, name)
@@ -77,7 +88,7 @@ class OneThreadTokenizer:
 
         def exclusive(*args: Any, **kwargs: Any) -> Any:
             if not self._busy.acquire(blocking=False):
-                self.overlaps += 1
+                self._overlaps[0] += 1
                 raise RuntimeError("Already borrowed")
             try:
                 time.sleep(0.002)

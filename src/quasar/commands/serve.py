@@ -8,6 +8,7 @@ import os
 import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,7 +33,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
     net.add_argument("--port", type=port, default=8000, help="port (default: %(default)s)")
-    net.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* requests")
+    net.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health; other local "
+                     "users see it in `ps`: prefer $QUASAR_API_KEY or --api-key-file (default: $QUASAR_API_KEY)")
+    net.add_argument("--api-key-file", help="read the API key from this file (its first line)")
+    net.add_argument("--max-body", type=positive_int, default=4_000_000,
+                     help="largest request body in bytes; larger ones get HTTP 413 before they are read (default: "
+                     "%(default)s)")
+    net.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="on SIGTERM or Ctrl-C, seconds the running requests get to finish before they are ended; "
+                     "new ones get HTTP 503 meanwhile; a second signal exits at once (default: %(default)s)")
     net.add_argument("--max-queue", type=positive_int, default=64,
                      help="requests that may wait for a place in the batch; more get HTTP 429 (default: %(default)s)")
     net.add_argument("--max-batch", type=positive_int, default=16,
@@ -65,17 +74,32 @@ def run(args: argparse.Namespace) -> int:
 
     from quasar.serve.app import create_app
 
+    key = api_key(args)
+    if key is None and args.host not in LOOPBACK:
+        log.warning("serving on %s without an API key: anyone who can reach this address can use the model "
+                    "(set QUASAR_API_KEY or --api-key-file)", args.host)
     engine = build_engine(args)
-    app = create_app(engine, name, api_key=args.api_key, max_queue=args.max_queue, max_batch=args.max_batch,
-                     max_rows=args.max_batch_tokens, kv_budget=args.kv_budget, own_thread=False)
+    app = create_app(engine, name, api_key=key, max_queue=args.max_queue, max_batch=args.max_batch,
+                     max_rows=args.max_batch_tokens, kv_budget=args.kv_budget, own_thread=False,
+                     max_body=args.max_body)
     # Generation runs on this thread, the one that loaded the model (Scheduler.work says why); HTTP on another,
     # with a short GIL switch interval so that streamed tokens leave as soon as they are made.
     sys.setswitchinterval(0.0005)
-    http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                         timeout_graceful_shutdown=5))
 
-    def shut_down(*_: object) -> None:
-        http.should_exit = True
-        app.state.scheduler.stop()
+    signals = []
+
+    def shut_down(number: int, _: object) -> None:
+        """The first signal drains (503 for new requests, the running ones get --shutdown-timeout seconds); a
+        second one exits at once."""
+        signals.append(number)
+        if len(signals) > 1:
+            print("quasar: second signal, exiting now", file=sys.stderr, flush=True)
+            os._exit(128 + number)
+        print(f"quasar: shutting down: running requests get {args.shutdown_timeout:g} s to finish (a second signal "
+              "exits at once)", file=sys.stderr, flush=True)
+        app.state.scheduler.drain(args.shutdown_timeout)
 
     def serve_http() -> None:
         try:
@@ -88,12 +112,33 @@ def run(args: argparse.Namespace) -> int:
     server_thread = threading.Thread(target=serve_http, name="quasar-http", daemon=True)
     server_thread.start()
     print(f"quasar: serving {name!r} on http://{args.host}:{args.port}/v1 (pid {os.getpid()})", file=sys.stderr)
-    app.state.scheduler.work()  # until stopped (or the worker failed: HTTP then answers 503 until stopped)
+    app.state.scheduler.work()  # until drained or stopped (or the worker failed: HTTP then answers 503 until stopped)
+    if signals:  # drained: the last events reach their clients, then HTTP stops
+        time.sleep(0.2)
+        http.should_exit = True
     while server_thread.is_alive():
         server_thread.join(timeout=1.0)
     if not http.started:
         raise ValueError(f"could not serve on {args.host}:{args.port} (see the error above)")
     return 0
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else the first line of --api-key-file, else $QUASAR_API_KEY, else None (no key)."""
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text().splitlines()[0].strip()
+        except (OSError, IndexError) as e:
+            raise ValueError(f"--api-key-file {args.api_key_file}: cannot read a key ({e})") from None
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file}: the first line is empty")
+        return key
+    return os.environ.get("QUASAR_API_KEY") or None
 
 
 def hand_off(args: argparse.Namespace, name: str) -> int:
@@ -108,7 +153,7 @@ def hand_off(args: argparse.Namespace, name: str) -> int:
         raise ValueError(f"the vLLM hand-off serves one model; the cascade {spec.verifier_name} (--exact) runs on "
                          "quasar's engine")
     model_dir, dtype = vllm_model(args.model, spec.top, args.export_dir)
-    serve = VllmServe(model_dir, name, dtype, args.host, args.port, args.api_key, args.max_context, args.vllm)
+    serve = VllmServe(model_dir, name, dtype, args.host, args.port, api_key(args), args.max_context, args.vllm)
     argv = vllm_command(serve, spec, DrafterOptions(args.ngram_min, args.ngram_max))
     if args.dry_run:
         print(shlex.join(argv))

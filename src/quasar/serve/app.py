@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import hmac
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,49 +20,83 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quasar.decoding.engine import Engine
 from quasar.decoding.outputs import RequestOutput
+from quasar.decoding.prompt import encode
 from quasar.serve.metrics import Metrics
 from quasar.serve.protocol import BadRequest, ChatRequest, CompletionRequest, Envelope, budget, error_body, parse
-from quasar.serve.scheduler import Job, QueueFullError, Scheduler, WorkerStoppedError
+from quasar.serve.scheduler import Job, QueueFullError, Scheduler, ShuttingDownError, WorkerStoppedError
 
 log = logging.getLogger("quasar")
+RETRY_AFTER_S = 1  # what a 429 tells a client to wait before trying again
+HANG_UP_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
-class AuthMiddleware:
-    """ASGI middleware: bearer-token check on /v1/* and a request counter by route and status.
+class Guard:
+    """ASGI middleware in front of every route: the API key (every route but /health), the body limit (HTTP 413
+    before a larger body is read), and the request counter by route and status, 5xx included (a failure no
+    handler answered becomes a 500 with a generic message here; the log has the details).
 
     The route label is one of the app's `endpoints`, or 'other': a client cannot add label values.
     Plain ASGI (not BaseHTTPMiddleware) so that a client disconnect reaches the streaming response."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, metrics: Metrics, endpoints: frozenset[str]) -> None:
-        self.app, self.api_key, self.metrics, self.endpoints = app, api_key, metrics, endpoints
+    def __init__(self, app: ASGIApp, api_key: str | None, metrics: Metrics, endpoints: frozenset[str],
+                 max_body: int) -> None:
+        self.app, self.api_key, self.metrics, self.endpoints, self.max_body = app, api_key, metrics, endpoints, max_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
         endpoint = path if path in self.endpoints else "other"
+        started = False
 
         async def counting_send(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 self.metrics.count_request(endpoint, message["status"])
             await send(message)
 
-        if self.api_key and path.startswith("/v1") and not self._authorized(scope):
-            body = error_body("missing or invalid API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
-            return await JSONResponse(body, status_code=401)(scope, receive, counting_send)
-        await self.app(scope, receive, counting_send)
+        async def refuse(status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
+            body = error_body(message, "server_error" if status >= 500 else "invalid_request_error", code=code)
+            await JSONResponse(body, status_code=status, headers=headers)(scope, receive, counting_send)
+
+        if self.api_key and path != "/health" and not self._authorized(scope):
+            return await refuse(401, "missing or invalid API key (send 'Authorization: Bearer KEY')", "invalid_api_key")
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_body:
+            return await refuse(413, f"the request body is over the server's limit of {self.max_body} bytes",
+                                "body_too_large", {"Connection": "close"})
+        received = 0
+
+        async def bounded_receive() -> Message:  # a body without a length (chunked) is counted as it comes
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_body:
+                raise BadRequest(f"the request body is over the server's limit of {self.max_body} bytes",
+                                 status=413, code="body_too_large")
+            return message
+
+        try:
+            await self.app(scope, bounded_receive, counting_send)
+        except Exception:
+            log.exception("request failed: %s %s", scope["method"], path)
+            if not started:
+                await refuse(500, "internal server error (the server's log has the details)", "internal_error")
 
     def _authorized(self, scope: Scope) -> bool:
         headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        return hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode())
+        scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.api_key.encode())
 
 
 def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = 64, max_batch: int = 16,
-               max_rows: int = 64, kv_budget: int | None = None, own_thread: bool = True) -> FastAPI:
+               max_rows: int = 64, kv_budget: int | None = None, own_thread: bool = True,
+               max_body: int = 4_000_000) -> FastAPI:
     """The app over `engine`: up to `max_batch` requests share each forward (at most `max_rows` rows, KV caches
     within `kv_budget` positions), `max_queue` more wait (quasar.serve.scheduler). With own_thread=False the
-    caller runs `app.state.scheduler.work()` (quasar serve does, on the thread that loaded the model)."""
+    caller runs `app.state.scheduler.work()` (quasar serve does, on the thread that loaded the model). Prompts
+    are encoded with a copy of the tokenizer, outside the engine's lock: a long one never stalls generation."""
     metrics = Metrics()
 
     def finished(job: Job, completion: RequestOutput, cancelled: bool) -> None:
@@ -78,7 +115,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, e: BadRequest) -> JSONResponse:
-        return JSONResponse(error_body(str(e), e.kind, e.param, e.code), status_code=e.status)
+        return JSONResponse(error_body(str(e), e.kind, e.param, e.code), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
@@ -86,12 +123,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
 
     @app.exception_handler(WorkerStoppedError)
     async def unavailable(_: Request, e: WorkerStoppedError) -> JSONResponse:
-        return JSONResponse(error_body(str(e), "server_error", code="worker_stopped"), status_code=503)
-
-    @app.exception_handler(Exception)
-    async def server_error(_: Request, e: Exception) -> JSONResponse:
-        log.exception("request failed")
-        return JSONResponse(error_body(f"internal error: {e}", "server_error"), status_code=500)
+        code = "shutting_down" if isinstance(e, ShuttingDownError) else "worker_stopped"
+        return JSONResponse(error_body(str(e), "server_error", code=code), status_code=503)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -102,7 +135,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        text = metrics.render(scheduler.waiting, scheduler.running)
+        text = metrics.render(scheduler.waiting, scheduler.running, engine.caches.taken, engine.caches.kept)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -111,21 +144,20 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
                 "max_model_len": engine.max_context}
         return {"object": "list", "data": [card]}
 
+    prompts = PromptEncoder(engine.tokenizer, engine.max_context)
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         req = parse(CompletionRequest, await read_json(request))
         check_model(req.model)
-        return await serve(req, await completion_ids(req), chat=False)
+        return await serve(request, req, await completion_ids(req), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         req = parse(ChatRequest, await read_json(request))
         check_model(req.model)
-        try:
-            ids = await scheduler.call(engine.encode, [m.text() for m in req.messages])
-        except ValueError as e:
-            raise BadRequest(str(e), param="messages") from None
-        return await serve(req, ids, chat=True)
+        ids = await prompts.encode([m.text() for m in req.messages], None, "messages")
+        return await serve(request, req, ids, chat=True)
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -144,11 +176,11 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             prompt = prompt[0]
         if not prompt:
             raise BadRequest("the prompt is empty", param="prompt")
-        return await scheduler.call(engine.encode, str(prompt), False)
+        return await prompts.encode(str(prompt), False, "prompt")
 
-    async def serve(req: CompletionRequest | ChatRequest, ids: list[int], chat: bool) -> Any:
+    async def serve(http: Request, req: CompletionRequest | ChatRequest, ids: list[int], chat: bool) -> Any:
         requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        room = budget(requested, len(ids), engine.max_context)
+        room = budget(requested, len(ids), engine.max_context, engine.caches.budget, engine.cache_slack)
         try:
             request = engine.request(ids, req.sampling(room))
         except ValueError as e:
@@ -156,39 +188,56 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
         try:
             job = scheduler.submit(request)
         except QueueFullError as e:
-            raise BadRequest(str(e), status=429, kind="rate_limit_exceeded", code="queue_full") from None
+            raise BadRequest(str(e), status=429, kind="rate_limit_exceeded", code="queue_full",
+                             headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         envelope = Envelope(model_name, chat)
         if req.stream:
             return StreamingResponse(sse(job, envelope, req.include_usage), media_type="text/event-stream")
+        watcher = asyncio.create_task(cancel_on_hang_up(http, job))
         try:
             completion = await job.completion()
         finally:
+            watcher.cancel()
             scheduler.cancel(job)  # no-op once finished; frees the place if this handler was cancelled
         return JSONResponse(envelope.full(completion))
 
+    async def cancel_on_hang_up(http: Request, job: Job) -> None:
+        """A non-streaming client that goes away frees its place at the next step, as a streaming one does."""
+        while not await http.is_disconnected():
+            await asyncio.sleep(HANG_UP_POLL_S)
+        scheduler.cancel(job)
+
     async def sse(job: Job, envelope: Envelope, include_usage: bool) -> AsyncIterator[str]:
+        no_usage = {"usage": None} if include_usage else {}  # OpenAI's chunks say so before the usage chunk
         try:
             role = envelope.chat  # the chat's role chunk goes out with the first text, as vLLM's does: a client
             try:  # that times its first chunk (vLLM's benchmark does) then measures the prefill, not the queue
                 async for piece in job.pieces():
                     if role:
-                        yield event(envelope.chunk(None, role=True))
+                        yield event(envelope.chunk(None, role=True) | no_usage)
                         role = False
-                    yield event(envelope.chunk(piece))
+                    yield event(envelope.chunk(piece) | no_usage)
                 if role:
-                    yield event(envelope.chunk(None, role=True))
-            except Exception as e:  # generation failed after the 200 went out: say so in the stream
-                yield event(error_body(f"generation failed: {e}", "server_error"))
+                    yield event(envelope.chunk(None, role=True) | no_usage)
+            except ShuttingDownError as e:  # the 200 went out: say so in the stream, and end it
+                yield event(error_body(str(e), "server_error", code="shutting_down"))
+                yield "data: [DONE]\n\n"
+                return
+            except Exception:  # generation failed after the 200 went out: say so in the stream
+                log.exception("generation failed")
+                yield event(error_body("generation failed (the server's log has the details)", "server_error"))
+                yield "data: [DONE]\n\n"
                 return
             completion = job.request.output
-            yield event(envelope.chunk(None, finish_reason=completion.finish_reason))
+            yield event(envelope.chunk(None, finish_reason=completion.finish_reason) | no_usage)
             if include_usage:
                 yield event(envelope.usage_chunk(completion))
             yield "data: [DONE]\n\n"
         finally:
             scheduler.cancel(job)  # the client went away mid-stream: stop generating, free the place
 
-    app.add_middleware(AuthMiddleware, api_key=api_key, metrics=metrics, endpoints=frozenset(r.path for r in app.routes))
+    app.add_middleware(Guard, api_key=api_key, metrics=metrics, endpoints=frozenset(r.path for r in app.routes),
+                       max_body=max_body)
     return app
 
 
@@ -201,3 +250,30 @@ async def read_json(request: Request) -> Any:
         return json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"the request body is not valid JSON: {e}") from None
+
+
+class PromptEncoder:
+    """Prompts -> ids on the HTTP side, with a copy of the engine's tokenizer (a Rust tokenizer must not be used by
+    two threads at once; this one is never used by the worker), one prompt at a time, on a helper thread. A text
+    too long for the context window by its length alone is refused before any tokenization."""
+
+    def __init__(self, tokenizer: Any, max_context: int) -> None:
+        self.tokenizer = copy.deepcopy(tokenizer)
+        self.lock = threading.Lock()
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_chars = max_context * max(longest, 1)  # no text longer than this fits, whatever its tokens
+
+    async def encode(self, prompt: str | list[dict[str, str]], chat: bool | None, param: str) -> list[int]:
+        chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+        if chars > self.max_chars:
+            raise BadRequest(f"the prompt has {chars} characters: more than the context window can hold",
+                             param=param, code="context_length_exceeded")
+
+        def locked() -> list[int]:
+            with self.lock:
+                return encode(self.tokenizer, prompt, chat)
+
+        try:
+            return await asyncio.to_thread(locked)
+        except (ValueError, TypeError) as e:  # a template that refuses the conversation, text it cannot encode
+            raise BadRequest(str(e).splitlines()[0], param=param) from None

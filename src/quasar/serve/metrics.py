@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -77,7 +78,7 @@ class Metrics:
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
 
-    def render(self, waiting: int, running: int) -> str:
+    def render(self, waiting: int, running: int, kv_taken: int = 0, kv_kept: int = 0) -> str:
         with self._lock:
             lines = _family("quasar_requests_total", "counter", "HTTP requests by endpoint and status")
             lines += [f"quasar_requests_total{{endpoint={_label(e)},status={_label(s)}}} {n}"
@@ -108,6 +109,9 @@ class Metrics:
                  "tokens a cascade's middle verifier emitted per forward"),
                 ("quasar_queue_length", waiting, "requests waiting for the worker"),
                 ("quasar_requests_running", running, "requests being generated"),
+                ("quasar_kv_positions_in_use", kv_taken, "KV cache positions the running requests hold"),
+                ("quasar_kv_positions_kept", kv_kept, "KV cache positions kept for the next requests (prefix caching)"),
+                ("quasar_resident_memory_bytes", resident_bytes(), "the server process's resident memory"),
             ):
                 lines += _family(name, "gauge", doc) + [f"{name} {value}"]
             for name, hist, doc in (
@@ -116,6 +120,15 @@ class Metrics:
             ):
                 lines += _family(name, "histogram", doc) + hist.lines(name)
         return "\n".join(lines) + "\n"
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux /proc; 0 elsewhere)."""
+    try:
+        pages = int(open("/proc/self/statm").read().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def _label(value: object) -> str:

@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from quasar.decoding.outputs import RequestOutput
 from quasar.decoding.sampling import SEED_MAX, SEED_MIN, SamplingParams
@@ -18,9 +18,9 @@ class BadRequest(ValueError):
     """A request the server refuses: HTTP `status` with an OpenAI error object."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error",
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.param, self.status, self.kind, self.code = param, status, kind, code
+        self.param, self.status, self.kind, self.code, self.headers = param, status, kind, code, headers
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -32,16 +32,31 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions (unknown fields are ignored)."""
+MIN_TEMPERATURE = 1e-5  # below this (but 0, greedy) the sampling weights overflow: refused, not rounded
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings a request may give, and characters each (matching cost)
+TOP_K_MAX = 2**31 - 1
+# Fields the OpenAI API defines that this server does not implement: a request that sets one is refused with a
+# 400 naming it, rather than answered as if it had not asked (None, and the value meaning "off", are accepted).
+NOT_IMPLEMENTED = {
+    "tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "parallel_tool_calls": True,
+    "response_format": {"type": "text"}, "logit_bias": {}, "top_logprobs": 0, "best_of": 1, "suffix": "",
+    "echo": False, "logprobs": False, "repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [],
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "prediction": None, "audio": None, "modalities": ["text"],
+    "reasoning_effort": None, "web_search_options": None,
+}
+IGNORED = ("user", "metadata", "store", "service_tier")  # bookkeeping fields with no effect on the output
 
-    model_config = ConfigDict(extra="ignore")
+
+class _Sampling(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions; any other field is refused (parse)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # extension (vLLM): -1 or 0 keeps all
+    top_k: int = Field(0, ge=-1, le=TOP_K_MAX)  # extension (vLLM): -1 or 0 keeps all
     min_p: float = Field(0.0, ge=0.0, le=1.0)  # extension (vLLM)
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)  # what SamplingParams (torch) accepts
     stop: str | list[str] | None = None
@@ -49,8 +64,23 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
     ignore_eos: bool = False  # extension (vLLM)
-    presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
-    frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float) -> float:
+        if 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
+        if any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return value
 
     def sampling(self, max_new_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -67,11 +97,6 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int]
-    echo: bool = False
-    logprobs: int | None = None
-
-    def unsupported(self) -> str | None:
-        return "echo" if self.echo else ("logprobs" if self.logprobs else None)
 
 
 class Message(BaseModel):
@@ -91,30 +116,55 @@ class Message(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-
-    def unsupported(self) -> str | None:
-        return "logprobs" if self.logprobs else None
 
 
 def parse(model: type[CompletionRequest | ChatRequest], body: Any) -> Any:
-    """A decoded JSON body -> a validated request, or BadRequest naming the first bad field."""
+    """A decoded JSON body -> a validated request, or BadRequest naming the first bad field. A null value means
+    the field was not given (as the official client sends an unset field); a field this server does not
+    implement is refused unless it asks for nothing (its "off" value); an unknown field is refused by name."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    fields = {}
+    for name, value in body.items():
+        if value is None or name in IGNORED:
+            continue
+        if not valid_text(value):
+            raise BadRequest(f"{name!r} holds text that is not valid Unicode (a lone surrogate)", param=name)
+        if name in NOT_IMPLEMENTED:
+            if value in (NOT_IMPLEMENTED[name], 0, False, "", [], {}):
+                continue
+            raise BadRequest(f"{name!r} is not supported by this server", param=name, code="unsupported_parameter")
+        fields[name] = value
     try:
-        request = model.model_validate(body)
+        return model.model_validate(fields)
     except ValidationError as e:
         first = e.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
+        if first["type"] == "extra_forbidden":
+            raise BadRequest(f"unknown parameter {param!r}", param=param, code="unknown_parameter") from None
         raise BadRequest(f"invalid value for {param!r}: {first['msg']}", param=param) from None
-    field = request.unsupported()
-    if field:
-        raise BadRequest(f"{field!r} is not supported by this server", param=field)
-    return request
 
 
-def budget(requested: int | None, prompt_tokens: int, max_context: int) -> int:
-    """The tokens a request may generate; `max_tokens` beyond the context window is refused."""
+def valid_text(value: Any) -> bool:
+    """Whether every string in a decoded JSON value encodes as UTF-8 (JSON admits lone surrogates; text does not)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, dict):
+        return all(valid_text(k) and valid_text(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(valid_text(v) for v in value)
+    return True
+
+
+def budget(requested: int | None, prompt_tokens: int, max_context: int, kv_budget: int | None = None,
+           slack: int = 0, bucket: int = 256) -> int:
+    """The tokens a request may generate. Without `max_tokens`: what the context window holds, and no more than
+    its KV cache (prompt, answer and `slack`, rounded up to `bucket`) fits in `kv_budget`; `max_tokens` beyond
+    the context window is refused."""
     room = max_context - prompt_tokens
     if room < 1 or (requested is not None and requested > room):
         asked = requested if requested is not None else 1
@@ -123,7 +173,14 @@ def budget(requested: int | None, prompt_tokens: int, max_context: int) -> int:
             f"{prompt_tokens + asked} ({prompt_tokens} in the prompt, {asked} to generate)",
             param="max_tokens", code="context_length_exceeded",
         )
-    return requested if requested is not None else room
+    if requested is not None:
+        return requested
+    if kv_budget is not None:
+        room = min(room, kv_budget // bucket * bucket - slack - prompt_tokens)
+        if room < 1:
+            raise BadRequest(f"the prompt's {prompt_tokens} tokens leave no room in the server's KV budget of "
+                             f"{kv_budget} positions", param="messages", code="context_length_exceeded")
+    return room
 
 
 def usage(completion: RequestOutput) -> dict[str, Any]:

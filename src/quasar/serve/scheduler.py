@@ -8,9 +8,13 @@ budget holds); up to `max_queue` more wait, and beyond that `submit` raises Queu
 cancelled job (client gone) leaves the queue at once, or the batch at the next step, freeing its cache. A
 request that fails inside a batch fails alone.
 
-The engine (its model and its Rust-backed tokenizer, which fails with "Already borrowed" when two threads
-use it at once) is used under one lock: the worker holds it for each step, the handlers for each `call`
-(prompt encoding). If the worker thread dies, every job it held fails and `unavailable` says why.
+The engine is used under one lock, which the worker holds for each step (the HTTP side encodes prompts with a
+tokenizer of its own: quasar.serve.app.PromptEncoder). If the worker thread dies, every job it held fails and
+`unavailable` says why.
+
+`drain(seconds)` shuts down gracefully: new requests are refused at once (ShuttingDownError, HTTP 503), the
+running and queued ones go on until they finish or the time is up; then those left end with a
+ShuttingDownError and `work()` returns.
 """
 
 from __future__ import annotations
@@ -23,14 +27,12 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 from quasar.decoding.batch import Batch
 from quasar.decoding.engine import Engine, Request
 from quasar.decoding.outputs import RequestOutput
 
 log = logging.getLogger("quasar")
-T = TypeVar("T")
 
 
 class QueueFullError(RuntimeError):
@@ -39,6 +41,10 @@ class QueueFullError(RuntimeError):
 
 class WorkerStoppedError(RuntimeError):
     """The worker thread is gone: this server can generate nothing more (HTTP 503)."""
+
+
+class ShuttingDownError(WorkerStoppedError):
+    """The server is shutting down: it takes no new request, and ends those still running at its deadline."""
 
 
 @dataclass
@@ -94,6 +100,7 @@ class Scheduler:
         self._leaving: list[Job] = []  # cancelled while in the batch: to drop at the next step
         self._cond = threading.Condition()
         self._stopped = False
+        self._deadline: float | None = None  # draining: when the requests still running are ended
         self._failure: str | None = None  # why the worker thread died
         self._engine_lock = threading.Lock()
         if own_thread:
@@ -116,22 +123,17 @@ class Scheduler:
         """Why no request can be served any more; None while the worker runs."""
         if self._failure is not None:
             return f"the generation worker stopped: {self._failure}"
+        if self._deadline is not None:
+            return "the server is shutting down"
         if self._stopped or not self._thread.is_alive():
             return "the generation worker has been stopped"
         return None
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args) on a helper thread, between two generation steps, never during one (see the module doc)."""
-
-        def locked() -> T:
-            with self._engine_lock:
-                return fn(*args)
-
-        return await asyncio.to_thread(locked)
-
     def submit(self, request: Request) -> Job:
         job = Job(request, asyncio.get_running_loop())
         with self._cond:
+            if self._deadline is not None:
+                raise ShuttingDownError("the server is shutting down; it takes no new requests")
             if self.unavailable is not None:
                 raise WorkerStoppedError(self.unavailable)
             if self.waiting >= self.max_queue:
@@ -150,6 +152,8 @@ class Scheduler:
             if job in self._incoming:
                 self._incoming.remove(job)
                 del self._jobs[id(job.request)]
+                if self.on_finish is not None:  # counted as cancelled, though it never ran
+                    self.on_finish(job, job.request.output, True)
                 job.emit("done", None)
             else:
                 self._leaving.append(job)
@@ -158,6 +162,13 @@ class Scheduler:
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
+            self._cond.notify()
+
+    def drain(self, seconds: float) -> None:
+        """Take no new request; let the others run for at most `seconds`, then end them (see the module doc)."""
+        with self._cond:
+            if self._deadline is None:
+                self._deadline = time.monotonic() + seconds
             self._cond.notify()
 
     def work(self) -> None:
@@ -170,6 +181,7 @@ class Scheduler:
                 with self._engine_lock:
                     done = self.batch.step()
                 self._deliver(done)
+            self._end_all(ShuttingDownError("the server is shutting down"))
         except BaseException as e:  # not a failed generation (those fail their request): the thread ends here
             log.critical("the generation worker stopped", exc_info=True)
             self._abandon(f"{type(e).__name__}: {e}")
@@ -178,8 +190,10 @@ class Scheduler:
         """Wait for work; hand new jobs to the batch and drop cancelled ones. False once stopped."""
         with self._cond:
             while not self._incoming and not self._leaving and self.batch.idle and not self._stopped:
+                if self._deadline is not None:
+                    return False  # drained
                 self._cond.wait(timeout=1.0)  # a timeout lets a signal handler on this thread run
-            if self._stopped:
+            if self._stopped or (self._deadline is not None and time.monotonic() >= self._deadline):
                 return False
             incoming, self._incoming = list(self._incoming), deque()
             leaving, self._leaving = self._leaving, []
@@ -221,6 +235,18 @@ class Scheduler:
         if self.on_finish is not None:
             self.on_finish(job, job.request.output, job.cancelled.is_set())
         job.emit("done", None)
+
+    def _end_all(self, error: BaseException) -> None:
+        """End every job still queued or running with `error` (the server stops), freeing their caches."""
+        with self._cond:
+            jobs = list(self._jobs.values())
+            self._incoming.clear()
+        with self._engine_lock:
+            for job in jobs:
+                if job.request in self.batch.active or job.request in self.batch.waiting:
+                    self.batch.cancel(job.request)
+        for job in jobs:
+            self._end(job, error=error)
 
     def _abandon(self, failure: str) -> None:
         """Fail every job: no one else will run them."""
