@@ -167,3 +167,24 @@ def test_label_values_are_escaped_as_the_exposition_format_says():
     text = metrics.render(waiting=0, running=0)
     assert 'quasar_requests_total{endpoint="a\\\\b\\"c\\nd",status="200"} 1' in text.splitlines()
     assert "d" not in [line.split("{")[0] for line in text.splitlines()]
+
+
+def test_an_idle_server_gives_back_the_kv_caches_it_kept(tiny_model, monkeypatch):
+    from quasar.serve import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "IDLE_RELEASE_S", 0.3)
+    engine = Engine(tiny_model)
+    app = create_app(engine, "tiny")
+    body = {"model": "tiny", "prompt": "A story:", "max_tokens": 8, "temperature": 0}
+    try:
+        answers = run(*[("POST", "/v1/completions", body)] * 3, app=app)
+        assert all(status == 200 for status, _ in answers)
+        assert engine.caches.kept > 0  # kept for the next request (prefix caching) while busy
+        deadline = time.monotonic() + 10
+        while engine.caches.kept and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert engine.caches.kept == 0
+        [(status, metrics)] = run(("GET", "/metrics", None), app=app)
+        assert "quasar_kv_positions_kept 0" in metrics and "quasar_resident_memory_bytes" in metrics
+    finally:
+        app.state.scheduler.stop()

@@ -16,6 +16,7 @@ test session fails on it instead of skipping the kernel tests.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import logging
@@ -218,6 +219,17 @@ def load_once() -> Any | None:
             log.warning("%s: no effect, quasar's kernels are not loaded (%s)", ", ".join(forced), status)
         _module, _status = module, status
     return _module
+
+
+def release_memory() -> int:
+    """Give memory kept for reuse back to the system (a server gone idle): the kernels' kept result blocks, then
+    glibc's free pages (malloc_trim). Returns the bytes the kernels held (0 where they are not loaded)."""
+    released = _module.release_results() if _module is not None else 0
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    return released
 
 
 def loaded() -> Any | None:

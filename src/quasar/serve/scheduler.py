@@ -33,6 +33,7 @@ from quasar.decoding.engine import Engine, Request
 from quasar.decoding.outputs import RequestOutput
 
 log = logging.getLogger("quasar")
+IDLE_RELEASE_S = 5.0  # idle this long, the worker gives back the memory kept for reuse (KV caches, kernel results)
 
 
 class QueueFullError(RuntimeError):
@@ -103,6 +104,8 @@ class Scheduler:
         self._deadline: float | None = None  # draining: when the requests still running are ended
         self._failure: str | None = None  # why the worker thread died
         self._engine_lock = threading.Lock()
+        self._engine = engine
+        self._busy_since_release = False  # steps ran since the kept memory was last given back
         if own_thread:
             self._thread = threading.Thread(target=self.work, name="quasar-worker", daemon=True)
             self._thread.start()
@@ -188,15 +191,19 @@ class Scheduler:
 
     def _next(self) -> bool:
         """Wait for work; hand new jobs to the batch and drop cancelled ones. False once stopped."""
+        idle_since = time.monotonic()
         with self._cond:
             while not self._incoming and not self._leaving and self.batch.idle and not self._stopped:
                 if self._deadline is not None:
                     return False  # drained
                 self._cond.wait(timeout=1.0)  # a timeout lets a signal handler on this thread run
+                if self._busy_since_release and time.monotonic() - idle_since >= IDLE_RELEASE_S:
+                    self._release_memory()  # idle: the memory a busy spell kept goes back to the system
             if self._stopped or (self._deadline is not None and time.monotonic() >= self._deadline):
                 return False
             incoming, self._incoming = list(self._incoming), deque()
             leaving, self._leaving = self._leaving, []
+            self._busy_since_release = True
         for job in incoming:
             try:
                 self.batch.add(job.request)
@@ -235,6 +242,18 @@ class Scheduler:
         if self.on_finish is not None:
             self.on_finish(job, job.request.output, job.cancelled.is_set())
         job.emit("done", None)
+
+    def _release_memory(self) -> None:
+        """Drop the KV caches kept for prefix caching and give kept memory back (runs with the condition held,
+        between steps)."""
+        from quasar.kernels import native
+
+        self._busy_since_release = False
+        with self._engine_lock:
+            kept = self._engine.caches.kept
+            self._engine.caches.free.clear()
+            released = native.release_memory()
+        log.info("idle: gave back %d kept KV positions and %.0f MB of kernel results", kept, released / 2**20)
 
     def _end_all(self, error: BaseException) -> None:
         """End every job still queued or running with `error` (the server stops), freeing their caches."""

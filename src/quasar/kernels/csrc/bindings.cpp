@@ -40,6 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("float_path", &float_path, "the path float-activation linears run on now");
   m.def("float_path_for", &float_path_for, "the path bf16_linear (True) or the other float products (False) run on now");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row, sums in a fixed order", NoGil());
+  m.def("release_results", &release_results, "free the kept blocks of dead kernel results; the bytes freed");
   m.def("argmax_rows", &argmax_rows, "the first index of the largest value of each row, as torch.argmax", NoGil());
   m.def("sampling_weights", &sampling_weights, "exp((logits - max) * inv_t) into out, row by row; the rows' sums", NoGil());
   m.def("filter_cuts", &filter_cuts, "the lowest logit top-k, then top-p, keep in each row [R, 1] (-inf: both off), "

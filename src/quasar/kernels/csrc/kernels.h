@@ -12,6 +12,8 @@
 // A new, unwritten tensor like at::empty's, for a kernel to fill whole (result_pool.cpp): blocks of 1 MB and more are
 // handed back to the next result of the same size instead of to malloc (a forward repeats its sizes every layer).
 at::Tensor kernel_result(at::IntArrayRef sizes, const at::TensorOptions& options);
+// Free every kept block (a server gone idle gives its memory back); returns the bytes freed.
+int64_t release_results();
 
 at::Tensor w8a8_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor bias);
 std::vector<at::Tensor> w8a8_linear_many(at::Tensor x, std::vector<at::Tensor> w,

@@ -50,6 +50,10 @@ void* take(size_t bytes) {
   return block;
 }
 
+void free_all(std::list<std::pair<size_t, void*>>& blocks) {
+  for (auto& [size, p] : blocks) std::free(p);
+}
+
 void give_back(void* block, size_t bytes) {
   Blocks& b = blocks();
   std::list<std::pair<size_t, void*>> freed;
@@ -62,7 +66,7 @@ void give_back(void* block, size_t bytes) {
       freed.splice(freed.begin(), b.idle, std::prev(b.idle.end()));
     }
   }
-  for (auto& [size, p] : freed) std::free(p);
+  free_all(freed);
 }
 
 }  // namespace
@@ -75,4 +79,18 @@ at::Tensor kernel_result(at::IntArrayRef sizes, const at::TensorOptions& options
   const size_t bytes = (size + kAlign - 1) / kAlign * kAlign;
   void* block = take(bytes);
   return at::from_blob(block, sizes, [bytes](void* p) { give_back(p, bytes); }, options);
+}
+
+int64_t release_results() {
+  Blocks& b = blocks();
+  std::list<std::pair<size_t, void*>> freed;
+  int64_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> guard(b.lock);
+    bytes = static_cast<int64_t>(b.kept);
+    freed.splice(freed.begin(), b.idle);
+    b.kept = 0;
+  }
+  free_all(freed);
+  return bytes;
 }
