@@ -12,6 +12,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -66,10 +69,21 @@ def long_stream(server: Server, tokens: int, out: dict) -> threading.Thread:
     return thread
 
 
-def test_sigterm_lets_running_requests_finish_and_refuses_new_ones_with_503(model_dir, tmp_path):  # noqa: F811
-    server = Server(model_dir, tmp_path / "server.log", "--api-key", KEY, "--shutdown-timeout", "60")
-    out: dict = {}
+@contextmanager
+def draining(model_dir: Path, tmp_path: Path, shutdown_timeout: str) -> Iterator[Server]:  # noqa: F811
+    """A server for a shutdown test, killed at the end if the test left it running."""
+    server = Server(model_dir, tmp_path / "server.log", "--api-key", KEY, "--shutdown-timeout", shutdown_timeout)
     try:
+        yield server
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+        server.log.close()
+
+
+def test_sigterm_lets_running_requests_finish_and_refuses_new_ones_with_503(model_dir, tmp_path):  # noqa: F811
+    out: dict = {}
+    with draining(model_dir, tmp_path, "60") as server:
         stream = long_stream(server, 1500, out)
         os.kill(server.proc.pid, signal.SIGTERM)
         time.sleep(0.3)
@@ -81,41 +95,27 @@ def test_sigterm_lets_running_requests_finish_and_refuses_new_ones_with_503(mode
         finished = json.loads(out["lines"][-2])
         assert finished["choices"][0]["finish_reason"] == "length"
         assert exits_within(server, 30) == 0
-    finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-        server.log.close()
 
 
 def test_past_the_shutdown_timeout_streams_end_with_an_error_and_done(model_dir, tmp_path):  # noqa: F811
-    server = Server(model_dir, tmp_path / "server.log", "--api-key", KEY, "--shutdown-timeout", "1")
     out: dict = {}
-    try:
+    with draining(model_dir, tmp_path, "1") as server:
         stream = long_stream(server, LONG_CONTEXT - 8, out)
         os.kill(server.proc.pid, signal.SIGTERM)
         stream.join(timeout=60)
         assert out["lines"][-1] == "[DONE]"
         assert "shutting down" in json.loads(out["lines"][-2])["error"]["message"]
         assert exits_within(server, 30) == 0
-    finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-        server.log.close()
 
 
 def test_a_second_signal_exits_at_once(model_dir, tmp_path):  # noqa: F811
-    server = Server(model_dir, tmp_path / "server.log", "--api-key", KEY, "--shutdown-timeout", "600")
     out: dict = {}
-    try:
+    with draining(model_dir, tmp_path, "600") as server:
         long_stream(server, LONG_CONTEXT - 8, out)
         os.kill(server.proc.pid, signal.SIGTERM)
         time.sleep(0.5)
         os.kill(server.proc.pid, signal.SIGINT)
         assert exits_within(server, 10) is not None
-    finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-        server.log.close()
 
 
 # ---- hostile input ----------------------------------------------------------------------------------------
