@@ -25,6 +25,7 @@ class Terminal:
     def __init__(self, *argv: str) -> None:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: the terminal is its stdin, stdout and stderr
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # a suite started in the background ignores SIGINT
             os.execvp(argv[0], argv)
         self.seen = ""
         self.returncode: int | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from quasar.commands.common import add_decode_args, add_model_args, add_sampling_args, build_engine, sampling_params
@@ -35,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     engine = build_engine(args)
     conversation = Conversation(engine, args.system)
+    # Ctrl-C is how an answer is stopped, even where the shell started this with SIGINT ignored (`cmd &`)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         import readline  # noqa: F401  (line editing and history for input(), where Python has it)
     except ImportError:
