@@ -8,6 +8,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -253,3 +255,14 @@ def test_a_non_streaming_client_that_hangs_up_frees_its_place(model_dir, tmp_pat
         assert server.metrics()["quasar_generation_tokens_total"] < (LONG_CONTEXT - 8) // 2
     finally:
         server.stop()
+
+
+def test_a_taken_port_is_one_error_and_no_serving_line(model_dir, tmp_path):  # noqa: F811
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "quasar", "serve", "--model", str(model_dir), "--verifier", "fp32",
+                               "--port", str(port)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert "serving" not in done.stderr and f"could not serve on 127.0.0.1:{port}" in done.stderr

@@ -111,7 +111,15 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, shut_down)
     server_thread = threading.Thread(target=serve_http, name="quasar-http", daemon=True)
     server_thread.start()
-    print(f"quasar: serving {name!r} on http://{args.host}:{args.port}/v1 (pid {os.getpid()})", file=sys.stderr)
+
+    def announce() -> None:  # once the port is bound: a failed bind says only why
+        while server_thread.is_alive() and not http.started:
+            time.sleep(0.05)
+        if http.started:
+            print(f"quasar: serving {name!r} on http://{args.host}:{args.port}/v1 (pid {os.getpid()})", file=sys.stderr,
+                  flush=True)
+
+    threading.Thread(target=announce, name="quasar-announce", daemon=True).start()
     app.state.scheduler.work()  # until drained or stopped (or the worker failed: HTTP then answers 503 until stopped)
     if signals:  # drained: the last events reach their clients, then HTTP stops
         time.sleep(0.2)
