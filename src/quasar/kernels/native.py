@@ -183,42 +183,33 @@ def compile_ahead() -> None:
     first command does before it needs the kernels (downloads, the GGUF conversion, calibration), which
     leaves a core idle much of the time. kernel() then waits for it."""
     if _status is None and cannot_build() is None and not any(build_dir().glob("*.so")):
-        threading.Thread(target=quietly(kernel), name="quasar-kernel-compile", daemon=True).start()
+        threading.Thread(target=_compile_in_background, name="quasar-kernel-compile", daemon=True).start()
 
 
-def quietly(call):
-    """call() for a background thread: an error (a path QUASAR_INT8_PATH names that this CPU lacks) is left for the
-    main thread's own call to raise."""
-
-    def run() -> None:
-        try:
-            call()
-        except Exception:  # noqa: BLE001 - raised again, where it is reported, by the main thread's kernel()
-            pass
-
-    return run
+def _compile_in_background() -> None:
+    try:
+        kernel()
+    except Exception:  # noqa: BLE001 - a path QUASAR_INT8_PATH names that this CPU lacks: the main thread's own
+        pass  # kernel() call raises it again, where it is reported
 
 
 def kernel() -> Any | None:
     """The compiled extension module, or None where it cannot be used (see status()). Built on first call,
     into the cache's kernels/ folder (quasar.files.cache_root); one build per process. It runs on the fastest
     paths the CPU has, or on those QUASAR_INT8_PATH / QUASAR_FLOAT_PATH name (ValueError if the CPU lacks one)."""
-    with _loading:
-        return load_once()
-
-
-def load_once() -> Any | None:
     global _status, _module
-    if _status is None:
-        module, status = try_build()
-        if status.state == "failed":
-            log.error("quasar's CPU kernels failed to build; running on plain torch (much slower): %s", status.reason)
-        if module is not None:
-            take_forced_paths(module)
-        elif forced := [f"{v}={os.environ[v]}" for v in PATH_VARIABLES if os.environ.get(v)]:
-            log.warning("%s: no effect, quasar's kernels are not loaded (%s)", ", ".join(forced), status)
-        _module, _status = module, status
-    return _module
+    with _loading:
+        if _status is None:
+            module, status = try_build()
+            if status.state == "failed":
+                log.error("quasar's CPU kernels failed to build; running on plain torch (much slower): %s",
+                          status.reason)
+            if module is not None:
+                take_forced_paths(module)
+            elif forced := [f"{v}={os.environ[v]}" for v in PATH_VARIABLES if os.environ.get(v)]:
+                log.warning("%s: no effect, quasar's kernels are not loaded (%s)", ", ".join(forced), status)
+            _module, _status = module, status
+        return _module
 
 
 def release_memory() -> int:

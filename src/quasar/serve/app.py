@@ -62,10 +62,10 @@ class Guard:
 
         if self.api_key and path != "/health" and not self._authorized(scope):
             return await refuse(401, "missing or invalid API key (send 'Authorization: Bearer KEY')", "invalid_api_key")
+        too_large = f"the request body is over the server's limit of {self.max_body} bytes"
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_body:
-            return await refuse(413, f"the request body is over the server's limit of {self.max_body} bytes",
-                                "body_too_large", {"Connection": "close"})
+            return await refuse(413, too_large, "body_too_large", {"Connection": "close"})
         received = 0
 
         async def bounded_receive() -> Message:  # a body without a length (chunked) is counted as it comes
@@ -73,8 +73,7 @@ class Guard:
             message = await receive()
             received += len(message.get("body", b""))
             if received > self.max_body:
-                raise BadRequest(f"the request body is over the server's limit of {self.max_body} bytes",
-                                 status=413, code="body_too_large")
+                raise BadRequest(too_large, status=413, code="body_too_large")
             return message
 
         try:
@@ -261,7 +260,7 @@ class PromptEncoder:
         self.tokenizer = copy.deepcopy(tokenizer)
         self.lock = threading.Lock()
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
-        self.max_chars = max_context * max(longest, 1)  # no text longer than this fits, whatever its tokens
+        self.max_chars = max_context * longest  # no text longer than this fits, whatever its tokens
 
     async def encode(self, prompt: str | list[dict[str, str]], chat: bool | None, param: str) -> list[int]:
         chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)

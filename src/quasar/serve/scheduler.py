@@ -104,7 +104,6 @@ class Scheduler:
         self._deadline: float | None = None  # draining: when the requests still running are ended
         self._failure: str | None = None  # why the worker thread died
         self._engine_lock = threading.Lock()
-        self._engine = engine
         self._busy_since_release = False  # steps ran since the kept memory was last given back
         if own_thread:
             self._thread = threading.Thread(target=self.work, name="quasar-worker", daemon=True)
@@ -250,8 +249,9 @@ class Scheduler:
 
         self._busy_since_release = False
         with self._engine_lock:
-            kept = self._engine.caches.kept
-            self._engine.caches.free.clear()
+            caches = self.batch.engine.caches
+            kept = caches.kept
+            caches.free.clear()
             released = native.release_memory()
         log.info("idle: gave back %d kept KV positions and %.0f MB of kernel results", kept, released / 2**20)
 
