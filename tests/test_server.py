@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,13 +34,13 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model_dir: Path, log: Path, *extra: str) -> None:
+    def __init__(self, model_dir: Path, log: Path, *extra: str, preexec_fn: Callable[[], None] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "quasar", "serve", "--model", str(model_dir), "--served-model-name", MODEL,
                 "--verifier", "fp32", "--port", str(self.port), *extra]
         self.log = open(log, "w")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=preexec_fn)
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 180.0) -> None:

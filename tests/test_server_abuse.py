@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ import pytest
 from test_server import KEY, LONG_CONTEXT, MODEL, Server, model_dir  # noqa: F401  (model_dir: a fixture)
 
 openai = pytest.importorskip("openai")
+READ_TIMEOUT = 1.5  # the abuse server's --read-timeout
 
 
 def stream_lines(url: str, body: dict, key: str = KEY, timeout: float = 120) -> list[str]:
@@ -54,7 +56,7 @@ def exits_within(server: Server, seconds: float) -> int | None:
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):  # noqa: F811
     srv = Server(model_dir, tmp_path_factory.mktemp("logs") / "abuse.log", "--api-key", KEY, "--kv-budget", "2048",
-                 "--max-body", "1000000")
+                 "--max-body", "1000000", "--read-timeout", str(READ_TIMEOUT), "--max-connections", "16")
     yield srv
     srv.stop()
 
@@ -180,6 +182,84 @@ def test_usage_counts_exactly_the_tokens_returned_with_a_stop_string(server):
     k = cut.usage.completion_tokens
     assert stop in client.completions.create(max_tokens=k, **common).choices[0].text  # k tokens reach the stop...
     assert stop not in client.completions.create(max_tokens=k - 1, **common).choices[0].text  # ...and no fewer
+
+
+# ---- slow and silent clients -----------------------------------------------------------------------------
+
+
+def closed_within(s: socket.socket, seconds: float, drip: bytes = b"") -> tuple[bool, bytes]:
+    """Send `drip` a byte at a time (one every 0.2 s) until the server closes the connection or `seconds` pass;
+    whether it closed, and what it answered."""
+    s.settimeout(0.2)
+    deadline, answer = time.monotonic() + seconds, b""
+    for byte in [drip[i : i + 1] for i in range(len(drip))] or [b""] * int(seconds / 0.2 + 1):
+        try:
+            if byte:
+                s.sendall(byte)
+            chunk = s.recv(4096)
+            if not chunk:
+                return True, answer
+            answer += chunk
+        except socket.timeout:
+            pass
+        except OSError:  # reset: closed
+            return True, answer
+        if time.monotonic() > deadline:
+            break
+    return False, answer
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_read_timeout(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        closed, _ = closed_within(s, READ_TIMEOUT + 4)
+    assert closed
+
+
+def test_headers_sent_a_byte_at_a_time_are_cut_off(server):
+    headers = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-Pad-%d: y\r\n" % i for i in range(40))
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        closed, _ = closed_within(s, READ_TIMEOUT + 4, drip=headers)
+    assert closed
+
+
+def test_a_body_that_trickles_gets_408(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 200\r\n\r\n")
+        closed, answer = closed_within(s, READ_TIMEOUT + 4, drip=b'{"prompt": "' + b"a" * 150)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert closed and b"body_timeout" in answer
+
+
+def test_silent_connections_do_not_lock_out_health_on_a_small_open_file_limit(model_dir, tmp_path):  # noqa: F811
+    def small_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+
+    server = Server(model_dir, tmp_path / "server.log", "--read-timeout", "30", preexec_fn=small_limit)
+    silent = []
+    try:
+        for _ in range(140):
+            silent.append(socket.create_connection(("127.0.0.1", server.port), timeout=10))
+        with urllib.request.urlopen(server.url + "/health", timeout=5) as r:  # long before any timeout fires
+            assert r.status == 200
+    finally:
+        for s in silent:
+            s.close()
+        server.stop()
+    assert len((tmp_path / "server.log").read_text()) < 10_000
+
+
+def test_an_upload_the_client_abandons_logs_no_traceback_and_counts_as_499(server):
+    heads = [b"Content-Length: 1000\r\n\r\n{\"prompt\": \"ab", b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\n"]
+    for path in (b"/v1/completions", b"/v1/chat/completions"):
+        for head in heads:
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+                s.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                          b"\r\nContent-Type: application/json\r\n" + head)
+                time.sleep(0.2)
+    time.sleep(0.5)
+    assert "Traceback" not in Path(server.log.name).read_text()
+    assert 'quasar_requests_total{endpoint="/v1/completions",status="499"} 2' in server.exposition()
 
 
 # ---- keys, errors, metrics ----------------------------------------------------------------------------------

@@ -12,7 +12,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from quasar.commands.common import add_decode_args, add_model_args, build_engine, engine_spec, port, positive_int
+from quasar.commands.common import (
+    add_decode_args,
+    add_model_args,
+    build_engine,
+    engine_spec,
+    port,
+    positive_float,
+    positive_int,
+)
 
 if TYPE_CHECKING:
     from quasar.spec import VerifierSpec
@@ -39,6 +47,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     net.add_argument("--max-body", type=positive_int, default=4_000_000,
                      help="largest request body in bytes; larger ones get HTTP 413 before they are read (default: "
                      "%(default)s)")
+    net.add_argument("--read-timeout", type=positive_float, default=30.0,
+                     help="seconds a client has to send a request's headers, and then its body; a connection that "
+                     "stays silent that long is closed, a late body gets HTTP 408 (default: %(default)s)")
+    net.add_argument("--max-connections", type=positive_int,
+                     help="open connections at most; past it a new one closes the oldest idle one, or gets HTTP 503 "
+                     "when none is idle (default: what the open-file limit allows, at most 1024)")
     net.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="on SIGTERM or Ctrl-C, seconds the running requests get to finish before they are ended; "
                      "new ones get HTTP 503 meanwhile; a second signal exits at once (default: %(default)s)")
@@ -67,12 +81,14 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or str(args.model)
     if args.engine == "vllm":
         return hand_off(args, name)
+    import functools
     import signal
     import threading
 
     import uvicorn
 
     from quasar.serve.app import create_app
+    from quasar.serve.connections import GuardedH11Protocol, OncePerInterval, connection_limits
 
     key = api_key(args)
     if key is None and args.host not in LOOPBACK:
@@ -81,12 +97,15 @@ def run(args: argparse.Namespace) -> int:
     engine = build_engine(args)
     app = create_app(engine, name, api_key=key, max_queue=args.max_queue, max_batch=args.max_batch,
                      max_rows=args.max_batch_tokens, kv_budget=args.kv_budget, own_thread=False,
-                     max_body=args.max_body)
+                     max_body=args.max_body, read_timeout=args.read_timeout)
     # Generation runs on this thread, the one that loaded the model (Scheduler.work says why); HTTP on another,
     # with a short GIL switch interval so that streamed tokens leave as soon as they are made.
     sys.setswitchinterval(0.0005)
-    http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                         timeout_graceful_shutdown=5))
+    limits = connection_limits(args.max_connections)
+    protocol = functools.partial(GuardedH11Protocol, read_timeout=args.read_timeout, max_connections=limits.connections)
+    http = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", http=protocol,
+                                         backlog=limits.backlog, timeout_graceful_shutdown=5))
+    logging.getLogger("asyncio").addFilter(OncePerInterval())
 
     signals = []
 

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quasar.decoding.engine import Engine
@@ -27,20 +28,23 @@ from quasar.serve.scheduler import Job, QueueFullError, Scheduler, ShuttingDownE
 
 log = logging.getLogger("quasar")
 RETRY_AFTER_S = 1  # what a 429 tells a client to wait before trying again
+CLIENT_CLOSED = 499  # the status counted for a request whose client hung up before it could be answered (nginx's)
 HANG_UP_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 
 
 class Guard:
     """ASGI middleware in front of every route: the API key (every route but /health), the body limit (HTTP 413
-    before a larger body is read), and the request counter by route and status, 5xx included (a failure no
-    handler answered becomes a 500 with a generic message here; the log has the details).
+    before a larger body is read) and deadline (HTTP 408 when the body is not in `read_timeout` seconds after its
+    headers), and the request counter by route and status, 5xx included (a failure no handler answered becomes a
+    500 with a generic message here; the log has the details).
 
     The route label is one of the app's `endpoints`, or 'other': a client cannot add label values.
     Plain ASGI (not BaseHTTPMiddleware) so that a client disconnect reaches the streaming response."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, metrics: Metrics, endpoints: frozenset[str],
-                 max_body: int) -> None:
-        self.app, self.api_key, self.metrics, self.endpoints, self.max_body = app, api_key, metrics, endpoints, max_body
+                 max_body: int, read_timeout: float) -> None:
+        self.app, self.api_key, self.metrics, self.endpoints = app, api_key, metrics, endpoints
+        self.max_body, self.read_timeout = max_body, read_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -66,11 +70,18 @@ class Guard:
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_body:
             return await refuse(413, too_large, "body_too_large", {"Connection": "close"})
-        received = 0
+        received, more, deadline = 0, True, time.monotonic() + self.read_timeout
 
         async def bounded_receive() -> Message:  # a body without a length (chunked) is counted as it comes
-            nonlocal received
-            message = await receive()
+            nonlocal received, more
+            if not more:  # the body is in: what comes next is the client hanging up, whenever it does
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
+                raise BadRequest(f"the request body did not arrive within {self.read_timeout:g} s", status=408,
+                                 code="body_timeout", headers={"Connection": "close"}) from None
+            more = message["type"] == "http.request" and message.get("more_body", False)
             received += len(message.get("body", b""))
             if received > self.max_body:
                 raise BadRequest(too_large, status=413, code="body_too_large")
@@ -78,6 +89,9 @@ class Guard:
 
         try:
             await self.app(scope, bounded_receive, counting_send)
+        except ClientDisconnect:  # hung up while sending its body: nobody to answer
+            log.info("client hung up before its request body was in: %s %s", scope["method"], path)
+            self.metrics.count_request(endpoint, CLIENT_CLOSED)
         except Exception:
             log.exception("request failed: %s %s", scope["method"], path)
             if not started:
@@ -91,7 +105,7 @@ class Guard:
 
 def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = 64, max_batch: int = 16,
                max_rows: int = 64, kv_budget: int | None = None, own_thread: bool = True,
-               max_body: int = 4_000_000) -> FastAPI:
+               max_body: int = 4_000_000, read_timeout: float = 30.0) -> FastAPI:
     """The app over `engine`: up to `max_batch` requests share each forward (at most `max_rows` rows, KV caches
     within `kv_budget` positions), `max_queue` more wait (quasar.serve.scheduler). With own_thread=False the
     caller runs `app.state.scheduler.work()` (quasar serve does, on the thread that loaded the model). Prompts
@@ -236,7 +250,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             scheduler.cancel(job)  # the client went away mid-stream: stop generating, free the place
 
     app.add_middleware(Guard, api_key=api_key, metrics=metrics, endpoints=frozenset(r.path for r in app.routes),
-                       max_body=max_body)
+                       max_body=max_body, read_timeout=read_timeout)
     return app
 
 
