@@ -15,6 +15,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self.matcher = StopStrings(self.stop)
         self.ids: list[int] = []
         self.prefix = self.read = 0  # token offsets: decode context start, end of decoded text
         self.text = ""  # all decoded text so far (stop string excluded once found)
@@ -44,20 +45,58 @@ class IncrementalDetokenizer:
         return self.release(final=True)
 
     def release(self, final: bool) -> str:
-        hits = [i for i in (self.text.find(s, max(0, self.released - len(s))) for s in self.stop) if i >= 0]
-        if hits:
-            self.text, self.done = self.text[: min(hits)], True
-        end = len(self.text) if (final or self.done) else len(self.text) - self.held_back()
+        if self.stop and not self.done:
+            cut = self.matcher.feed(self.text[self.matcher.seen :])
+            if cut is not None:
+                self.text, self.done = self.text[:cut], True
+        end = len(self.text) if (final or self.done) else len(self.text) - self.matcher.partial
         piece = self.text[self.released : end] if end > self.released else ""
         self.released += len(piece)
         return piece
 
-    def held_back(self) -> int:
-        """Length of the longest text suffix that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(self.text)), best, -1):
-                if self.text.endswith(s[:n]):
-                    best = n
-                    break
-        return best
+
+class StopStrings:
+    """Finds the first of several stop strings in a growing text, in time linear in the text: one Knuth-Morris-Pratt
+    automaton per string, fed each character once. The first match is the one that ends first (the longest of
+    those that end at the same character), so the cut does not depend on how the text was split into tokens."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.fallback = [failure_function(s) for s in stops]
+        self.matched = [0] * len(stops)  # per string: the longest prefix of it that the text ends with
+        self.seen = 0  # characters fed so far
+
+    def feed(self, text: str) -> int | None:
+        """Feed the next characters; where the first complete stop string starts (an index into all the text fed),
+        or None."""
+        for char in text:
+            self.seen += 1
+            first = None
+            for i, (stop, fallback) in enumerate(zip(self.stops, self.fallback)):
+                n = self.matched[i]
+                while n and stop[n] != char:
+                    n = fallback[n - 1]
+                n += stop[n] == char
+                if n == len(stop):
+                    first = self.seen - n if first is None else min(first, self.seen - n)
+                self.matched[i] = n
+            if first is not None:
+                return first
+        return None
+
+    @property
+    def partial(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of a stop string: text held back."""
+        return max(self.matched, default=0)
+
+
+def failure_function(s: str) -> list[int]:
+    """For each prefix of `s`, the length of its longest proper prefix that is also its suffix."""
+    table = [0] * len(s)
+    n = 0
+    for i in range(1, len(s)):
+        while n and s[i] != s[n]:
+            n = table[n - 1]
+        n += s[i] == s[n]
+        table[i] = n
+    return table
