@@ -134,6 +134,25 @@ def test_the_torch_path_batches_too_one_forward_per_request(tiny_model):
     assert_same(alone, batched)
 
 
+@pytest.mark.parametrize("model", ["tiny-fp32", pytest.param("ngram+w8a8", marks=needs_kernels)])
+def test_cache_positions_are_never_read_before_they_are_written(model, tiny_model, monkeypatch):
+    """A cache's buffers start unwritten (their memory is taken as positions are used): with them full of NaN
+    instead, alone and batched answers are the same."""
+    from quasar.model import kv_cache
+
+    if model == "tiny-fp32":
+        engine = Engine(tiny_model, decoder_for("ngram", tiny_model, k=3))
+        batch, texts, params = Batch(engine, max_batch=3, max_rows=2), TEXTS[:5], mixed_params()[:5]
+    else:
+        engine, texts, params = engine_for(model), TEXTS, mixed_params()
+        batch = Batch(engine, max_batch=5, max_rows=6)
+    clean = alone_then_batched(engine, batch, texts, params)
+    engine.caches.free.clear()
+    monkeypatch.setattr(kv_cache, "blank", lambda *shape, **kw: torch.full(shape, float("nan"), **kw))
+    for want, got in zip(clean, alone_then_batched(engine, batch, texts, params)):
+        assert_same(want, got)
+
+
 def test_cancel_frees_the_place_and_the_cache(tiny_model):
     engine = Engine(tiny_model)
     batch = Batch(engine, max_batch=1)

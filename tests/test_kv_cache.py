@@ -124,3 +124,19 @@ def test_a_pool_hands_a_prompt_the_positions_a_kept_cache_shares_with_it(backend
             fresh = model(torch.tensor([prompt]), model.new_cache(size), last_only=True)[0, -1]
         assert torch.equal(got, fresh)
         pool.give(cache)
+
+
+def test_a_cache_takes_memory_only_for_the_positions_it_uses(tiny_model):
+    """A request's cache is sized for all it may generate (the whole context when it gives no max_tokens), but
+    only the positions written (and those a step reads) become resident."""
+    from quasar.serve.metrics import resident_bytes
+
+    model = tiny_model.model
+    with torch.inference_mode():
+        model(token_ids(50), model.new_cache(64))  # what a first forward allocates once
+    before = resident_bytes()
+    cache = model.new_cache(1 << 18)
+    size = 2 * cache.k.numel() * cache.k.element_size()
+    with torch.inference_mode():
+        model(token_ids(50), cache)
+    assert size > 100e6 and resident_bytes() - before < size / 10

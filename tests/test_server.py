@@ -170,6 +170,12 @@ def test_streaming_equals_non_streaming_greedy(server, endpoint):
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
+def test_without_a_kv_budget_the_caches_are_bounded_by_free_memory(server):
+    budget = server.metrics()["quasar_kv_budget_positions"]
+    assert budget >= 256 and budget % 256 == 0
+    assert f"KV budget {int(budget):,} positions" in Path(server.log.name).read_text()
+
+
 def test_sse_ends_with_done(server):
     body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 4, "stream": True}).encode()
     req = urllib.request.Request(server.url + "/v1/completions", data=body, method="POST",

@@ -23,6 +23,7 @@ from quasar.commands.common import (
 )
 
 if TYPE_CHECKING:
+    from quasar.decoding.engine import Engine
     from quasar.spec import VerifierSpec
 
 log = logging.getLogger("quasar")
@@ -65,7 +66,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                      "prompt chunks while they fit (default: %(default)s)")
     net.add_argument("--kv-budget", type=positive_int,
                      help="KV cache positions all running requests may hold together (each reserves its prompt plus "
-                     "max_tokens); requests wait until theirs fits (default: no limit beyond --max-batch)")
+                     "max_tokens, or the context when it gives none, but takes memory only for the positions it "
+                     "uses); requests wait until theirs fits (default: what half the memory free once the model is "
+                     "loaded holds)")
     net.add_argument("--served-model-name", help="the model id clients send (default: the --model value)")
     hand = parser.add_argument_group("vLLM hand-off")
     hand.add_argument("--engine", choices=("quasar", "vllm"), default="quasar",
@@ -96,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
                     "(set QUASAR_API_KEY or --api-key-file)", args.host)
     engine = build_engine(args)
     app = create_app(engine, name, api_key=key, max_queue=args.max_queue, max_batch=args.max_batch,
-                     max_rows=args.max_batch_tokens, kv_budget=args.kv_budget, own_thread=False,
+                     max_rows=args.max_batch_tokens, kv_budget=args.kv_budget or default_kv_budget(engine),
+                     own_thread=False,
                      max_body=args.max_body, read_timeout=args.read_timeout)
     # Generation runs on this thread, the one that loaded the model (Scheduler.work says why); HTTP on another,
     # with a short GIL switch interval so that streamed tokens leave as soon as they are made.
@@ -151,6 +155,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+KV_MEMORY_SHARE = 0.5  # of the memory free once the model is loaded: what the KV caches may take by default
+
+
+def default_kv_budget(engine: Engine) -> int | None:
+    """The KV positions half the free memory holds (at least one bucket; None where free memory is unknown)."""
+    from quasar.decoding.engine import CACHE_BUCKET
+    from quasar.serve.metrics import available_bytes
+
+    free = available_bytes()
+    if free is None:
+        return None
+    one = engine.caches.model.new_cache(1)
+    per_position = one.k.numel() * one.k.element_size() + one.v.numel() * one.v.element_size()
+    positions = max(CACHE_BUCKET, int(free * KV_MEMORY_SHARE / per_position) // CACHE_BUCKET * CACHE_BUCKET)
+    print(f"quasar: KV budget {positions:,} positions ({positions * per_position / 2**30:.1f} GiB, half the free "
+          "memory; --kv-budget sets it)", file=sys.stderr, flush=True)
+    return positions
 
 
 def api_key(args: argparse.Namespace) -> str | None:

@@ -21,11 +21,19 @@ def common_prefix(held: list[int], tokens: list[int], limit: int) -> int:
     return common
 
 
+def blank(*shape: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A buffer left unwritten: the memory of a large one becomes resident only as its pages are written."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 class KVCache:
     """K/V buffers of shape [L, B, H_kv, S, D]; `length` tokens of them are valid.
 
     The model writes new keys at [length, length + T) in every layer, then calls
     `advance(T)`. Speculative decoding drops rejected positions with `trim(n)`.
+    The buffers start unwritten, so a cache sized for the whole context costs memory only for the positions it
+    uses: positions are written before they are read, except those past the end that a masked step reads
+    (`update` zeroes them first).
     """
 
     def __init__(
@@ -37,8 +45,9 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         shape = (config.num_hidden_layers, batch, config.num_key_value_heads, max_len, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S, D]
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, S, D]
+        self.k = blank(*shape, dtype=dtype, device=device)  # [L, B, H_kv, S, D]
+        self.v = blank(*shape, dtype=dtype, device=device)  # [L, B, H_kv, S, D]
+        self.finite = [0] * config.num_hidden_layers  # per layer: positions below it were written or zeroed
         self.max_len = max_len
         self.length = 0
         self.held: list[int] = []  # the tokens at positions [0, len(held)), where known (len(held) <= length)
@@ -63,6 +72,10 @@ class KVCache:
         end = self.length + k.shape[2]
         self.k[layer, :, :, self.length : end] = k
         self.v[layer, :, :, self.length : end] = v
+        if span > max(end, self.finite[layer]):  # masked positions: finite, so that a zero weight keeps them out
+            self.k[layer, :, :, max(end, self.finite[layer]) : span] = 0
+            self.v[layer, :, :, max(end, self.finite[layer]) : span] = 0
+        self.finite[layer] = max(self.finite[layer], span)
         return self.k[layer, :, :, :span], self.v[layer, :, :, :span]
 
     def advance(self, n: int) -> None:

@@ -148,7 +148,8 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:
-        text = metrics.render(scheduler.waiting, scheduler.running, engine.caches.taken, engine.caches.kept)
+        text = metrics.render(scheduler.waiting, scheduler.running, engine.caches.taken, engine.caches.kept,
+                              engine.caches.budget)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from quasar.decoding.stats import GenerationStats
 
@@ -78,7 +80,7 @@ class Metrics:
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
 
-    def render(self, waiting: int, running: int, kv_taken: int = 0, kv_kept: int = 0) -> str:
+    def render(self, waiting: int, running: int, kv_taken: int = 0, kv_kept: int = 0, kv_budget: int | None = None) -> str:
         with self._lock:
             lines = _family("quasar_requests_total", "counter", "HTTP requests by endpoint and status")
             lines += [f"quasar_requests_total{{endpoint={_label(e)},status={_label(s)}}} {n}"
@@ -111,6 +113,7 @@ class Metrics:
                 ("quasar_requests_running", running, "requests being generated"),
                 ("quasar_kv_positions_in_use", kv_taken, "KV cache positions the running requests hold"),
                 ("quasar_kv_positions_kept", kv_kept, "KV cache positions kept for the next requests (prefix caching)"),
+                ("quasar_kv_budget_positions", kv_budget or 0, "KV cache positions all requests may hold (0: no bound)"),
                 ("quasar_resident_memory_bytes", resident_bytes(), "the server process's resident memory"),
             ):
                 lines += _family(name, "gauge", doc) + [f"{name} {value}"]
@@ -129,6 +132,23 @@ def resident_bytes() -> int:
     except (OSError, IndexError, ValueError):
         return 0
     return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def available_bytes() -> int | None:
+    """Memory this process could still take: Linux's MemAvailable, less where a cgroup (a container) allows less;
+    None where it cannot be read."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        free = int(re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.MULTILINE).group(1)) * 1024
+    except (OSError, AttributeError, ValueError):
+        return None
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return max(0, free)
 
 
 def _label(value: object) -> str:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from quasar.decoding.engine import CACHE_BUCKET
 from quasar.decoding.outputs import RequestOutput
 from quasar.decoding.sampling import SEED_MAX, SEED_MIN, SamplingParams
 
@@ -161,7 +162,7 @@ def valid_text(value: Any) -> bool:
 
 
 def budget(requested: int | None, prompt_tokens: int, max_context: int, kv_budget: int | None = None,
-           slack: int = 0, bucket: int = 256) -> int:
+           slack: int = 0, bucket: int = CACHE_BUCKET) -> int:
     """The tokens a request may generate. Without `max_tokens`: what the context window holds, and no more than
     its KV cache (prompt, answer and `slack`, rounded up to `bucket`) fits in `kv_budget`; `max_tokens` beyond
     the context window is refused."""
