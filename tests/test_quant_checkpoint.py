@@ -258,3 +258,30 @@ def test_the_bf16_lm_head_does_not_depend_on_the_host(tiny_model_dir, tmp_path):
     quantize_model(loaded, recipe_for(VerifierSpec.parse("w8a8:lmbf16"), CalibrationSpec(samples=1, seq_len=32)))
     assert isinstance(loaded.model.lm_head, BF16Linear) and type(loaded.model.lm_head) is BF16Linear  # no backend yet
     assert torch.equal(loaded.model.lm_head.weight, head.to(torch.bfloat16))
+
+
+def test_the_float_model_used_for_calibration_is_freed_once_the_checkpoint_exists(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch):
+    import gc
+    import weakref
+
+    from quasar import files
+    from quasar.verifiers import quantized as verifiers
+    from quasar.verifiers.registry import load_verifier
+
+    monkeypatch.setattr(files, "_cache_dir", tmp_path / "cache")
+    floats = []
+
+    def tracked(*args, **kwargs):
+        loaded = load(*args, **kwargs)
+        floats.append(weakref.ref(loaded.model))
+        return loaded
+
+    monkeypatch.setattr(verifiers, "load", tracked)
+    gc.disable()  # freed as soon as its last reference goes, not at the next collection of cycles
+    try:
+        verifier = load_verifier(tiny_model_dir, "w8a8")
+    finally:
+        gc.enable()
+    assert len(floats) == 1 and floats[0]() is None
+    assert verifier.model is not None

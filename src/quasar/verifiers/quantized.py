@@ -18,6 +18,7 @@ import logging
 from pathlib import Path
 
 from quasar.files import cache_root
+from quasar.kernels import native
 from quasar.model.loading import LoadedModel, load, quantized_block, resolve, source_sha256
 from quasar.quant.checkpoint import load_quantized, save_quantized
 from quasar.quant.recipe import QuantRecipe, quantize_model, recipe_for
@@ -46,10 +47,16 @@ def quantized_cached(model: str | Path, recipe: QuantRecipe) -> LoadedModel:
     path = resolve(model)
     target = cache_root() / "quantized" / recipe_key(source_sha256(path), recipe)
     if not (target / "config.json").exists():
-        loaded = load(model, "fp32")
-        log.info("quantizing %s (%s) once into %s", loaded.source, recipe.name, target)
-        save_quantized(loaded, quantize_model(loaded, recipe), target, cache=True)
+        quantize_into(model, recipe, target)
+        native.release_memory()  # the float model's pages go back to the system, not to a heap the process keeps
     return load_quantized(target)
+
+
+def quantize_into(model: str | Path, recipe: QuantRecipe, target: Path) -> None:
+    """Calibrate and quantize the float model into the checkpoint `target`; the float model is freed on return."""
+    loaded = load(model, "fp32")
+    log.info("quantizing %s (%s) once into %s", loaded.source, recipe.name, target)
+    save_quantized(loaded, quantize_model(loaded, recipe), target, cache=True)
 
 
 def checkpoint_spec(block: dict) -> VerifierSpec:
