@@ -1,12 +1,14 @@
 """Soak and fault check of `quasar serve` on loopback (docs/serving.md): many streaming clients for minutes, half
-of them hanging up at random points, plus a stream of malformed requests; then SIGKILL mid-load and a restart.
+of them hanging up at random points, plus a stream of malformed requests and of connections that send nothing or
+drip their headers; then SIGKILL mid-load and a restart.
 
     python bench/soak_serve.py [--clients 64] [--seconds 180] [--max-tokens 64] [--out DIR]
 
 Every finished greedy answer must equal the same request sent alone before the load (texts compared), no
-response may be a 5xx, every malformed request must get a 4xx, `/health` must answer 200 at the end, and the
-server's resident memory must come back within 10% of its idle figure. Reported: clients, duration, requests
-finished / hung up / refused (429), time to first token p50 / p99, RSS idle / peak / after, and the checks.
+response may be a 5xx, every malformed request must get a 4xx, `/health` must answer 200 within 2 s all along
+and at the end, and the server's resident memory must come back within 10% of its idle figure. Reported:
+clients, duration, requests finished / hung up / refused (429), time to first token p50 / p99, the slowest
+`/health`, RSS idle / peak / after, and the checks.
 Writes DIR/soak.json. Nothing leaves the machine.
 """
 
@@ -32,6 +34,8 @@ from pathlib import Path
 
 KEY = "soak-key"
 MODEL = "default"
+READ_TIMEOUT = 10  # the server's --read-timeout: silent and dripping connections are closed after it
+SILENT_PER_SECOND = 5  # connections opened each second that never send a byte
 MALFORMED = [  # (body bytes, what it tests)
     (b"{not json", "bad JSON"),
     (json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4, "temprature": 0}).encode(), "unknown field"),
@@ -54,7 +58,8 @@ class Server:
     def __init__(self, port: int, log: Path) -> None:
         self.port, self.log = port, log
         argv = [sys.executable, "-m", "quasar", "serve", "--model", MODEL, "--verifier", "w8a8", "--drafter", "ngram",
-                "--served-model-name", MODEL, "--port", str(port), "--max-batch", "16", "--max-queue", "256"]
+                "--served-model-name", MODEL, "--port", str(port), "--max-batch", "16", "--max-queue", "256",
+                "--read-timeout", str(READ_TIMEOUT)]
         self.proc = subprocess.Popen(argv, stdout=log.open("a"), stderr=subprocess.STDOUT,
                                      env={**os.environ, "QUASAR_API_KEY": KEY})
         deadline = time.monotonic() + 600
@@ -124,6 +129,20 @@ class Server:
             conn.close()
 
 
+def open_or_close(s: socket.socket) -> bool:
+    """Whether the server still holds this silent connection open (closed here once the server closed it)."""
+    try:
+        if s.recv(1024, socket.MSG_DONTWAIT) is not None:  # b'' or a 408: the server closed it
+            s.close()
+            return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        s.close()
+        return False
+    return True
+
+
 def quietly(call, *args) -> None:
     """call(*args) where the server may vanish under it (the SIGKILL step)."""
     try:
@@ -151,6 +170,8 @@ def main() -> int:
     results: list[dict] = []
     malformed: list[tuple[str, int]] = []
     peak = [idle]
+    health_s: list[float] = []
+    silent_opened = [0]
     stop_at = time.monotonic() + args.seconds
     lock = threading.Lock()
 
@@ -174,13 +195,33 @@ def main() -> int:
                     malformed.append((what, status))
                 time.sleep(0.5)
 
+    def slow() -> None:  # connections that send nothing, and one that drips its headers a byte a second
+        held: list[socket.socket] = []
+        drip = socket.create_connection(("127.0.0.1", server.port))
+        header = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: y\r\n" * 1000
+        for i in range(int(args.seconds)):
+            held += [socket.create_connection(("127.0.0.1", server.port)) for _ in range(SILENT_PER_SECOND)]
+            silent_opened[0] += SILENT_PER_SECOND
+            try:
+                drip.sendall(header[i : i + 1])
+            except OSError:  # closed by the server: start another
+                drip.close()
+                drip = socket.create_connection(("127.0.0.1", server.port))
+            held = [s for s in held if open_or_close(s)]
+            time.sleep(1)
+        for s in [*held, drip]:
+            s.close()
+
     def watch() -> None:
         while time.monotonic() < stop_at:
             peak[0] = max(peak[0], server.rss())
+            started = time.perf_counter()
+            status = server.get("/health")[0]
+            health_s.append(time.perf_counter() - started if status == 200 else float("inf"))
             time.sleep(1)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(args.clients)]
-    threads += [threading.Thread(target=hostile), threading.Thread(target=watch)]
+    threads += [threading.Thread(target=hostile), threading.Thread(target=watch), threading.Thread(target=slow)]
     for t in threads:
         t.start()
     for t in threads:
@@ -201,6 +242,7 @@ def main() -> int:
         "malformed": len(malformed), "malformed_not_4xx": sorted({w for w, s in malformed if not 400 <= s < 500}),
         "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
         "ttft_p99_s": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None,
+        "silent_connections": silent_opened[0], "health_slowest_s": round(max(health_s, default=0.0), 3),
         "rss_idle_mb": round(idle), "rss_peak_mb": round(peak[0]), "rss_after_mb": round(after),
         "health_after": health, "normal_request_after": normal.get("text") == reference[prompts[0]],
     }
@@ -217,7 +259,7 @@ def main() -> int:
     restarted.proc.send_signal(signal.SIGTERM)
     report["exit_after_sigterm"] = restarted.proc.wait(timeout=60)
     report["ok"] = (not report["server_errors"] and not mismatched and not report["malformed_not_4xx"]
-                    and health == 200 and report["normal_request_after"] and after <= 1.1 * idle
+                    and health == 200 and report["health_slowest_s"] < 2 and report["normal_request_after"] and after <= 1.1 * idle
                     and report["restart_after_sigkill"] and report["exit_after_sigterm"] == 0)
     (out / "soak.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
