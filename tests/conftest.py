@@ -25,14 +25,22 @@ TINY = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
-HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+              "gemma3_text": "Gemma3ForCausalLM"}
+TINY_GEMMA3 = {  # three layers: sliding, global, sliding; a window of 8 so that short prompts outgrow it
+    "num_hidden_layers": 3, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+    "tie_word_embeddings": True,
+}
 
 
 def tiny_hf_model(model_type: str, seed: int = 0, **overrides):
     """A transformers model with random weights (the reference implementation)."""
     import transformers
 
-    cfg = dict(TINY, model_type=model_type, **overrides)
+    cfg = dict(TINY, model_type=model_type) | (TINY_GEMMA3 if model_type == "gemma3_text" else {}) | overrides
     if model_type == "qwen3":
         cfg.setdefault("head_dim", 32)
     config = transformers.AutoConfig.for_model(**cfg)

@@ -35,6 +35,7 @@ REAL_TEXT = (
         ("mistral", {}),
         ("qwen2", {}),
         ("qwen3", {}),
+        ("gemma3_text", {}),
     ],
 )
 def test_tiny_logits_match_transformers(model_type, overrides, tmp_path, tokenizer_dir):
@@ -45,6 +46,21 @@ def test_tiny_logits_match_transformers(model_type, overrides, tmp_path, tokeniz
         expected = hf(ids).logits
         got = ours(ids, ours.new_cache(64, batch=2))
     assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_gemma3_step_by_step_past_the_sliding_window_matches_transformers(tmp_path, tokenizer_dir):
+    """A prompt of 20 tokens, then 12 single-token steps and one 5-token step, on a model whose sliding window is 8:
+    every step's logits equal transformers' on the whole sequence."""
+    hf = tiny_hf_model("gemma3_text")
+    ours = load(write_hf_dir(hf, tmp_path / "gemma3", tokenizer_dir), "fp32").model
+    ids = torch.randint(0, 49152, (1, 37), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids).logits[0]
+        cache = ours.new_cache(64)
+        got = [ours(ids[:, :20], cache)[0]]
+        got += [ours(ids[:, i : i + 1], cache)[0] for i in range(20, 32)]
+        got += [ours(ids[:, 32:], cache)[0]]
+    assert (torch.cat(got) - expected).abs().max().item() <= 1e-4
 
 
 def test_unsupported_model_type_names_the_supported_ones():

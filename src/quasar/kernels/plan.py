@@ -43,8 +43,9 @@ from quasar.quant.w4a8 import W4A8Linear, W6A8Linear
 
 
 def kernel_for(model: Transformer) -> Any | None:
-    """quasar's kernel module where this model can run on it (CPU, float32 activations, head_dim % 8 == 0)."""
-    if model.device.type != "cpu" or model.dtype != torch.float32 or model.config.head_dim % 8:
+    """quasar's kernel module where this model can run on it (CPU, float32 activations, head_dim % 8 == 0, the
+    Llama family: the fused layers hold neither Gemma's sandwich norms nor its sliding windows)."""
+    if model.device.type != "cpu" or model.dtype != torch.float32 or model.config.head_dim % 8 or model.config.gemma:
         return None
     return native.kernel()
 

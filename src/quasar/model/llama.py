@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +68,11 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    @torch.no_grad()
+    def divide_(self, s: torch.Tensor) -> None:
+        """Divide the output by s [dim] (SmoothQuant folds its scales into the norm)."""
+        self.weight.div_(s)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -134,18 +139,31 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
+    scale: float | None = None  # the attention scale; None: 1 / sqrt(D)
+
+    def rope_of(self, rope: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's cos, sin from what the model computed for the step (one pair here)."""
+        return rope
+
+    def visible(self, mask: torch.Tensor | None, cache: KVCache, T: int) -> torch.Tensor | None:
+        """The keys each query row sees ([rows, S] or None: all of length + T): the causal mask here."""
+        return mask
+
+    def forward(self, x: torch.Tensor, rope: Any, mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(x)
+        cos, sin = self.rope_of(rope)
         v = v.transpose(1, 2)  # [B, H_kv, T, D]
-        q = apply_rope(q.transpose(1, 2), *rope)  # [B, H, T, D]
-        k = apply_rope(k.transpose(1, 2), *rope)  # [B, H_kv, T, D]
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [B, H, T, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [B, H_kv, T, D]
+        mask = self.visible(mask, cache, T)
         span = mask.shape[-1] if mask is not None else cache.length + T
         keys, values = cache.update(self.layer, k, v, span)  # [B, H_kv, S, D]
         rows = mask.shape[0] if mask is not None else T  # > T: queries padded to the fixed shape
         if rows > T:
             q = F.pad(q, (0, 0, 0, rows - T))  # [B, H, rows, D]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale,
+                                             enable_gqa=self.n_kv != self.n_heads)
         out = out[:, :, :T]  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
@@ -199,11 +217,12 @@ class Layers(nn.ModuleList):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: type[nn.Module] = DecoderLayer, norm: type[nn.Module] = RMSNorm,
+                 embedding: type[nn.Module] = Embedding) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = Layers(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
+        self.layers = Layers(layer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = norm(config.hidden_size, config.rms_norm_eps)
 
 
 class Rows(Protocol):
@@ -226,12 +245,19 @@ class Transformer(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = Backbone(config)
+        self.model = self.backbone(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.plan = ON_TORCH  # how forwards run: quasar.kernels.plan.prepare_ decides it once, at load
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def backbone(self, config: ModelConfig) -> nn.Module:
+        return Backbone(config)
+
+    def reset_rope(self) -> None:
+        """Compute the RoPE frequencies (again): a model built on the meta device gets them on the CPU here."""
+        self.inv_freq = rope_inv_freq(self.config)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -245,9 +271,11 @@ class Transformer(nn.Module):
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         return KVCache(self.config, max_len, batch, self.dtype, self.device)
 
-    def rope_values(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, D] for positions [T], computed in float32 like the reference."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+    def rope_values(self, positions: torch.Tensor, inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] for positions [T] (with the model's frequencies unless given), computed in float32 like
+        the reference."""
+        inv_freq = self.inv_freq if inv_freq is None else inv_freq
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 

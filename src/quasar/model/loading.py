@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 from quasar.files import ModelLoadError, atomic_directory, cache_root, sha256_memo
 from quasar.model.config import CAUSAL_LM_CLASSES, ModelConfig
-from quasar.model.llama import Transformer, rope_inv_freq
+from quasar.model.families import model_for
+from quasar.model.llama import Transformer
 from quasar.wheels import DEFAULT_MODEL, DataFile
 
 log = logging.getLogger("quasar")
@@ -108,7 +109,7 @@ def read_safetensors(files: list[Path], float_dtype: torch.dtype | None = None) 
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
     """A Transformer holding `state` (Hugging Face names), converted to dtype."""
     with torch.device("meta"):
-        model = Transformer(config)
+        model = model_for(config)
     expected = set(model.state_dict())
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -119,7 +120,7 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torc
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(config)
+    model.reset_rope()
     return model.eval().requires_grad_(False)
 
 

@@ -20,7 +20,8 @@ from torch import nn
 from quasar.files import ModelLoadError, atomic_directory, sha256_file, sha256_memo
 from quasar.model.loading import LoadedModel, load_tokenizer, read_config, read_safetensors
 from quasar.model.config import ModelConfig
-from quasar.model.llama import Transformer, rope_inv_freq
+from quasar.model.families import model_for
+from quasar.model.llama import Transformer
 from quasar.quant.bf16 import use_bf16_linears_
 from quasar.quant.schemes import prepare_empty_, scheme_config
 
@@ -68,7 +69,7 @@ def _check(directory: Path, block: dict[str, Any]) -> None:
 
 def _build(config: ModelConfig, block: dict[str, Any]) -> tuple[Transformer, set[str]]:
     with torch.device("meta"):
-        model = Transformer(config)
+        model = model_for(config)
     try:
         quantized = set(prepare_empty_(model, scheme_config(block["scheme"], **block)))
     except (ValueError, TypeError) as e:
@@ -106,7 +107,7 @@ def load_quantized(directory: str | Path) -> LoadedModel:
     model.load_state_dict(state, strict=False, assign=True)
     if model.config.tie_word_embeddings and "lm_head" not in quantized:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(model.config)
+    model.reset_rope()
     model = model.eval().requires_grad_(False)
     if "lm_head" not in quantized:
         use_bf16_linears_(model, ["lm_head"])

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from quasar.model.config import ModelConfig
 from quasar.quant.calibration import Calibration
 from quasar.quant.int8 import dequantize, quantize_groups
 
@@ -41,6 +42,9 @@ SMOOTH_GROUPS = (
     SmoothGroup("self_attn.v_proj", ("self_attn.o_proj",), "rows"),
     SmoothGroup("mlp.up_proj", ("mlp.down_proj",), "rows"),
 )
+GEMMA_SMOOTH_GROUPS = (  # the post-norms (post_attention_layernorm, post_feedforward_layernorm) feed the residual
+    SMOOTH_GROUPS[0], SmoothGroup("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "norm"), *SMOOTH_GROUPS[2:],
+)
 ALPHA_GRID = tuple(round(0.05 * i, 2) for i in range(21))
 
 
@@ -51,8 +55,10 @@ class SmoothConfig:
     output_groups: bool = True  # also smooth v -> o and up -> down
     group_size: int = 0  # the W8A8 scales the alpha search simulates: 0 per channel/token, else per G inputs
 
-    def groups(self) -> tuple[SmoothGroup, ...]:
-        return SMOOTH_GROUPS if self.output_groups else tuple(g for g in SMOOTH_GROUPS if g.folds_into == "norm")
+    def groups(self, model: ModelConfig) -> tuple[SmoothGroup, ...]:
+        """The groups smoothed in each layer of `model` (Gemma's MLP reads its pre-feedforward norm)."""
+        groups = GEMMA_SMOOTH_GROUPS if model.gemma else SMOOTH_GROUPS
+        return groups if self.output_groups else tuple(g for g in groups if g.folds_into == "norm")
 
 
 def parse_alpha(text: str) -> float | str | None:
@@ -127,7 +133,7 @@ class _Site:
             m.weight.mul_(s.to(m.weight.dtype))
         src = self.source_scales(s).to(self.source.weight.dtype)
         if self.group.folds_into == "norm":
-            self.source.weight.div_(src)
+            self.source.divide_(src)
             return
         self.source.weight.div_(src[:, None])
         if self.source.bias is not None:
@@ -156,7 +162,7 @@ def choose_alpha(site: _Site, config: SmoothConfig) -> float | None:
 def row_sites(model: nn.Module, config: SmoothConfig) -> set[str]:
     """The linears whose input rows the alpha search needs (the first linear of every group)."""
     n = len(model.model.layers)
-    return {f"model.layers.{i}.{g.linears[0]}" for i in range(n) for g in config.groups()}
+    return {f"model.layers.{i}.{g.linears[0]}" for i in range(n) for g in config.groups(model.config)}
 
 
 def smooth_(model: nn.Module, calib: Calibration, config: SmoothConfig) -> dict[str, float | None]:
@@ -166,7 +172,7 @@ def smooth_(model: nn.Module, calib: Calibration, config: SmoothConfig) -> dict[
     chosen: dict[str, float | None] = {}
     what = "searching alpha per smoothing group" if config.alpha == "auto" else "smoothing"
     for i, layer in enumerate(progress(model.model.layers, what)):
-        for group in config.groups():
+        for group in config.groups(model.config):
             site = _Site(layer, f"model.layers.{i}", group, calib, model.config)
             alpha = choose_alpha(site, config)
             if alpha is not None:

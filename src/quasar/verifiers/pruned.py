@@ -28,12 +28,12 @@ def keep_layers(model: Transformer, keep: list[int]) -> Transformer:
     """
     config = dataclasses.replace(model.config, num_hidden_layers=len(keep))
     with torch.device("meta"):
-        small = Transformer(config)
+        small = type(model)(config)
     small.model.embed_tokens = model.model.embed_tokens
     small.model.layers = Layers(model.model.layers[i] for i in keep)
     small.model.norm = model.model.norm
     small.lm_head = model.lm_head
-    small.inv_freq = model.inv_freq
+    small.reset_rope()
     for new_index, layer in enumerate(small.model.layers):
         layer.self_attn.layer = new_index
     prepare_(small)  # on the kernels when model is: its own fused stack over the shared layers

@@ -1,0 +1,124 @@
+"""Gemma 3 (gemma3_text) on the Llama family's modules, with what Gemma changes: RMSNorm weights applied as
+(1 + w) in float32, a norm before and after both attention and the MLP (sandwich norms), q/k RMSNorm, GeGLU (the
+tanh-approximated GELU), embeddings scaled by sqrt(hidden), the attention scale 1 / sqrt(query_pre_attn_scalar),
+and sliding-window attention on most layers (each key within the last `sliding_window` positions of its query)
+with a RoPE base of its own, global attention with the model's base on the others. Hugging Face parameter
+names (`model.layers.0.pre_feedforward_layernorm.weight`, ...), as Gemma3ForCausalLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quasar.model.config import ModelConfig
+from quasar.model.kv_cache import KVCache
+from quasar.model.llama import MLP, Attention, Backbone, Embedding, Transformer, project, rope_inv_freq
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + w), all in float32, then cast back (Gemma's order; Llama casts before the weight)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    @torch.no_grad()
+    def divide_(self, s: torch.Tensor) -> None:
+        """Divide the output by s [dim]: (1 + w) / s = 1 + ((1 + w) / s - 1)."""
+        self.weight.copy_((1.0 + self.weight) / s - 1.0)
+
+
+class ScaledEmbedding(Embedding):
+    """Token embeddings times sqrt(hidden), the scale rounded to the table's dtype first (as Hugging Face does)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor(math.sqrt(self.embedding_dim), dtype=self.weight.dtype, device=self.weight.device)
+        return super().forward(ids) * scale
+
+
+class Ropes(NamedTuple):
+    """cos, sin of a step for the global layers and for the sliding-window layers."""
+
+    full: tuple[torch.Tensor, torch.Tensor]
+    sliding: tuple[torch.Tensor, torch.Tensor]
+
+
+class GemmaAttention(Attention):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__(config, layer)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.window = config.sliding_window if config.sliding_layers[layer] else None
+        self.scale = config.query_pre_attn_scalar ** -0.5
+
+    def rope_of(self, rope: Ropes) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope.full if self.window is None else rope.sliding
+
+    def visible(self, mask: torch.Tensor | None, cache: KVCache, T: int) -> torch.Tensor | None:
+        """The causal mask, less the keys at least `window` positions behind the query on a sliding layer."""
+        if self.window is None or cache.length + T <= self.window:
+            return mask
+        rows, span = (mask.shape[0], mask.shape[1]) if mask is not None else (T, cache.length + T)
+        queries = torch.arange(cache.length, cache.length + rows, device=cache.k.device)  # [rows]
+        keys = torch.arange(span, device=cache.k.device)  # [S]
+        near = keys[None, :] > queries[:, None] - self.window  # [rows, S]
+        return near & (mask if mask is not None else keys[None, :] <= queries[:, None])
+
+
+class GeGLU(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class GemmaDecoderLayer(nn.Module):
+    """Norms before and after attention and the MLP; the residual adds the post-norm's output."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.self_attn = GemmaAttention(config, layer)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.mlp = GeGLU(config)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+
+    def forward(self, x: torch.Tensor, rope: Ropes, mask: torch.Tensor | None, cache: KVCache) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, mask, cache))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3(Transformer):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.reset_rope()
+
+    def backbone(self, config: ModelConfig) -> nn.Module:
+        return Backbone(config, GemmaDecoderLayer, GemmaRMSNorm, ScaledEmbedding)
+
+    def reset_rope(self) -> None:
+        super().reset_rope()
+        self.inv_freq_local = rope_inv_freq(dataclasses.replace(self.config, rope_theta=self.config.rope_local_theta))
+
+    def rope_span(self, start: int, n: int) -> Ropes:
+        full = super().rope_span(start, n)
+        return Ropes(full, self.local_rope(torch.arange(start, start + n, device=self.inv_freq.device)))
+
+    def rope(self, positions: torch.Tensor) -> Ropes:
+        return Ropes(super().rope(positions), self.local_rope(positions))
+
+    def local_rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope_values(positions, self.inv_freq_local)

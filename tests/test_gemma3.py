@@ -1,0 +1,76 @@
+"""Gemma 3 (sliding-window attention, sandwich norms, GeGLU, (1 + w) norms) through the engine on a tiny random
+model whose window (8) every prompt here outgrows: greedy speculative decoding gives plain decoding's tokens,
+batched requests their answers alone, in fp32 and W8A8."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import tiny_hf_model, write_hf_dir
+
+from helpers import decoder_for
+from quasar.decoding.batch import Batch
+from quasar.decoding.engine import Engine
+from quasar.decoding.sampling import SamplingParams
+
+TEXTS = ["def fib(n): return n if n < 2 else fib(n - 1) + fib(n - 2)\n" * 2, "The capital of France is Paris. " * 3,
+         "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "Once upon a time there was a cat who lived in a tall tower."]
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory, tokenizer_dir):
+    return write_hf_dir(tiny_hf_model("gemma3_text"), tmp_path_factory.mktemp("tiny-gemma3"), tokenizer_dir)
+
+
+@pytest.fixture(scope="module", params=["fp32", "w8a8"])
+def target(request, gemma_dir, tmp_path_factory):
+    from quasar import files
+    from quasar.verifiers.registry import load_verifier
+
+    cache = tmp_path_factory.mktemp("cache")
+    old, files._cache_dir = files._cache_dir, cache
+    try:
+        return load_verifier(gemma_dir, request.param)
+    finally:
+        files._cache_dir = old
+
+
+def test_gemma_runs_on_the_torch_path_with_every_linear_in_the_verifiers_format(target):
+    assert target.model.plan.paths == "torch"
+    assert target.model.config.sliding_layers == (True, False, True)
+    kinds = {type(m).__name__ for name, m in target.model.named_modules() if name.endswith(("_proj", "lm_head"))}
+    assert kinds == {"Linear"} or kinds == {"Int8Linear"}, kinds
+
+
+def test_greedy_speculative_equals_greedy_plain(target):
+    plain, spec = Engine(target), Engine(target, decoder_for("ngram", target, k=4))
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    for text in TEXTS:
+        ids = plain.encode(text, chat=False)
+        assert len(ids) > 8
+        want, got = plain.generate(ids, params), spec.generate(ids, params)
+        assert got.token_ids == want.token_ids
+    assert got.stats.verify_steps < len(got.token_ids)  # drafts were accepted somewhere
+
+
+def test_batched_answers_equal_answers_alone(target):
+    engine = Engine(target, decoder_for("ngram", target, k=3))
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (30, 12, 25, 18)]
+    ids = [engine.encode(t, chat=False) for t in TEXTS]
+    alone = [engine.generate(i, p) for i, p in zip(ids, params)]
+    requests = [engine.request(i, p) for i, p in zip(ids, params)]
+    Batch(engine, max_batch=3, max_rows=4).run_all(requests)
+    assert [r.output.token_ids for r in requests] == [a.token_ids for a in alone]
+
+
+def test_smoothing_folds_into_a_one_plus_w_norm():
+    import torch
+
+    from quasar.model.gemma3 import GemmaRMSNorm
+
+    norm = GemmaRMSNorm(16, 1e-6)
+    torch.nn.init.uniform_(norm.weight, -0.5, 0.5)
+    x, s = torch.randn(3, 16), torch.rand(16) + 0.5
+    want = norm(x) / s
+    norm.divide_(s)
+    assert torch.allclose(norm(x), want, rtol=1e-5, atol=1e-6)
+
