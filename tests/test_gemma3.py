@@ -74,3 +74,48 @@ def test_smoothing_folds_into_a_one_plus_w_norm():
     norm.divide_(s)
     assert torch.allclose(norm(x), want, rtol=1e-5, atol=1e-6)
 
+
+
+# ---- the real Gemma 3 270M (after `quasar models install gemma3-270m`; not installed in CI) ------------------
+
+
+def real_gemma():
+    from quasar.files import ModelLoadError
+    from quasar.tools.model_store import installed_model
+
+    try:
+        return installed_model("gemma3-270m")
+    except ModelLoadError:
+        pytest.skip("Gemma 3 270M is not installed (quasar models install gemma3-270m)")
+
+
+LONG = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable "
+        "metal type, oil-based inks and a wooden screw press into a system that could produce books quickly. ") * 18
+
+
+@pytest.fixture(scope="module")
+def real_pair():
+    """quasar's fp32 model and transformers' Gemma3ForCausalLM, both from the installed Q4_K_M GGUF."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from quasar.model.loading import load
+
+    path = real_gemma()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return load(path, "fp32"), hf
+
+
+@pytest.mark.parametrize("prompt", ["The capital of France is", "def fibonacci(n):\n", LONG])
+def test_real_gemma_fp32_greedy_equals_transformers(real_pair, prompt):
+    """64 greedy tokens from the Q4_K_M GGUF, dequantized to fp32, equal transformers' on the same file; the last
+    prompt (over 600 tokens) is longer than the sliding window (512)."""
+    import torch
+
+    ours, hf = real_pair
+    ids = ours.tokenizer(prompt, return_tensors="pt").input_ids
+    assert prompt != LONG or ids.shape[1] > ours.model.config.sliding_window
+    with torch.no_grad():
+        want = hf.generate(ids, max_new_tokens=64, do_sample=False, min_new_tokens=64)[0, ids.shape[1]:].tolist()
+    got = Engine(ours).generate(ids[0].tolist(), SamplingParams(max_new_tokens=64, ignore_eos=True)).token_ids
+    assert got == want

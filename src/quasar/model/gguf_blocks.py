@@ -187,7 +187,7 @@ def linear_blocks(path: Path, config: dict[str, Any]) -> dict[str, Blocks | None
     for tensor in reader.tensors:
         if len(tensor.shape) != 2 or not tensor.name.endswith(".weight"):
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, config["model_type"])
         blocks = tensor_blocks(tensor)
         if blocks is not None and config["model_type"] in ("llama", "mistral") and tensor.name.endswith(
                 ("attn_q.weight", "attn_k.weight")):

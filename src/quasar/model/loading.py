@@ -148,7 +148,7 @@ def load_directory(directory: Path, dtype: torch.dtype) -> tuple[Transformer, An
 
 # ---- GGUF ----------------------------------------------------------------------------------------
 
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 GGUF_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -167,12 +167,22 @@ GGUF_NAMES = {
 }
 
 
-def hf_name(gguf_name: str) -> str:
+GEMMA3_GGUF_NAMES = GGUF_NAMES | {  # Gemma's four norms per layer: ffn_norm is the one before the MLP
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # llama.cpp's too: a Gemma 3 GGUF does not record it
+GEMMA3_SLIDING_PATTERN = 6  # every sixth layer global, the others sliding (llama.cpp's rule for gemma3)
+
+
+def hf_name(gguf_name: str, model_type: str = "llama") -> str:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
+    names = GEMMA3_GGUF_NAMES if model_type == "gemma3_text" else GGUF_NAMES
     parts = gguf_name.split(".")
     if parts[0] == "blk":
-        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{parts[3]}"
-    return f"{GGUF_NAMES[parts[0]]}.{parts[1]}"
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+    return f"{names[parts[0]]}.{parts[1]}"
 
 
 def unpermute_rope(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -207,7 +217,18 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     names = {t.name for t in reader.tensors}
     n_heads = gguf_field(reader, f"{arch}.attention.head_count")
     hidden = gguf_field(reader, f"{arch}.embedding_length")
-    return {
+    gemma = {}
+    if arch == "gemma3":
+        layers, head_dim = gguf_field(reader, f"{arch}.block_count"), gguf_field(reader, f"{arch}.attention.key_length")
+        gemma = {
+            "sliding_window": gguf_field(reader, f"{arch}.attention.sliding_window"),
+            "layer_types": ["full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention"
+                            for i in range(layers)],
+            "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
+            "query_pre_attn_scalar": head_dim,
+            "hidden_activation": "gelu_pytorch_tanh",
+        }
+    return gemma | {
         "architectures": [CAUSAL_LM_CLASSES[GGUF_ARCHITECTURES[arch]]],
         "model_type": GGUF_ARCHITECTURES[arch],
         "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
@@ -238,7 +259,9 @@ def gguf_tensors(reader: Any, config: dict[str, Any]) -> dict[str, torch.Tensor]
         if t.name == "rope_freqs.weight":
             raise ModelLoadError("GGUF files with rope_freqs (llama 3.1 rope scaling) are not supported yet")
         weight = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
-        name = hf_name(t.name)
+        name = hf_name(t.name, config["model_type"])
+        if config["model_type"] == "gemma3_text" and t.name.endswith("norm.weight"):
+            weight = weight - 1  # llama.cpp's converter stores Gemma's (1 + w) as the norm weight
         if config["model_type"] in ("llama", "mistral") and t.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config["num_attention_heads"] if "attn_q" in t.name else config["num_key_value_heads"]
             weight = unpermute_rope(weight, heads)

