@@ -1,6 +1,6 @@
 """Gemma 3 (sliding-window attention, sandwich norms, GeGLU, (1 + w) norms) through the engine on a tiny random
 model whose window (8) every prompt here outgrows: greedy speculative decoding gives plain decoding's tokens,
-batched requests their answers alone, in fp32 and W8A8."""
+batched requests their answers alone, in fp32 and W8A8 (linears on quasar's kernels where they run)."""
 
 from __future__ import annotations
 
@@ -34,11 +34,16 @@ def target(request, gemma_dir, tmp_path_factory):
         files._cache_dir = old
 
 
-def test_gemma_runs_on_the_torch_path_with_every_linear_in_the_verifiers_format(target):
-    assert target.model.plan.paths == "torch"
+def test_gemma_runs_its_linears_on_the_kernels_and_its_layers_unfused(target):
+    """The linears (the lm_head of a 262k vocabulary above all) on quasar's kernels where they run, in the
+    verifier's format; attention, norms and the layer stack on torch modules."""
+    from quasar.kernels import native
+
+    plan = target.model.plan
+    assert plan.paths.startswith("kernels:") == (native.kernel() is not None) and not plan.fused
     assert target.model.config.sliding_layers == (True, False, True)
     kinds = {type(m).__name__ for name, m in target.model.named_modules() if name.endswith(("_proj", "lm_head"))}
-    assert kinds == {"Linear"} or kinds == {"Int8Linear"}, kinds
+    assert len(kinds) == 1 and kinds <= {"Linear", "KernelLinear", "Int8Linear", "KernelInt8Linear"}, kinds
 
 
 def test_greedy_speculative_equals_greedy_plain(target):

@@ -43,9 +43,8 @@ from quasar.quant.w4a8 import W4A8Linear, W6A8Linear
 
 
 def kernel_for(model: Transformer) -> Any | None:
-    """quasar's kernel module where this model can run on it (CPU, float32 activations, head_dim % 8 == 0, the
-    Llama family: the fused layers hold neither Gemma's sandwich norms nor its sliding windows)."""
-    if model.device.type != "cpu" or model.dtype != torch.float32 or model.config.head_dim % 8 or model.config.gemma:
+    """quasar's kernel module where this model can run on it (CPU, float32 activations, head_dim % 8 == 0)."""
+    if model.device.type != "cpu" or model.dtype != torch.float32 or model.config.head_dim % 8:
         return None
     return native.kernel()
 
@@ -58,6 +57,7 @@ def prepare_(model: Transformer, fuse: bool = True,
     the model's weights, so the linears the kernels read packed (fp32, bf16 inputs) keep only that copy
     (kernels/layers.drop_plain_weights_). fuse=False keeps the layers as separate module calls."""
     kernel = kernel_for(model)
+    fuse = fuse and not model.config.gemma  # the fused layers hold neither Gemma's sandwich norms nor its windows
     forms = {m: kernel_form(m) for m in model.modules() if isinstance(m, LINEARS)}
     if kernel is None or any(form is None for form in forms.values()):
         model.plan = ON_TORCH
