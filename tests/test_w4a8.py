@@ -200,3 +200,30 @@ def test_a_float_model_gets_calibrated_blocks(tiny_model_dir, tmp_path):
         calibrated = load_verifier(tiny_model_dir, "w4a8:rtn").model
     assert calibrated.plan.paths.startswith("kernels:") or native.kernel() is None
     assert any(isinstance(m, W4A8Linear) for m in calibrated.modules())
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0])
+def test_an_embedding_looked_up_in_blocks_gives_the_tables_rows(qtype):
+    from quasar.model.gguf_blocks import BlockEmbedding
+
+    if qtype == T.Q8_0:
+        raw = quantize(np.random.default_rng(2).normal(0, 0.05, (40, 256)).astype(np.float32), qtype)
+    else:
+        raw = random_blocks(qtype, 40, 256, seed=3)
+    blocks = unpack(raw, qtype, 40)
+    table = BlockEmbedding(blocks)
+    ids = torch.tensor([[3, 39, 0], [3, 7, 21]])
+    assert torch.equal(table(ids), blocks.dequantize()[ids])
+    assert table.kernel_table([5, 5, 9])[0] == [0, 1, 2]
+
+
+def test_the_w4a8_verifier_looks_tokens_up_in_the_files_blocks():
+    """The default model's token table in its own blocks instead of float32, and the same logits."""
+    from quasar.model.gguf_blocks import BlockEmbedding
+    from quasar.model.loading import load
+    from quasar.verifiers.registry import load_verifier
+
+    model = load_verifier("default", "w4a8").model
+    assert isinstance(model.model.embed_tokens, BlockEmbedding)
+    ids = torch.tensor([[1, 500, 9000, 49151]])
+    assert torch.equal(model.model.embed_tokens(ids), load("default", "fp32").model.model.embed_tokens(ids))

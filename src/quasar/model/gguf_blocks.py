@@ -11,17 +11,19 @@ Two forms, each exact (dequantizing it gives gguf's own dequantization of the te
   signed byte sc per sub-block of 16.
 - ByteBlocks (Q8_0, Q5_0): int8 values and one float scale per group of 32 (Q5_0's quants less 16).
 
-Other tensor types (Q2_K, Q3_K, IQ*, float) have no block form here (`unpack` gives None).
+Other tensor types (Q2_K, Q3_K, IQ*, float) have no block form here (`unpack` gives None). BlockEmbedding looks
+token embeddings up in blocks of any of these forms.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from quasar.model.loading import hf_name, open_gguf, unpermute_rope
 
@@ -81,6 +83,32 @@ class SixBitBlocks:
 
 
 Blocks = FourBitBlocks | SixBitBlocks | ByteBlocks
+
+
+class BlockEmbedding(nn.Module):
+    """Token embeddings looked up in a GGUF file's own blocks: a step dequantizes only its tokens' rows, the same
+    floats as the whole table dequantized (every operation is per element), in a quarter of float32's memory or
+    less (a 1.5B model's Q4_K table: 233 MB instead of 933)."""
+
+    def __init__(self, blocks: Blocks) -> None:
+        super().__init__()
+        self.kind = type(blocks)
+        self.fixed = {f.name: getattr(blocks, f.name) for f in fields(blocks)
+                      if not isinstance(getattr(blocks, f.name), torch.Tensor)}
+        for f in fields(blocks):
+            if isinstance(getattr(blocks, f.name), torch.Tensor):
+                self.register_buffer(f.name, getattr(blocks, f.name), persistent=False)
+        self.tensors = [f.name for f in fields(blocks) if f.name not in self.fixed]
+        self.num_embeddings, self.embedding_dim = getattr(blocks, self.tensors[0]).shape  # q or values: [N, K]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self.kind(**{name: getattr(self, name)[flat] for name in self.tensors}, **self.fixed)
+        return rows.dequantize().view(*ids.shape, self.embedding_dim)
+
+    def kernel_table(self, ids: list[int]) -> tuple[list[int], torch.Tensor]:
+        """The fused kernels' (ids, table): these tokens' rows as a table of their own."""
+        return list(range(len(ids))), self(torch.tensor(ids, device=getattr(self, self.tensors[0]).device))
 
 
 def halves(qs: np.ndarray) -> np.ndarray:

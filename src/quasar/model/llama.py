@@ -57,6 +57,10 @@ class Embedding(nn.Embedding):
         if not self.weight.is_meta:  # skipping meta init saves ~1 s of first-use imports at start-up
             super().reset_parameters()
 
+    def kernel_table(self, ids: list[int]) -> tuple[list[int], torch.Tensor]:
+        """What the fused kernels look the tokens up in: (ids, the table)."""
+        return ids, self.weight
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -266,7 +270,7 @@ class Transformer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         return KVCache(self.config, max_len, batch, self.dtype, self.device)
@@ -324,7 +328,7 @@ class Transformer(nn.Module):
         if self.plan.fused:  # the whole forward in one kernel call
             rope = self.rope_table(max(c.length + n for c, n in zip(caches, rows)))  # cos, sin [L, D]
             ids = [t for s in steps for t in s.tokens]  # [N]
-            logits = self.model.layers.logits(ids, self.model.embed_tokens.weight, rope, caches, rows, picked)
+            logits = self.model.layers.logits(*self.model.embed_tokens.kernel_table(ids), rope, caches, rows, picked)
         else:
             ids = torch.tensor([t for s in steps for t in s.tokens], device=self.device)  # [N]
             rope = self.rope(torch.cat([c.positions(n) for c, n in zip(caches, rows)]))  # cos, sin [N, D]

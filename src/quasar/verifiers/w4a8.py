@@ -8,7 +8,8 @@ linears holding the file's int8 values and block scales (Int8Linear, G = 32). Th
 against the float model (the file dequantized) the only difference is activation rounding, one int8 scale per 32
 inputs. Linears of other types (Q2_K, Q3_K, IQ*, float) are quantized to W8A8 per group of 32 from their dequantized
 weights, and the load says how many.
-Norms and embeddings stay float32 as in the float model.
+The token embeddings are looked up in the file's own blocks too (gguf_blocks.BlockEmbedding) where their type has a
+block form; norms stay float32 as in the float model.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 
 from torch import nn
 
-from quasar.model.gguf_blocks import Blocks, ByteBlocks, FourBitBlocks, SixBitBlocks, linear_blocks
+from quasar.kernels import native
+from quasar.model.gguf_blocks import BlockEmbedding, Blocks, ByteBlocks, FourBitBlocks, SixBitBlocks, linear_blocks
 from quasar.model.loading import LoadedModel, load, read_config, resolve
 from quasar.quant.int8 import Int8Linear
 from quasar.quant.schemes import swap_module_
@@ -64,5 +66,9 @@ def load_file_blocks(model: str | Path) -> LoadedModel:
         layer, source = block_linear(loaded.model.get_submodule(name), blocks.get(f"{name}.weight"))
         swap_module_(loaded.model, name, layer)
         sources[source] += 1
+    table = blocks.get("model.embed_tokens.weight")
+    if table is not None:  # the float table (tied to no float lm_head now) is freed
+        loaded.model.model.embed_tokens = BlockEmbedding(table)
+        native.release_memory()
     log.info("w4a8 from %s: %s", path.name, ", ".join(f"{n} linears {s}" for s, n in sorted(sources.items())))
     return loaded

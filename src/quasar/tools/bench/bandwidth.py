@@ -49,11 +49,13 @@ def cache_sweep(nbytes: int = PROBE_BYTES) -> Callable[[], None]:
 def bytes_per_forward(model: torch.nn.Module) -> int:
     """Bytes of weights a decode forward reads: every parameter and buffer once (shared ones once),
     except an untied input embedding, of which it reads only the rows of the input tokens."""
-    embedding = model.model.embed_tokens.weight if hasattr(model, "model") else None
-    tied = embedding is not None and getattr(model, "lm_head", None) is not None and model.lm_head.weight is embedding
+    table = model.model.embed_tokens if hasattr(model, "model") else None
+    embedding = getattr(table, "weight", None)
+    tied = embedding is not None and getattr(getattr(model, "lm_head", None), "weight", None) is embedding
+    lookups = set() if table is None or tied else {id(t) for t in list(table.parameters()) + list(table.buffers())}
     seen, total = set(), 0
     for tensor in list(model.parameters()) + list(model.buffers()):
-        if tensor.data_ptr() in seen or (tensor is embedding and not tied):
+        if tensor.data_ptr() in seen or id(tensor) in lookups:
             continue
         seen.add(tensor.data_ptr())
         total += tensor.numel() * tensor.element_size()
