@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from quasar.kernels import native
 from quasar.kernels.plan import prepare_
 from quasar.model.loading import LoadedModel
 from quasar.registry import lookup
@@ -34,4 +35,5 @@ def load_verifier(model: str | Path, spec: VerifierSpec | str,
     spec = VerifierSpec.parse(spec) if isinstance(spec, str) else spec
     loaded = lookup(VERIFIERS, spec.kind, "verifier", VERIFIER_FORMS)(model, spec)
     prepare_(loaded.model, owned=owned)
+    native.release_memory()  # what loading freed (a float model read to build another form) goes back to the system
     return loaded

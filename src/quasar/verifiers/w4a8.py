@@ -20,7 +20,6 @@ from pathlib import Path
 
 from torch import nn
 
-from quasar.kernels import native
 from quasar.model.gguf_blocks import BlockEmbedding, Blocks, ByteBlocks, FourBitBlocks, SixBitBlocks, linear_blocks
 from quasar.model.loading import LoadedModel, load, read_config, resolve
 from quasar.quant.int8 import Int8Linear
@@ -69,6 +68,5 @@ def load_file_blocks(model: str | Path) -> LoadedModel:
     table = blocks.get("model.embed_tokens.weight")
     if table is not None:  # the float table (tied to no float lm_head now) is freed
         loaded.model.model.embed_tokens = BlockEmbedding(table)
-        native.release_memory()
     log.info("w4a8 from %s: %s", path.name, ", ".join(f"{n} linears {s}" for s, n in sorted(sources.items())))
     return loaded
