@@ -215,6 +215,11 @@ def test_an_embedding_looked_up_in_blocks_gives_the_tables_rows(qtype):
     ids = torch.tensor([[3, 39, 0], [3, 7, 21]])
     assert torch.equal(table(ids), blocks.dequantize()[ids])
     assert table.kernel_table([5, 5, 9])[0] == [0, 1, 2]
+    from quasar.model.gemma3 import ScaledEmbedding  # Gemma's: rows times sqrt(hidden), as its float table's
+
+    gemma = ScaledEmbedding(40, 256)
+    gemma.weight.data = blocks.dequantize()
+    assert torch.equal(BlockEmbedding(blocks, gemma.multiplier)(ids), gemma(ids))
 
 
 def test_the_w4a8_verifier_looks_tokens_up_in_the_files_blocks():

@@ -18,7 +18,7 @@ from torch import nn
 
 from quasar.model.config import ModelConfig
 from quasar.model.kv_cache import KVCache
-from quasar.model.llama import MLP, Attention, Backbone, Embedding, Transformer, project, rope_inv_freq
+from quasar.model.llama import MLP, Attention, Backbone, Embedding, Transformer, project, rope_inv_freq, scaled
 
 
 class GemmaRMSNorm(nn.Module):
@@ -43,9 +43,12 @@ class GemmaRMSNorm(nn.Module):
 class ScaledEmbedding(Embedding):
     """Token embeddings times sqrt(hidden), the scale rounded to the table's dtype first (as Hugging Face does)."""
 
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.multiplier = math.sqrt(embedding_dim)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        scale = torch.tensor(math.sqrt(self.embedding_dim), dtype=self.weight.dtype, device=self.weight.device)
-        return super().forward(ids) * scale
+        return scaled(super().forward(ids), self.multiplier)
 
 
 class Ropes(NamedTuple):

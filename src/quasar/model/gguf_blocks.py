@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from quasar.model.llama import scaled
 from quasar.model.loading import hf_name, open_gguf, unpermute_rope
 
 GROUP = 32
@@ -90,9 +91,9 @@ class BlockEmbedding(nn.Module):
     floats as the whole table dequantized (every operation is per element), in a quarter of float32's memory or
     less (a 1.5B model's Q4_K table: 233 MB instead of 933)."""
 
-    def __init__(self, blocks: Blocks) -> None:
+    def __init__(self, blocks: Blocks, multiplier: float | None = None) -> None:
         super().__init__()
-        self.kind = type(blocks)
+        self.kind, self.multiplier = type(blocks), multiplier  # multiplier: as the float table's (Embedding's)
         self.fixed = {f.name: getattr(blocks, f.name) for f in fields(blocks)
                       if not isinstance(getattr(blocks, f.name), torch.Tensor)}
         for f in fields(blocks):
@@ -104,7 +105,7 @@ class BlockEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         rows = self.kind(**{name: getattr(self, name)[flat] for name in self.tensors}, **self.fixed)
-        return rows.dequantize().view(*ids.shape, self.embedding_dim)
+        return scaled(rows.dequantize().view(*ids.shape, self.embedding_dim), self.multiplier)
 
     def kernel_table(self, ids: list[int]) -> tuple[list[int], torch.Tensor]:
         """The fused kernels' (ids, table): these tokens' rows as a table of their own."""

@@ -53,13 +53,25 @@ class Linear(nn.Linear):
 
 
 class Embedding(nn.Embedding):
+    multiplier: float | None = None  # what looked-up rows are multiplied by (Gemma's sqrt(hidden)), if anything
+
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:  # skipping meta init saves ~1 s of first-use imports at start-up
             super().reset_parameters()
 
     def kernel_table(self, ids: list[int]) -> tuple[list[int], torch.Tensor]:
-        """What the fused kernels look the tokens up in: (ids, the table)."""
-        return ids, self.weight
+        """What the fused kernels look the tokens up in: (ids, the table), or these tokens' rows as a table of their
+        own where rows are scaled."""
+        if self.multiplier is None:
+            return ids, self.weight
+        return list(range(len(ids))), self(torch.tensor(ids, device=self.weight.device))
+
+
+def scaled(rows: torch.Tensor, multiplier: float | None) -> torch.Tensor:
+    """Embedding rows times the multiplier, rounded to the rows' dtype first (as Hugging Face scales Gemma's)."""
+    if multiplier is None:
+        return rows
+    return rows * torch.tensor(multiplier, dtype=rows.dtype, device=rows.device)
 
 
 class RMSNorm(nn.Module):

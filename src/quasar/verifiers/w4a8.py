@@ -67,6 +67,6 @@ def load_file_blocks(model: str | Path) -> LoadedModel:
         sources[source] += 1
     table = blocks.get("model.embed_tokens.weight")
     if table is not None:  # the float table (tied to no float lm_head now) is freed
-        loaded.model.model.embed_tokens = BlockEmbedding(table)
+        loaded.model.model.embed_tokens = BlockEmbedding(table, loaded.model.model.embed_tokens.multiplier)
     log.info("w4a8 from %s: %s", path.name, ", ".join(f"{n} linears {s}" for s, n in sorted(sources.items())))
     return loaded
