@@ -11,6 +11,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -90,14 +91,17 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def read_safetensors(files: list[Path], float_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """All tensors of the files; floating-point ones converted to float_dtype one by one as they are read
-    (so loading bf16 from a float32 file never holds the whole float32 copy)."""
+def read_safetensors(files: list[Path], float_dtype: torch.dtype | None = None,
+                     skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
+    """All tensors of the files but those named in `skip`; floating-point ones converted to float_dtype one by one
+    as they are read (so loading bf16 from a float32 file never holds the whole float32 copy)."""
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
+                    if name in skip:
+                        continue
                     tensor = f.get_tensor(name)
                     convert = float_dtype is not None and tensor.is_floating_point()
                     tensors[name] = tensor.to(float_dtype) if convert else tensor
@@ -106,11 +110,13 @@ def read_safetensors(files: list[Path], float_dtype: torch.dtype | None = None) 
     return tensors
 
 
-def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
-    """A Transformer holding `state` (Hugging Face names), converted to dtype."""
+def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                skip: Collection[str] = ()) -> Transformer:
+    """A Transformer holding `state` (Hugging Face names), converted to dtype; the tensors named in `skip` stay on
+    the meta device, for the caller to replace."""
     with torch.device("meta"):
         model = model_for(config)
-    expected = set(model.state_dict())
+    expected = set(model.state_dict()) - set(skip)
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
     missing = sorted(expected - set(state))
@@ -140,9 +146,9 @@ def load_tokenizer(directory: Path) -> Any:
         raise ModelLoadError(f"cannot load the tokenizer in {directory}: {e}") from e
 
 
-def load_directory(directory: Path, dtype: torch.dtype) -> tuple[Transformer, Any]:
+def load_directory(directory: Path, dtype: torch.dtype, skip: Collection[str] = ()) -> tuple[Transformer, Any]:
     config = ModelConfig.from_hf(read_config(directory))
-    model = build_model(config, read_safetensors(safetensors_files(directory), dtype), dtype)
+    model = build_model(config, read_safetensors(safetensors_files(directory), dtype, skip), dtype, skip)
     return model, load_tokenizer(directory)
 
 
@@ -318,8 +324,10 @@ def quantized_block(path: Path) -> dict[str, Any] | None:
     return read_config(path).get("quantization") if path.is_dir() else None
 
 
-def load(spec: str | Path, dtype: str = "fp32") -> LoadedModel:
-    """Load 'default', a GGUF file or a Hugging Face directory as a float model (fp32 or bf16 weights)."""
+def load(spec: str | Path, dtype: str = "fp32", skip: Collection[str] = ()) -> LoadedModel:
+    """Load 'default', a GGUF file or a Hugging Face directory as a float model (fp32 or bf16 weights). The
+    tensors named in `skip` are not read: they stay on the meta device, for the caller to replace (a verifier
+    that computes on a GGUF file's own blocks never holds their float copy)."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     path = resolve(spec)
@@ -331,5 +339,5 @@ def load(spec: str | Path, dtype: str = "fp32") -> LoadedModel:
     if str(spec) == "default" and sha != DEFAULT_MODEL_SHA256:
         raise ModelLoadError(f"{path} has sha256 {sha}, expected {DEFAULT_MODEL_SHA256}; reinstall it")
     directory = gguf_directory(path, sha) if path.is_file() else path
-    model, tokenizer = load_directory(directory, DTYPES[dtype])
+    model, tokenizer = load_directory(directory, DTYPES[dtype], skip)
     return LoadedModel(model, tokenizer, path, directory, sha)

@@ -21,7 +21,7 @@ from pathlib import Path
 from torch import nn
 
 from quasar.model.gguf_blocks import BlockEmbedding, Blocks, ByteBlocks, FourBitBlocks, SixBitBlocks, linear_blocks
-from quasar.model.loading import LoadedModel, load, read_config, resolve
+from quasar.model.loading import LoadedModel, float_directory, load, read_config, resolve
 from quasar.quant.int8 import Int8Linear
 from quasar.quant.schemes import swap_module_
 from quasar.quant.w4a8 import W4A8Linear, W6A8Linear
@@ -55,10 +55,11 @@ def load_w4a8(model: str | Path, spec: VerifierSpec | None = None) -> LoadedMode
 
 
 def load_file_blocks(model: str | Path) -> LoadedModel:
-    """The float model of a GGUF file with every linear swapped for one computing on the file's own blocks."""
+    """The model of a GGUF file with every linear computing on the file's own blocks: the float weights of those
+    (and of the embedding) are never read."""
     path = resolve(model)
-    loaded = load(model, "fp32")
-    blocks = linear_blocks(path, read_config(loaded.directory))
+    blocks = linear_blocks(path, read_config(float_directory(path)))
+    loaded = load(model, "fp32", skip={name for name, b in blocks.items() if b is not None})  # never read in float
     sources: Counter[str] = Counter()
     names = [n for n, m in loaded.model.named_modules() if isinstance(m, nn.Linear)]
     for name in names:
@@ -66,7 +67,7 @@ def load_file_blocks(model: str | Path) -> LoadedModel:
         swap_module_(loaded.model, name, layer)
         sources[source] += 1
     table = blocks.get("model.embed_tokens.weight")
-    if table is not None:  # the float table (tied to no float lm_head now) is freed
+    if table is not None:  # looked up in the blocks: the float table was never read
         loaded.model.model.embed_tokens = BlockEmbedding(table, loaded.model.model.embed_tokens.multiplier)
     log.info("w4a8 from %s: %s", path.name, ", ".join(f"{n} linears {s}" for s, n in sorted(sources.items())))
     return loaded
