@@ -139,3 +139,19 @@ def test_real_gemma_greedy_speculative_equals_plain_past_the_window(verifier):
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     want, got = plain.generate(ids, params), spec.generate(ids, params)
     assert got.token_ids == want.token_ids and got.stats.verify_steps < 40
+
+
+def test_the_exact_cascade_answers_as_its_top_verifier(gemma_dir, tmp_path, monkeypatch):
+    """ngram+w8a8+bf16: W8A8 verifies the n-gram drafts, bf16 the W8A8 output; greedy tokens are bf16's alone."""
+    from quasar import files
+    from quasar.builder import Verifiers, build_engine
+    from quasar.spec import EngineSpec
+
+    monkeypatch.setattr(files, "_cache_dir", tmp_path / "cache")
+    verifiers = Verifiers(gemma_dir)
+    cascade = build_engine(EngineSpec.parse("ngram+w8a8+bf16", k=4), verifiers)
+    top = build_engine(EngineSpec.parse("ar:bf16"), verifiers)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    for text in TEXTS[:2]:
+        ids = top.encode(text, chat=False)
+        assert cascade.generate(ids, params).token_ids == top.generate(ids, params).token_ids
