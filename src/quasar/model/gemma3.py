@@ -18,21 +18,28 @@ from torch import nn
 
 from quasar.model.config import ModelConfig
 from quasar.model.kv_cache import KVCache
-from quasar.model.llama import MLP, Attention, Backbone, Embedding, Transformer, project, rope_inv_freq, scaled
+from quasar.model.llama import (
+    MLP,
+    Attention,
+    Backbone,
+    Embedding,
+    RMSNorm,
+    Transformer,
+    project,
+    rope_inv_freq,
+    scaled,
+)
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """x / rms(x) * (1 + w), all in float32, then cast back (Gemma's order; Llama casts before the weight)."""
 
     def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
+        super().__init__(dim, eps)
         self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return (self.normalized(x) * (1.0 + self.weight.float())).to(x.dtype)
 
     @torch.no_grad()
     def divide_(self, s: torch.Tensor) -> None:
