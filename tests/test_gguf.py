@@ -153,3 +153,43 @@ def test_the_fast_tokenizer_equals_auto_tokenizer(default_model):
     assert ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == auto.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False)
     assert (ours.eos_token_id, ours.bos_token_id, len(ours)) == (auto.eos_token_id, auto.bos_token_id, len(auto))
+
+
+def header_only_gguf(path, arch: str, **fields) -> None:
+    """A GGUF with an architecture's hyper-parameters and no tensors: enough for gguf_config."""
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(18)
+    writer.add_embedding_length(640)
+    writer.add_feed_forward_length(2048)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(1)
+    writer.add_key_length(256)
+    writer.add_token_list(["a", "b"])
+    for key, value in fields.items():
+        writer.add_string(f"{arch}.{key}", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_gguf_of_another_architecture_gets_one_line_naming_the_families(tmp_path):
+    from quasar.files import ModelLoadError
+    from quasar.model.loading import gguf_config, open_gguf
+
+    header_only_gguf(tmp_path / "x.gguf", "phi3")
+    with pytest.raises(ModelLoadError, match=r"unsupported GGUF architecture 'phi3'; supported: llama, .*gemma3"):
+        gguf_config(open_gguf(tmp_path / "x.gguf"))
+
+
+def test_a_gemma3_gguf_with_rope_scaling_is_refused_not_misread(tmp_path):
+    from quasar.model.config import UnsupportedModelError
+    from quasar.model.loading import gguf_config, open_gguf
+
+    header_only_gguf(tmp_path / "plain.gguf", "gemma3")
+    config = gguf_config(open_gguf(tmp_path / "plain.gguf"))
+    assert config["layer_types"][:6] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert config["query_pre_attn_scalar"] == 256
+    header_only_gguf(tmp_path / "scaled.gguf", "gemma3", **{"rope.scaling.type": "linear"})
+    with pytest.raises(UnsupportedModelError, match="rope scaling"):
+        gguf_config(open_gguf(tmp_path / "scaled.gguf"))

@@ -171,6 +171,9 @@ def default_kv_budget(engine: Engine) -> int | None:
     positions = max(CACHE_BUCKET, int(free * KV_MEMORY_SHARE / per_position) // CACHE_BUCKET * CACHE_BUCKET)
     print(f"quasar: KV budget {positions:,} positions ({positions * per_position / 2**30:.1f} GiB, half the free "
           "memory; --kv-budget sets it)", file=sys.stderr, flush=True)
+    if positions < engine.max_context:
+        log.warning("the KV budget holds less than one request of the whole context (%d tokens): longer requests are "
+                    "refused", engine.max_context)
     return positions
 
 

@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from quasar.files import ModelLoadError, atomic_directory, cache_root, sha256_memo
-from quasar.model.config import CAUSAL_LM_CLASSES, ModelConfig
+from quasar.model.config import CAUSAL_LM_CLASSES, ModelConfig, UnsupportedModelError
 from quasar.model.families import model_for
 from quasar.model.llama import Transformer
 from quasar.wheels import DEFAULT_MODEL, DataFile
@@ -226,12 +226,16 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     gemma = {}
     if arch == "gemma3":
         layers, head_dim = gguf_field(reader, f"{arch}.block_count"), gguf_field(reader, f"{arch}.attention.key_length")
+        scaling = gguf_field(reader, f"{arch}.rope.scaling.type")
+        if scaling not in (None, "none"):
+            raise UnsupportedModelError(f"gemma3 GGUF files with rope scaling ({scaling!r}) are not supported")
         gemma = {
             "sliding_window": gguf_field(reader, f"{arch}.attention.sliding_window"),
             "layer_types": ["full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention"
                             for i in range(layers)],
             "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
-            "query_pre_attn_scalar": head_dim,
+            # llama.cpp's rule: 1 / sqrt(hidden / heads) for the 27B (62 layers), 1 / sqrt(head_dim) for the others
+            "query_pre_attn_scalar": hidden // n_heads if layers == 62 else head_dim,
             "hidden_activation": "gelu_pytorch_tanh",
         }
     return gemma | {
@@ -252,6 +256,16 @@ def gguf_config(reader: Any) -> dict[str, Any]:
         "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": gguf_field(reader, "tokenizer.ggml.eos_token_id"),
     }
+
+
+FLOAT_GGUF_FILE_TYPES = (0, 1, 32)  # general.file_type: all F32, mostly F16, mostly BF16
+
+
+def quantized_gguf(path: Path) -> bool:
+    """Whether path is a GGUF file whose weights are quantized (not a float one, not a directory)."""
+    if not path.is_file():
+        return False
+    return gguf_field(open_gguf(path), "general.file_type") not in FLOAT_GGUF_FILE_TYPES
 
 
 def gguf_tensors(reader: Any, config: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -77,7 +77,8 @@ class Guard:
             if not more:  # the body is in: what comes next is the client hanging up, whenever it does
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                # never 0: wait_for would cancel the receive before a chunk already buffered is taken
+                message = await asyncio.wait_for(receive(), max(0.01, deadline - time.monotonic()))
             except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
                 raise BadRequest(f"the request body did not arrive within {self.read_timeout:g} s", status=408,
                                  code="body_timeout", headers={"Connection": "close"}) from None
@@ -89,9 +90,10 @@ class Guard:
 
         try:
             await self.app(scope, bounded_receive, counting_send)
-        except ClientDisconnect:  # hung up while sending its body: nobody to answer
-            log.info("client hung up before its request body was in: %s %s", scope["method"], path)
-            self.metrics.count_request(endpoint, CLIENT_CLOSED)
+        except ClientDisconnect:  # hung up while sending its body (or, answered, mid-stream): nobody to answer
+            if not started:
+                log.info("client hung up before its request body was in: %s %s", scope["method"], path)
+                self.metrics.count_request(endpoint, CLIENT_CLOSED)
         except Exception:
             log.exception("request failed: %s %s", scope["method"], path)
             if not started:

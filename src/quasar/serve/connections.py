@@ -5,13 +5,13 @@ sends nothing, or sends its headers a byte at a time, stays open for ever; a few
 process's file descriptors and lock everyone out, /health included. Here every request's headers must be
 complete within `read_timeout` seconds of their first byte (or of the connection opening); the body's deadline
 is the app's (quasar.serve.app.Guard). At `max_connections`, a new connection closes the oldest one that is not
-in the middle of a request; when every one is, the newcomer gets HTTP 503 and is closed.
+in the middle of a request and has been quiet longest; when every one is mid-request, the newcomer gets HTTP 503 and
+is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import math
 import os
@@ -26,14 +26,13 @@ TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\nconten
 FULL_RESPONSE = b"HTTP/1.1 503 Service Unavailable\r\nconnection: close\r\ncontent-length: 0\r\n\r\n"
 FD_RESERVE = 16  # descriptors kept for files the process opens later (logs, checkpoints)
 MAX_CONNECTIONS = 1024
-_opened = itertools.count()
 
 
 class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args: Any, read_timeout: float, max_connections: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.read_timeout, self.max_connections = read_timeout, max_connections
-        self.order = next(_opened)
+        self.last_active = time.monotonic()  # when the connection opened, sent bytes or got an answer
         self.header_timer: asyncio.TimerHandle | None = None
         self.awaited: object = None  # the request cycle current when the header timer started
 
@@ -46,6 +45,7 @@ class GuardedH11Protocol(H11Protocol):
         self._start_header_timer()
 
     def data_received(self, data: bytes) -> None:
+        self.last_active = time.monotonic()
         if self.header_timer is None and self.idle:
             self._start_header_timer()
         super().data_received(data)
@@ -56,6 +56,10 @@ class GuardedH11Protocol(H11Protocol):
         self._stop_header_timer()
         if self.transport is not None:  # None: refused in connection_made, never registered
             super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        self.last_active = time.monotonic()
+        super().on_response_complete()
 
     @property
     def idle(self) -> bool:
@@ -81,7 +85,7 @@ class GuardedH11Protocol(H11Protocol):
         idle = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c.idle]
         if not idle:
             return False
-        oldest = min(idle, key=lambda c: c.order)
+        oldest = min(idle, key=lambda c: c.last_active)  # a client between requests outlives a silent socket
         oldest.transport.close()
         self.connections.discard(oldest)
         return True
@@ -99,7 +103,7 @@ def connection_limits(requested: int | None) -> Limits:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
         try:
-            soft = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+            soft = max(soft, 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536))
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         except (ValueError, OSError):
             soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]

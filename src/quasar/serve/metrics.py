@@ -145,7 +145,10 @@ def available_bytes() -> int | None:
     try:
         limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         if limit != "max":
-            free = min(free, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            stat = Path("/sys/fs/cgroup/memory.stat").read_text()
+            cache = re.search(r"^inactive_file (\d+)$", stat, re.MULTILINE)  # page cache the kernel can drop
+            free = min(free, int(limit) - used + (int(cache.group(1)) if cache else 0))
     except (OSError, ValueError):
         pass
     return max(0, free)

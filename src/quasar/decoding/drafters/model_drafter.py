@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from quasar.decoding.drafters.base import Draft, DrafterOptions
 from quasar.model.kv_cache import KVCache, StreamCache
-from quasar.model.loading import LoadedModel, resolve
+from quasar.model.loading import LoadedModel, quantized_gguf, resolve
 from quasar.model.llama import Transformer
 from quasar.decoding.sampling import SamplingParams, logits_to_probs, sample
 from quasar.decoding.rejection import DenseDraft
@@ -81,8 +81,8 @@ def check_same_tokenizer(draft: LoadedModel, target: LoadedModel) -> None:
 def build(arg: str | None, target: LoadedModel, options: DrafterOptions) -> ModelDrafter:
     if not arg:
         raise ValueError("the model drafter needs a path: 'model:PATH' (a Hugging Face directory or .gguf)")
-    # a GGUF file drafts on its own 4-bit blocks (a drafter's bytes per token decide what it costs), a float
-    # directory in bf16; both on quasar's fused kernels on the CPU
-    draft = load_verifier(arg, "w4a8" if resolve(arg).is_file() else "bf16")
+    # a quantized GGUF file drafts on its own blocks (a drafter's bytes per token decide what it costs), a float
+    # model in bf16; both on quasar's fused kernels on the CPU
+    draft = load_verifier(arg, "w4a8" if quantized_gguf(resolve(arg)) else "bf16")
     check_same_tokenizer(draft, target)
     return ModelDrafter(draft.model, target.model.config.vocab_size)
