@@ -135,8 +135,8 @@ def test_a_cache_takes_memory_only_for_the_positions_it_uses(tiny_model):
     with torch.inference_mode():
         model(token_ids(50), model.new_cache(64))  # what a first forward allocates once
     before = resident_bytes()
-    cache = model.new_cache(1 << 18)
+    cache = model.new_cache(1 << 20)
     size = 2 * cache.k.numel() * cache.k.element_size()
     with torch.inference_mode():
         model(token_ids(50), cache)
-    assert size > 100e6 and resident_bytes() - before < size / 10
+    assert size > 500e6 and resident_bytes() - before < 50e6  # a few MB: what else the process allocates meanwhile
