@@ -52,8 +52,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="seconds a client has to send a request's headers, and then its body; a connection that "
                      "stays silent that long is closed, a late body gets HTTP 408 (default: %(default)s)")
     net.add_argument("--max-connections", type=positive_int,
-                     help="open connections at most; past it a new one closes the oldest idle one, or gets HTTP 503 "
-                     "when none is idle (default: what the open-file limit allows, at most 1024)")
+                     help="open connections at most; past it a new one closes the idle one quiet longest, or gets HTTP "
+                     "503 when none is idle (default: what the open-file limit allows, at most 1024)")
     net.add_argument("--shutdown-timeout", type=float, default=30.0,
                      help="on SIGTERM or Ctrl-C, seconds the running requests get to finish before they are ended; "
                      "new ones get HTTP 503 meanwhile; a second signal exits at once (default: %(default)s)")
@@ -100,8 +100,7 @@ def run(args: argparse.Namespace) -> int:
     engine = build_engine(args)
     app = create_app(engine, name, api_key=key, max_queue=args.max_queue, max_batch=args.max_batch,
                      max_rows=args.max_batch_tokens, kv_budget=args.kv_budget or default_kv_budget(engine),
-                     own_thread=False,
-                     max_body=args.max_body, read_timeout=args.read_timeout)
+                     own_thread=False, max_body=args.max_body, read_timeout=args.read_timeout)
     # Generation runs on this thread, the one that loaded the model (Scheduler.work says why); HTTP on another,
     # with a short GIL switch interval so that streamed tokens leave as soon as they are made.
     sys.setswitchinterval(0.0005)

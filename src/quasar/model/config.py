@@ -58,8 +58,6 @@ class ModelConfig:
             return cls.from_gemma3(hf, rope)
         rope_scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         n_heads = hf["num_attention_heads"]
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -77,7 +75,7 @@ class ModelConfig:
             attention_bias=hf.get("attention_bias", model_type == "qwen2"),
             qk_norm=model_type == "qwen3",
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos_token_ids(hf),
         )
 
     @classmethod
@@ -97,7 +95,6 @@ class ModelConfig:
         for params in (full, local, hf.get("rope_scaling") or {}):
             if params.get("rope_type", "default") != "default":
                 raise UnsupportedModelError(f"gemma3_text with rope_type {params['rope_type']!r} is not supported")
-        eos = hf.get("eos_token_id")
         return cls(
             model_type="gemma3_text", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"], num_hidden_layers=n_layers,
@@ -107,9 +104,15 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 32768),
             tie_word_embeddings=hf.get("tie_word_embeddings", True), attention_bias=hf.get("attention_bias", False),
             qk_norm=True, bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            eos_token_ids=eos_token_ids(hf),
             sliding_layers=tuple(kind == "sliding_attention" for kind in kinds),
             sliding_window=hf.get("sliding_window"),
             rope_local_theta=local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)),
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar", hf["head_dim"]),
         )
+
+
+def eos_token_ids(hf: dict[str, Any]) -> tuple[int, ...]:
+    """config.json's eos_token_id: one id, a list of them, or none."""
+    eos = hf.get("eos_token_id")
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))

@@ -9,6 +9,7 @@ names (`model.layers.0.pre_feedforward_layernorm.weight`, ...), as Gemma3ForCaus
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -81,10 +82,17 @@ class GemmaAttention(Attention):
         if self.window is None or cache.length + T <= self.window:
             return mask
         rows, span = (mask.shape[0], mask.shape[1]) if mask is not None else (T, cache.length + T)
-        queries = torch.arange(cache.length, cache.length + rows, device=cache.k.device)  # [rows]
-        keys = torch.arange(span, device=cache.k.device)  # [S]
-        near = keys[None, :] > queries[:, None] - self.window  # [rows, S]
-        return near & (mask if mask is not None else keys[None, :] <= queries[:, None])
+        return sliding_mask(cache.length, rows, span, self.window, cache.k.device)
+
+
+@functools.lru_cache(maxsize=1)
+def sliding_mask(start: int, rows: int, span: int, window: int, device: torch.device) -> torch.Tensor:
+    """[rows, span]: query row r (position start + r) sees the keys of the last `window` positions up to its own.
+    The causal mask (quasar.model.llama.attention_mask) with the window applied; the same for every sliding layer
+    of a step, so computed once a step (the last one is kept)."""
+    queries = torch.arange(start, start + rows, device=device)[:, None]  # [rows, 1]
+    keys = torch.arange(span, device=device)[None, :]  # [1, S]
+    return (keys <= queries) & (keys > queries - window)
 
 
 class GeGLU(MLP):
@@ -123,12 +131,8 @@ class Gemma3(Transformer):
         super().reset_rope()
         self.inv_freq_local = rope_inv_freq(dataclasses.replace(self.config, rope_theta=self.config.rope_local_theta))
 
-    def rope_span(self, start: int, n: int) -> Ropes:
-        full = super().rope_span(start, n)
-        return Ropes(full, self.local_rope(torch.arange(start, start + n, device=self.inv_freq.device)))
+    def rope_span(self, start: int, n: int) -> Ropes:  # type: ignore[override]
+        return Ropes(super().rope_span(start, n), super().rope_span(start, n, "inv_freq_local"))
 
-    def rope(self, positions: torch.Tensor) -> Ropes:
-        return Ropes(super().rope(positions), self.local_rope(positions))
-
-    def local_rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rope_values(positions, self.inv_freq_local)
+    def rope(self, positions: torch.Tensor) -> Ropes:  # type: ignore[override]
+        return Ropes(super().rope(positions), super().rope(positions, "inv_freq_local"))

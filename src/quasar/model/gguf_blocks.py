@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from quasar.model.llama import scaled
+from quasar.model.llama import rows_table, scaled
 from quasar.model.loading import hf_name, open_gguf, unpermute_rope
 
 GROUP = 32
@@ -94,13 +94,12 @@ class BlockEmbedding(nn.Module):
     def __init__(self, blocks: Blocks, multiplier: float | None = None) -> None:
         super().__init__()
         self.kind, self.multiplier = type(blocks), multiplier  # multiplier: as the float table's (Embedding's)
-        self.fixed = {f.name: getattr(blocks, f.name) for f in fields(blocks)
-                      if not isinstance(getattr(blocks, f.name), torch.Tensor)}
-        for f in fields(blocks):
-            if isinstance(getattr(blocks, f.name), torch.Tensor):
-                self.register_buffer(f.name, getattr(blocks, f.name), persistent=False)
-        self.tensors = [f.name for f in fields(blocks) if f.name not in self.fixed]
-        self.num_embeddings, self.embedding_dim = getattr(blocks, self.tensors[0]).shape  # q or values: [N, K]
+        values = {f.name: getattr(blocks, f.name) for f in fields(blocks)}
+        self.tensors = [name for name, value in values.items() if isinstance(value, torch.Tensor)]
+        self.fixed = {name: value for name, value in values.items() if name not in self.tensors}
+        for name in self.tensors:
+            self.register_buffer(name, values[name], persistent=False)
+        self.num_embeddings, self.embedding_dim = values[self.tensors[0]].shape  # q or values: [N, K]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
@@ -109,7 +108,7 @@ class BlockEmbedding(nn.Module):
 
     def kernel_table(self, ids: list[int]) -> tuple[list[int], torch.Tensor]:
         """The fused kernels' (ids, table): these tokens' rows as a table of their own."""
-        return list(range(len(ids))), self(torch.tensor(ids, device=getattr(self, self.tensors[0]).device))
+        return rows_table(self, ids, getattr(self, self.tensors[0]).device)
 
 
 def halves(qs: np.ndarray) -> np.ndarray:

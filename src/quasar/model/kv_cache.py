@@ -72,10 +72,11 @@ class KVCache:
         end = self.length + k.shape[2]
         self.k[layer, :, :, self.length : end] = k
         self.v[layer, :, :, self.length : end] = v
-        if span > max(end, self.finite[layer]):  # masked positions: finite, so that a zero weight keeps them out
-            self.k[layer, :, :, max(end, self.finite[layer]) : span] = 0
-            self.v[layer, :, :, max(end, self.finite[layer]) : span] = 0
-        self.finite[layer] = max(self.finite[layer], span)
+        unread = max(end, self.finite[layer])  # masked positions past it: made finite, so a zero weight keeps them out
+        if span > unread:
+            self.k[layer, :, :, unread:span] = 0
+            self.v[layer, :, :, unread:span] = 0
+            self.finite[layer] = span
         return self.k[layer, :, :, :span], self.v[layer, :, :, :span]
 
     def advance(self, n: int) -> None:

@@ -62,9 +62,12 @@ class Embedding(nn.Embedding):
     def kernel_table(self, ids: list[int]) -> tuple[list[int], torch.Tensor]:
         """What the fused kernels look the tokens up in: (ids, the table), or these tokens' rows as a table of their
         own where rows are scaled."""
-        if self.multiplier is None:
-            return ids, self.weight
-        return list(range(len(ids))), self(torch.tensor(ids, device=self.weight.device))
+        return (ids, self.weight) if self.multiplier is None else rows_table(self, ids, self.weight.device)
+
+
+def rows_table(embedding: nn.Module, ids: list[int], device: torch.device) -> tuple[list[int], torch.Tensor]:
+    """These tokens' rows as the fused kernels' table of their own: (0 .. N - 1, the rows)."""
+    return list(range(len(ids))), embedding(torch.tensor(ids, device=device))
 
 
 def scaled(rows: torch.Tensor, multiplier: float | None) -> torch.Tensor:
@@ -298,25 +301,28 @@ class Transformer(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-    def rope_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """rope_values of positions 0 .. at least n - 1, [L, D] each, computed once and grown in powers of two:
-        a step reads its rows instead of six tensor operations per forward (each one slow right after a forward
-        has streamed the weights through the caches). Every value is computed by the same elementwise operations
-        as rope_values, so the rows are the same floats (tested)."""
-        table = getattr(self, "_rope_table", None)  # (cos, sin, the inv_freq they came from)
-        if table is None or table[2] is not self.inv_freq or table[0].shape[0] < n or table[0].dtype != self.dtype:
+    def rope_table(self, n: int, freqs: str = "inv_freq") -> tuple[torch.Tensor, torch.Tensor]:
+        """rope_values of positions 0 .. at least n - 1, [L, D] each, with the frequencies the attribute `freqs`
+        holds (Gemma's sliding layers have their own), computed once and grown in powers of two: a step reads its
+        rows instead of six tensor operations per forward (each one slow right after a forward has streamed the
+        weights through the caches). Every value is computed by the same elementwise operations as rope_values, so
+        the rows are the same floats (tested)."""
+        inv_freq = getattr(self, freqs)
+        tables = self.__dict__.setdefault("_rope_tables", {})  # freqs -> (cos, sin, the inv_freq they came from)
+        table = tables.get(freqs)
+        if table is None or table[2] is not inv_freq or table[0].shape[0] < n or table[0].dtype != self.dtype:
             size = max(256, 1 << (n - 1).bit_length())
-            table = self._rope_table = (*self.rope_values(torch.arange(size, device=self.inv_freq.device)), self.inv_freq)
+            table = tables[freqs] = (*self.rope_values(torch.arange(size, device=inv_freq.device), inv_freq), inv_freq)
         return table[0], table[1]
 
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor, freqs: str = "inv_freq") -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] for positions [T] (rows of rope_table)."""
-        cos, sin = self.rope_table(int(positions.max()) + 1 if positions.numel() else 1)
+        cos, sin = self.rope_table(int(positions.max()) + 1 if positions.numel() else 1, freqs)
         return cos[positions], sin[positions]
 
-    def rope_span(self, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_span(self, start: int, n: int, freqs: str = "inv_freq") -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [n, D] for positions start .. start + n - 1: contiguous views of rope_table."""
-        cos, sin = self.rope_table(start + n)
+        cos, sin = self.rope_table(start + n, freqs)
         return cos[start:start + n], sin[start:start + n]
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:

@@ -4,9 +4,9 @@ uvicorn closes a kept-alive connection that stays idle between requests, but a c
 sends nothing, or sends its headers a byte at a time, stays open for ever; a few hundred of them use up the
 process's file descriptors and lock everyone out, /health included. Here every request's headers must be
 complete within `read_timeout` seconds of their first byte (or of the connection opening); the body's deadline
-is the app's (quasar.serve.app.Guard). At `max_connections`, a new connection closes the oldest one that is not
-in the middle of a request and has been quiet longest; when every one is mid-request, the newcomer gets HTTP 503 and
-is closed.
+is the app's (quasar.serve.app.Guard). At `max_connections`, a new connection closes the idle one (between
+requests, or yet to send one) that has been quiet longest; when every one is mid-request, the newcomer gets HTTP 503
+and is closed.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class GuardedH11Protocol(H11Protocol):
         self.awaited: object = None  # the request cycle current when the header timer started
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if len(self.connections) >= self.max_connections and not self._close_oldest_idle():
+        if len(self.connections) >= self.max_connections and not self._close_quietest_idle():
             transport.write(FULL_RESPONSE)
             transport.close()
             return
@@ -81,13 +81,13 @@ class GuardedH11Protocol(H11Protocol):
             self.transport.write(TIMEOUT_RESPONSE)
             self.transport.close()
 
-    def _close_oldest_idle(self) -> bool:
+    def _close_quietest_idle(self) -> bool:
         idle = [c for c in self.connections if isinstance(c, GuardedH11Protocol) and c.idle]
         if not idle:
             return False
-        oldest = min(idle, key=lambda c: c.last_active)  # a client between requests outlives a silent socket
-        oldest.transport.close()
-        self.connections.discard(oldest)
+        quietest = min(idle, key=lambda c: c.last_active)  # a client between requests outlives a silent socket
+        quietest.transport.close()
+        self.connections.discard(quietest)
         return True
 
 

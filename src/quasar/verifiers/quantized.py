@@ -18,7 +18,6 @@ import logging
 from pathlib import Path
 
 from quasar.files import cache_root
-from quasar.kernels import native
 from quasar.model.loading import LoadedModel, load, quantized_block, resolve, source_sha256
 from quasar.quant.checkpoint import load_quantized, save_quantized
 from quasar.quant.recipe import QuantRecipe, quantize_model, recipe_for
@@ -47,8 +46,7 @@ def quantized_cached(model: str | Path, recipe: QuantRecipe) -> LoadedModel:
     path = resolve(model)
     target = cache_root() / "quantized" / recipe_key(source_sha256(path), recipe)
     if not (target / "config.json").exists():
-        quantize_into(model, recipe, target)
-        native.release_memory()  # the float model's pages go back to the system, not to a heap the process keeps
+        quantize_into(model, recipe, target)  # the float model is freed here (load_verifier trims the heap after)
     return load_quantized(target)
 
 
