@@ -5,7 +5,7 @@ batched requests their answers alone, in fp32 and W8A8 (linears on quasar's kern
 from __future__ import annotations
 
 import pytest
-from conftest import tiny_hf_model, write_hf_dir
+from conftest import needs_kernels, tiny_hf_model, write_hf_dir
 
 from helpers import decoder_for
 from quasar.decoding.batch import Batch
@@ -34,13 +34,13 @@ def target(request, gemma_dir, tmp_path_factory):
         files._cache_dir = old
 
 
-def test_gemma_runs_its_linears_on_the_kernels_and_its_layers_unfused(target):
-    """The linears (the lm_head of a 262k vocabulary above all) on quasar's kernels where they run, in the
-    verifier's format; attention, norms and the layer stack on torch modules."""
+def test_gemma_runs_fused_on_the_kernels(target):
+    """Where the kernels run, the whole forward is one kernel call (the fused layers: sandwich norms, GeGLU, the
+    sliding windows), with every linear in the verifier's format."""
     from quasar.kernels import native
 
     plan = target.model.plan
-    assert plan.paths.startswith("kernels:") == (native.kernel() is not None) and not plan.fused
+    assert plan.paths.startswith("kernels:") == plan.fused == (native.kernel() is not None)
     assert target.model.config.sliding_layers == (True, False, True)
     kinds = {type(m).__name__ for name, m in target.model.named_modules() if name.endswith(("_proj", "lm_head"))}
     assert len(kinds) == 1 and kinds <= {"Linear", "KernelLinear", "Int8Linear", "KernelInt8Linear"}, kinds
@@ -65,6 +65,45 @@ def test_batched_answers_equal_answers_alone(target):
     requests = [engine.request(i, p) for i, p in zip(ids, params)]
     Batch(engine, max_batch=3, max_rows=4).run_all(requests)
     assert [r.output.token_ids for r in requests] == [a.token_ids for a in alone]
+
+
+@needs_kernels
+@pytest.mark.parametrize("scheme", ["fp32", "bf16"])
+def test_the_fused_kernels_give_the_torch_modules_logits_past_the_window(gemma_dir, scheme):
+    """A prefill of 20 tokens (window 8), a verify block of 5 and two decode steps: the fused forward (sandwich norms,
+    GeGLU, (1 + w) norms, the scale 1 / sqrt(query_pre_attn_scalar), windows with their own RoPE base) stays close to
+    the same model's torch modules; without its windows it would not (the window matters here)."""
+    import torch
+
+    from quasar.kernels import plan
+    from quasar.model.loading import load
+    from quasar.quant.bf16 import use_bf16_linears_
+
+    def steps(model, window: bool = True):
+        if not window:
+            for layer in model.model.layers:
+                layer.self_attn.window = None
+        if model.plan.fused:
+            plan.prepare_(model)  # rebuilt with the windows as they are now
+        torch.manual_seed(0)
+        ids = torch.randint(0, 1000, (1, 27))
+        cache = model.new_cache(64)
+        with torch.inference_mode():
+            return torch.cat([model(ids[:, a:b], cache)[0] for a, b in ((0, 20), (20, 25), (25, 26), (26, 27))])
+
+    def model():
+        m = load(gemma_dir, "fp32").model
+        if scheme == "bf16":
+            use_bf16_linears_(m)
+        return m
+
+    reference = steps(model())
+    fused = model()
+    assert plan.prepare_(fused).fused
+    got = steps(fused)
+    tolerance = 1e-4 if scheme == "fp32" else 3e-2
+    assert (got - reference).abs().max() < tolerance * reference.abs().max()
+    assert (steps(fused, window=False) - reference).abs().max() > 10 * tolerance * reference.abs().max()
 
 
 def test_smoothing_folds_into_a_one_plus_w_norm():

@@ -161,7 +161,7 @@ class FusedLayers(Layers):
 
     def build(self, kernel: Any, eps: float, norm: nn.Module | None = None, head: nn.Module | None = None) -> None:
         self.tail = None if norm is None or head is None else (norm, head)
-        tail = kernel.HeadWeights(norm.weight, linear_weights(kernel, head)) if self.tail else None
+        tail = kernel.HeadWeights(norm.kernel_weight(), linear_weights(kernel, head)) if self.tail else None
         self.fused = kernel.FusedLayers([layer_weights(kernel, layer) for layer in self], eps, tail)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache) -> torch.Tensor:
@@ -169,21 +169,23 @@ class FusedLayers(Layers):
             return super().forward(x, rope, cache)
         return self.forward_segments(x[0], rope, [cache], [x.shape[1]])[None]  # [1, T, hidden]
 
-    def forward_segments(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], caches: list[KVCache],
-                         rows: list[int]) -> torch.Tensor:
+    def forward_segments(self, x: torch.Tensor, rope: Any, caches: list[KVCache], rows: list[int]) -> torch.Tensor:
         """x [N, hidden]: rows[i] new tokens of sequence i, one sequence after another, each attending over
-        its own cache (all distinct); appends them to the caches -> [N, hidden]."""
-        x = self.fused.forward_segments(x, *rope, *self.cache_args(caches), rows)
+        its own cache (all distinct); appends them to the caches -> [N, hidden]. rope: the model's cos, sin of the
+        rows (or Gemma's Ropes of two such pairs)."""
+        pairs = rope if isinstance(rope[0], tuple) else (rope,)
+        x = self.fused.forward_segments(x, [t for pair in pairs for t in pair], *self.cache_args(caches), rows)
         self.advance(caches, rows)
         return x
 
-    def logits(self, ids: list[int], embedding: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-               caches: list[KVCache], rows: list[int], picked: list[int]) -> torch.Tensor:
+    def logits(self, ids: list[int], embedding: torch.Tensor, rope: list[torch.Tensor], caches: list[KVCache],
+               rows: list[int], picked: list[int]) -> torch.Tensor:
         """A whole forward in one call: ids [N] (rows[i] new tokens of sequence i, one sequence after another) looked
-        up in `embedding` (the embedding module's table), rope rows read from the tables `rope` ([L, D] each) at
-        each sequence's positions, every layer, then the tail on the rows `picked` -> float32 logits [picked, V]."""
+        up in `embedding` (the embedding module's table), rope rows read from the tables `rope` (cos, sin [L, D], then
+        the sliding-window layers' pair if any: Transformer.rope_tables) at each sequence's positions, every layer, then
+        the tail on the rows `picked` -> float32 logits [picked, V]."""
         k, v, starts = self.cache_args(caches)
-        logits = self.fused.forward_tokens(ids, embedding, *rope, k, v, starts, rows, picked)
+        logits = self.fused.forward_tokens(ids, embedding, rope, k, v, starts, rows, picked)
         self.advance(caches, rows)
         return logits
 
@@ -220,14 +222,25 @@ def linear_weights(kernel: Any, linear: nn.Module) -> Any:
 
 
 def layer_weights(kernel: Any, layer: nn.Module) -> Any:
-    """The kernels' LayerWeights of one decoder layer, built by name."""
+    """The kernels' LayerWeights of one decoder layer, built by name: a Llama-family layer, or Gemma's, whose
+    post_attention_layernorm is the attention output's norm and pre_feedforward_layernorm the MLP input's."""
     weights = kernel.LayerWeights()
     attn = layer.self_attn
-    weights.input_norm = layer.input_layernorm.weight
-    weights.post_attention_norm = layer.post_attention_layernorm.weight
+    weights.input_norm = layer.input_layernorm.kernel_weight()
+    sandwich = hasattr(layer, "pre_feedforward_layernorm")
+    if sandwich:
+        weights.post_attention_norm = layer.pre_feedforward_layernorm.kernel_weight()
+        weights.attention_out_norm = layer.post_attention_layernorm.kernel_weight()
+        weights.mlp_out_norm = layer.post_feedforward_layernorm.kernel_weight()
+    else:
+        weights.post_attention_norm = layer.post_attention_layernorm.kernel_weight()
     qk_norm = hasattr(attn, "q_norm")
-    weights.q_norm = attn.q_norm.weight if qk_norm else NONE
-    weights.k_norm = attn.k_norm.weight if qk_norm else NONE
+    weights.q_norm = attn.q_norm.kernel_weight() if qk_norm else NONE
+    weights.k_norm = attn.k_norm.kernel_weight() if qk_norm else NONE
+    weights.activation = kernel.Activation.__members__[layer.mlp.activation.upper()]
+    weights.window = attn.window or 0
+    weights.local_rope = attn.local_rope
+    weights.attention_scale = attn.scale or 0.0
     for name, linear in layer_linears(layer).items():
         setattr(weights, name, linear_weights(kernel, linear))
     return weights

@@ -57,7 +57,6 @@ def prepare_(model: Transformer, fuse: bool = True,
     the model's weights, so the linears the kernels read packed (fp32, bf16 inputs) keep only that copy
     (kernels/layers.drop_plain_weights_). fuse=False keeps the layers as separate module calls."""
     kernel = kernel_for(model)
-    fuse = fuse and not model.config.gemma  # the fused layers hold neither Gemma's sandwich norms nor its windows
     forms = {m: kernel_form(m) for m in model.modules() if isinstance(m, LINEARS)}
     if kernel is None or any(form is None for form in forms.values()):
         model.plan = ON_TORCH

@@ -42,6 +42,10 @@ class GemmaRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (self.normalized(x) * (1.0 + self.weight.float())).to(x.dtype)
 
+    def kernel_weight(self) -> torch.Tensor:
+        """1 + w, computed as forward computes it (a copy: the kernels see w as it was when they took it)."""
+        return 1.0 + self.weight.detach().float()
+
     @torch.no_grad()
     def divide_(self, s: torch.Tensor) -> None:
         """Divide the output by s [dim]: (1 + w) / s = 1 + ((1 + w) / s - 1)."""
@@ -72,10 +76,11 @@ class GemmaAttention(Attention):
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.window = config.sliding_window if config.sliding_layers[layer] else None
+        self.local_rope = config.sliding_layers[layer]
         self.scale = config.query_pre_attn_scalar ** -0.5
 
     def rope_of(self, rope: Ropes) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope.full if self.window is None else rope.sliding
+        return rope.sliding if self.local_rope else rope.full
 
     def visible(self, mask: torch.Tensor | None, cache: KVCache, T: int) -> torch.Tensor | None:
         """The causal mask, less the keys at least `window` positions behind the query on a sliding layer."""
@@ -96,6 +101,8 @@ def sliding_mask(start: int, rows: int, span: int, window: int, device: torch.de
 
 
 class GeGLU(MLP):
+    activation = "gelu_tanh"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = project(x, self.gate_proj, self.up_proj)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
@@ -130,6 +137,9 @@ class Gemma3(Transformer):
     def reset_rope(self) -> None:
         super().reset_rope()
         self.inv_freq_local = rope_inv_freq(dataclasses.replace(self.config, rope_theta=self.config.rope_local_theta))
+
+    def rope_tables(self, n: int) -> list[torch.Tensor]:
+        return [*self.rope_table(n), *self.rope_table(n, "inv_freq_local")]
 
     def rope_span(self, start: int, n: int) -> Ropes:  # type: ignore[override]
         return Ropes(super().rope_span(start, n), super().rope_span(start, n, "inv_freq_local"))

@@ -91,6 +91,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * self.normalized(x).to(x.dtype)
 
+    def kernel_weight(self) -> torch.Tensor:
+        """What the kernels' rms_norm multiplies x / rms(x) by."""
+        return self.weight
+
     @torch.no_grad()
     def divide_(self, s: torch.Tensor) -> None:
         """Divide the output by s [dim] (SmoothQuant folds its scales into the norm)."""
@@ -162,6 +166,8 @@ class Attention(nn.Module):
         return q, k, v
 
     scale: float | None = None  # the attention scale; None: 1 / sqrt(D)
+    window: int | None = None  # a sliding window's length in keys (Gemma's sliding layers); None: causal over all
+    local_rope = False  # takes the model's second rope pair (Gemma's sliding layers: a RoPE base of their own)
 
     def rope_of(self, rope: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """This layer's cos, sin from what the model computed for the step (one pair here)."""
@@ -191,6 +197,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    activation = "silu"  # act(gate) * up: SwiGLU
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
@@ -320,6 +328,11 @@ class Transformer(nn.Module):
         cos, sin = self.rope_table(int(positions.max()) + 1 if positions.numel() else 1, freqs)
         return cos[positions], sin[positions]
 
+    def rope_tables(self, n: int) -> list[torch.Tensor]:
+        """The rope_table pairs the fused kernels take: cos, sin [L, D] (then a second pair where the model's
+        sliding-window layers have frequencies of their own)."""
+        return list(self.rope_table(n))
+
     def rope_span(self, start: int, n: int, freqs: str = "inv_freq") -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [n, D] for positions start .. start + n - 1: contiguous views of rope_table."""
         cos, sin = self.rope_table(start + n, freqs)
@@ -347,7 +360,7 @@ class Transformer(nn.Module):
         scored = [range(end - 1 if s.last_only else end - n, end) for s, n, end in zip(steps, rows, ends)]
         picked = [i for r in scored for i in r]
         if self.plan.fused:  # the whole forward in one kernel call
-            rope = self.rope_table(max(c.length + n for c, n in zip(caches, rows)))  # cos, sin [L, D]
+            rope = self.rope_tables(max(c.length + n for c, n in zip(caches, rows)))  # cos, sin [L, D], ...
             ids = [t for s in steps for t in s.tokens]  # [N]
             logits = self.model.layers.logits(*self.model.embed_tokens.kernel_table(ids), rope, caches, rows, picked)
         else:

@@ -6,6 +6,8 @@
 // sum rounded like the torch reference), write k and v into the layer's cache at [start, start + T), then
 // for every (token, head) attend over keys 0 .. start + t with float32 sums in a fixed order:
 //   s_j = (q . k_j) * D^-1/2,  e_j = exp(s_j - max s),  out = (sum_j e_j v_j) / (sum_j e_j).
+// A sliding-window layer (Gemma 3's, `window` > 0) attends over keys start + t - window + 1 .. start + t instead and
+// reads no key before them; a model may set its own scale (Gemma's query_pre_attn_scalar^-1/2) for D^-1/2.
 // A row reads only its own query and the keys up to its position, so a token scored alone (decode)
 // and inside [last, *draft] (verify) gets bitwise the same output, whatever T and the cache size are:
 // the property that makes greedy speculative decoding equal plain decoding, without padding.
@@ -39,12 +41,14 @@ inline void rope(const float* x, const float* cos, const float* sin, float* out,
 }  // namespace
 
 AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, int64_t H, int64_t threads,
-                               bool bf16_products)
-    : row_view_(T, -1), H_(H) {
+                               bool bf16_products, AttentionWindow shape)
+    : row_view_(T, -1), H_(H), window_(shape.window) {
   const auto& first = segments.at(0).cache_k;
   H_kv_ = first.size(1);
   D_ = first.size(3);
   TORCH_CHECK(D_ % 8 == 0 && H % H_kv_ == 0, "bad head shapes");
+  TORCH_CHECK(window_ >= 0, "a window of at least one key, or 0 for none");
+  scale_ = shape.scale > 0 ? static_cast<float>(shape.scale) : 1.f / std::sqrt(static_cast<float>(D_));
   int64_t row = 0;
   for (const Segment& s : segments) {
     const int64_t S = s.cache_k.size(2);
@@ -75,7 +79,10 @@ AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, 
       for (int64_t first_row = 0; first_row < per_kv; first_row += chunk) {
         const int64_t count = std::min(chunk, per_kv - first_row);
         int64_t keys = 0;
-        for (int64_t r = first_row; r < first_row + count; ++r) keys += view.start + r / group + 1;
+        for (int64_t r = first_row; r < first_row + count; ++r) {
+          const int64_t pos = view.start + r / group;
+          keys += pos + 1 - first_key(pos);
+        }
         items_.push_back(Item{static_cast<int64_t>(v), kv, first_row, count, keys});
       }
   }
@@ -92,13 +99,13 @@ AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, 
   // prefill), else by the item itself before it attends (decode, verify: no parallel phase more per layer).
   int64_t size = 0;
   for (size_t v = 0; v < views_.size(); ++v) {
-    const int64_t padded = (views_[v].start + views_[v].rows + 31) / 32 * 32;
+    const int64_t padded = (views_[v].start + views_[v].rows + 31) / 32 * 32, from = first_key(views_[v].start) / 32;
     const bool shared = std::count_if(items_.begin(), items_.end(), [&](const Item& i) {
       return i.view == static_cast<int64_t>(v) && i.kv == 0; }) > 1;
     packed_.push_back(Packed{padded * D_, shared ? size : -1});
     if (!shared) continue;
     for (int64_t kv = 0; kv < H_kv_; ++kv)
-      for (int64_t b = 0; b < padded / 32; ++b) packs_.push_back(Pack{static_cast<int64_t>(v), kv, b});
+      for (int64_t b = from; b < padded / 32; ++b) packs_.push_back(Pack{static_cast<int64_t>(v), kv, b});
     size += 2 * H_kv_ * padded * D_;
   }
   thread_local std::vector<uint16_t> buffer;  // grows to the largest step's, never given back: no page faults per layer
@@ -123,7 +130,7 @@ void AttentionSteps::pack(int64_t layer, int64_t i) const {
   const Packed& into = packed_[p.view];
   const int64_t at = layer * view.layer_size + p.kv * view.S * D_;
   uint16_t* k = shared_ + into.at + 2 * p.kv * into.size;
-  amx_pack_block(view.k + at, view.v + at, view.start + view.rows, p.block, D_, k, k + into.size);
+  amx_pack_block(view.k + at, view.v + at, first_key(view.start), view.start + view.rows, p.block, D_, k, k + into.size);
 }
 
 void AttentionSteps::rope(int64_t layer, const float* q, const float* k, const float* v, const float* cos,
@@ -148,17 +155,19 @@ void AttentionSteps::attend(int64_t layer, int64_t i, const float* q_rot, float*
   rows.clear();
   for (int64_t r = item.first; r < item.first + item.count; ++r) {
     const int64_t t = view.row0 + r / group, h = item.kv * group + r % group;
-    rows.push_back(AttentionRow{q_rot + (t * H_ + h) * D_, view.start + r / group, out + (t * H_ + h) * D_});
+    const int64_t pos = view.start + r / group;
+    rows.push_back(AttentionRow{q_rot + (t * H_ + h) * D_, first_key(pos), pos, out + (t * H_ + h) * D_});
   }
   const int64_t at = layer * view.layer_size + item.kv * view.S * D_;
-  const float scale = 1.f / std::sqrt(static_cast<float>(D_));
+  const float scale = scale_;
   if (amx_) {
     const Packed& from = packed_[item.view];
     thread_local std::vector<uint16_t> own;
     if (from.at < 0) {  // this item is all of its kv head's rows: it packs their keys and values itself
       own.resize(std::max<size_t>(own.size(), 2 * from.size));
-      for (int64_t b = 0; b < from.size / D_ / 32; ++b)
-        amx_pack_block(view.k + at, view.v + at, view.start + view.rows, b, D_, own.data(), own.data() + from.size);
+      const int64_t first = first_key(view.start);
+      for (int64_t b = first / 32; b < from.size / D_ / 32; ++b)
+        amx_pack_block(view.k + at, view.v + at, first, view.start + view.rows, b, D_, own.data(), own.data() + from.size);
     }
     const uint16_t* k = from.at < 0 ? own.data() : shared_ + from.at + 2 * item.kv * from.size;
     amx_attend_rows(rows, k, k + from.size, D_, scale);
@@ -205,7 +214,7 @@ void attend_steps(const AttentionSteps& steps, int64_t layer, const at::Tensor& 
 // 0), all float32 -> out [T, H*D]. Writes the rotated k and v at cache positions [start, start + T).
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos,
                                at::Tensor sin, at::Tensor cache_k, at::Tensor cache_v, int64_t start,
-                               bool bf16_products) {
+                               bool bf16_products, int64_t window, double scale) {
   TORCH_CHECK(cache_k.dtype() == at::kFloat && cache_v.dtype() == at::kFloat && cache_k.is_contiguous() &&
               cache_v.is_contiguous() && cache_k.device().is_cpu() && cache_k.dim() == 3 && cache_k.sizes() == cache_v.sizes(),
               "contiguous float32 CPU caches [H_kv, S, D] expected");
@@ -213,18 +222,20 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor
   const int64_t D = cache_k.size(2);
   TORCH_CHECK(q.dim() == 2 && q.size(1) % D == 0, "q [T, H*D] expected");
   const std::vector<Segment> one{Segment{cache_k.unsqueeze(0), cache_v.unsqueeze(0), start, q.size(0)}};
-  attend_steps(AttentionSteps(one, q.size(0), q.size(1) / D, at::get_num_threads(), bf16_products), 0, q, k, v, cos, sin, out);
+  attend_steps(AttentionSteps(one, q.size(0), q.size(1) / D, at::get_num_threads(), bf16_products, {window, scale}), 0, q,
+               k, v, cos, sin, out);
   return out;
 }
 
 // The rows of several sequences one after another (q, k, v, cos, sin as decode_attention's, over all rows),
 // segment i attending over layer `layer` of its own cache [L, H_kv, S, D] (checked by FusedLayers::forward_segments).
 at::Tensor segment_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos, at::Tensor sin,
-                                const std::vector<Segment>& segments, int64_t layer, bool bf16_products) {
+                                const std::vector<Segment>& segments, int64_t layer, bool bf16_products,
+                                AttentionWindow shape) {
   const int64_t D = segments.at(0).cache_k.size(3);
   TORCH_CHECK(q.dim() == 2 && q.size(1) % D == 0, "q [T, H*D] expected");
   auto out = kernel_result(q.sizes(), q.options());
-  attend_steps(AttentionSteps(segments, q.size(0), q.size(1) / D, at::get_num_threads(), bf16_products), layer, q, k, v,
-               cos, sin, out);
+  attend_steps(AttentionSteps(segments, q.size(0), q.size(1) / D, at::get_num_threads(), bf16_products, shape), layer, q,
+               k, v, cos, sin, out);
   return out;
 }

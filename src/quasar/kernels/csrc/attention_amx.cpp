@@ -88,8 +88,9 @@ int64_t tile_last(const std::vector<AttentionRow>& rows, int64_t first) {
 
 }  // namespace
 
-void amx_pack_block(const float* keys, const float* values, int64_t n_valid, int64_t b, int64_t D, uint16_t* kp,
-                    uint16_t* vp) {
+void amx_pack_block(const float* keys, const float* values, int64_t first, int64_t end, int64_t b, int64_t D,
+                    uint16_t* kp, uint16_t* vp) {
+  const auto valid = [&](int64_t key) { return key >= first && key < end; };
   const int64_t chunks = D / 32, dim_blocks = D / 16;
   for (int64_t block = 2 * b; block < 2 * b + 2; ++block)  // two tiles of 16 keys: each 16 keys' dim pairs, transposed
     for (int64_t c = 0; c < chunks; ++c) {
@@ -97,7 +98,7 @@ void amx_pack_block(const float* keys, const float* values, int64_t n_valid, int
       for (int n = 0; n < 16; ++n) {
         const int64_t key = 16 * block + n;
         r[n] = _mm512_setzero_si512();
-        if (key < n_valid) {
+        if (valid(key)) {
           const float* k = keys + key * D + 32 * c;
           r[n] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(k + 16), _mm512_loadu_ps(k));
         }
@@ -108,8 +109,8 @@ void amx_pack_block(const float* keys, const float* values, int64_t n_valid, int
     }
   for (int64_t j = 32 * b; j < 32 * b + 32; j += 2)  // each pair of keys' values, interleaved dim by dim
     for (int64_t e = 0; e < dim_blocks; ++e) {
-      const __m512 v0 = j < n_valid ? _mm512_loadu_ps(values + j * D + 16 * e) : _mm512_setzero_ps();
-      const __m512 v1 = j + 1 < n_valid ? _mm512_loadu_ps(values + (j + 1) * D + 16 * e) : _mm512_setzero_ps();
+      const __m512 v0 = valid(j) ? _mm512_loadu_ps(values + j * D + 16 * e) : _mm512_setzero_ps();
+      const __m512 v1 = valid(j + 1) ? _mm512_loadu_ps(values + (j + 1) * D + 16 * e) : _mm512_setzero_ps();
       const __m512i pair = _mm512_or_si512(_mm512_cvtepu16_epi32(round16(v0)), _mm512_slli_epi32(_mm512_cvtepu16_epi32(round16(v1)), 16));
       _mm512_storeu_si512(vp + ((b * dim_blocks + e) * 16 + (j % 32) / 2) * 32, pair);
     }
@@ -120,8 +121,12 @@ void amx_attend_rows(const std::vector<AttentionRow>& rows, const uint16_t* kp, 
   thread_local Scratch w;
   const int64_t count = static_cast<int64_t>(rows.size()), tiles = (count + 15) / 16, M = 16 * tiles;
   TORCH_CHECK(tiles <= 2 && D % 64 == 0, "at most 32 rows and head_dim % 64 == 0");
-  int64_t n = 0;
-  for (const AttentionRow& r : rows) n = std::max(n, r.last + 1);
+  int64_t n = 0, lo = INT64_MAX;
+  for (const AttentionRow& r : rows) {
+    n = std::max(n, r.last + 1);
+    lo = std::min(lo, r.first);
+  }
+  lo = lo / 32 * 32;  // keys are walked from this whole block: those before every row's first are never read
   const int64_t n16 = (n + 15) / 16 * 16, n32 = (n + 31) / 32 * 32, chunks = D / 32, dim_blocks = D / 16;
   w.q.resize(M * D);  // rows past count: whatever is there (their sums are never read)
   w.s.resize(M * n16);
@@ -133,7 +138,7 @@ void amx_attend_rows(const std::vector<AttentionRow>& rows, const uint16_t* kp, 
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.q.data() + m * D + d), round16(_mm512_loadu_ps(rows[m].q + d)));
   configure_tiles();
   const int64_t last0 = tile_last(rows, 0), last1 = tiles > 1 ? tile_last(rows, 16) : -1;
-  for (int64_t b = 0; 16 * b <= std::max(last0, last1); ++b) {  // S, 16 keys at a time, for both row tiles
+  for (int64_t b = lo / 16; 16 * b <= std::max(last0, last1); ++b) {  // S, 16 keys at a time, for both row tiles
     const bool first = 16 * b <= last0, second = 16 * b <= last1;
     _tile_zero(0);
     _tile_zero(1);
@@ -153,18 +158,19 @@ void amx_attend_rows(const std::vector<AttentionRow>& rows, const uint16_t* kp, 
   }
   float* norm = w.norm.data();
   const __m512 scale16 = _mm512_set1_ps(scale);
-  for (int64_t m = 0; m < count; ++m) {  // e_j over the row's keys in float32; P = bf16(e), 0 to its tile's last key
+  for (int64_t m = 0; m < count; ++m) {  // e_j over the row's keys in float32; P = bf16(e), else 0 in the walked tiles
     const float* s = w.s.data() + m * n16;
-    const int64_t keys = rows[m].last + 1, walked = ((m < 16 ? last0 : last1) + 32) / 32 * 32;
+    const int64_t from = rows[m].first, keys = rows[m].last + 1, walked = ((m < 16 ? last0 : last1) + 32) / 32 * 32;
     __m512 top16 = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < keys; j += 16) {
+    for (int64_t j = from; j < keys; j += 16) {
       const __mmask16 in = first_lanes(keys - j);
       top16 = _mm512_mask_max_ps(top16, in, top16, _mm512_maskz_loadu_ps(in, s + j));
     }
     const __m512 top = _mm512_set1_ps(max16(top16) * scale);  // the largest scaled score
     __m512 total = _mm512_setzero_ps();
     uint16_t* p = w.p.data() + m * n32;
-    for (int64_t j = 0; j < keys; j += 16) {
+    std::fill(p + lo, p + from, 0);
+    for (int64_t j = from; j < keys; j += 16) {
       const __mmask16 in = first_lanes(keys - j);
       const __m512 e = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(in, s + j), scale16), top)));
       total = _mm512_add_ps(total, e);
@@ -180,7 +186,7 @@ void amx_attend_rows(const std::vector<AttentionRow>& rows, const uint16_t* kp, 
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      for (int64_t c = 0; 32 * c <= last; ++c) {
+      for (int64_t c = lo / 32; 32 * c <= last; ++c) {
         const uint16_t* v = vp + (c * dim_blocks + g) * 512;
         _tile_loadd(4, w.p.data() + 16 * t * n32 + 32 * c, n32 * 2);
         _tile_loadd(6, v, 64);

@@ -81,29 +81,34 @@ constexpr WeighFn kWeigh[8] = {weigh_values<8>, weigh_values<16>, weigh_values<2
 
 }  // namespace
 
-// Rows sharing one kv head against keys 0..last of each, D dims. Keys and values are read in blocks of
+// Rows sharing one kv head against keys first..last of each, D dims. Keys and values are read in blocks of
 // 16 KB, and each block serves every row while it sits in the L1 cache: per row, the same operations in
-// the same order as attending to it alone (scores over d, softmax, the weighted sum over j in order), so
-// a row's output never depends on the other rows, only the cache traffic does.
+// the same order as attending to it alone (scores over d, softmax from its first key, the weighted sum over j in
+// order), so a row's output never depends on the other rows, only the cache traffic does.
 void attend_rows_avx2(const std::vector<AttentionRow>& rows, const float* keys, const float* values, int64_t D, float scale,
                  std::vector<float>& scores) {
-  int64_t n_max = 0;
-  for (const AttentionRow& r : rows) n_max = std::max(n_max, r.last + 1);
+  int64_t n_max = 0, lo = INT64_MAX;
+  for (const AttentionRow& r : rows) {
+    n_max = std::max(n_max, r.last + 1);
+    lo = std::min(lo, r.first);
+  }
   const int64_t stride = (n_max + 7) / 8 * 8, block = std::max<int64_t>(8, 4096 / D);
   scores.resize(rows.size() * stride);
-  for (int64_t j0 = 0; j0 < n_max; j0 += block)
+  for (int64_t j0 = lo; j0 < n_max; j0 += block)
     for (size_t r = 0; r < rows.size(); ++r)
-      score_range(rows[r].q, keys, j0, std::min(j0 + block, rows[r].last + 1), D, scale, scores.data() + r * stride);
+      score_range(rows[r].q, keys, std::max(j0, rows[r].first), std::min(j0 + block, rows[r].last + 1), D, scale,
+                  scores.data() + r * stride);
   std::vector<float> norm(rows.size());
-  for (size_t r = 0; r < rows.size(); ++r) norm[r] = softmax_numerators(scores.data() + r * stride, rows[r].last + 1);
+  for (size_t r = 0; r < rows.size(); ++r)
+    norm[r] = softmax_numerators(scores.data() + r * stride + rows[r].first, rows[r].last + 1 - rows[r].first);
   constexpr int64_t kBlock = 64;  // output dims per pass: 8 accumulators of 8
   for (int64_t d0 = 0; d0 < D; d0 += kBlock) {
     const int64_t width = std::min(kBlock, D - d0);
     for (const AttentionRow& r : rows) std::fill(r.out + d0, r.out + d0 + width, 0.f);
-    for (int64_t j0 = 0; j0 < n_max; j0 += block)
+    for (int64_t j0 = lo; j0 < n_max; j0 += block)
       for (size_t r = 0; r < rows.size(); ++r)
-        kWeigh[width / 8 - 1](scores.data() + r * stride, values, j0, std::min(j0 + block, rows[r].last + 1), D, d0,
-                              rows[r].out + d0);
+        kWeigh[width / 8 - 1](scores.data() + r * stride, values, std::max(j0, rows[r].first),
+                              std::min(j0 + block, rows[r].last + 1), D, d0, rows[r].out + d0);
     for (size_t r = 0; r < rows.size(); ++r) {
       const __m256 n8 = _mm256_set1_ps(norm[r]);
       for (int64_t d = d0; d < d0 + width; d += 8)
@@ -111,4 +116,3 @@ void attend_rows_avx2(const std::vector<AttentionRow>& rows, const float* keys, 
     }
   }
 }
-

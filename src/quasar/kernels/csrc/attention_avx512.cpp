@@ -127,8 +127,11 @@ void weigh_rows(const float* const* e, const float* values, int64_t j0, int64_t 
 void attend_rows_avx512(const std::vector<AttentionRow>& rows, const float* keys, const float* values, int64_t D, float scale,
                  std::vector<float>& scores) {
   using namespace avx512;
-  int64_t n_max = 0;
-  for (const AttentionRow& r : rows) n_max = std::max(n_max, r.last + 1);
+  int64_t n_max = 0, lo = INT64_MAX;
+  for (const AttentionRow& r : rows) {
+    n_max = std::max(n_max, r.last + 1);
+    lo = std::min(lo, r.first);
+  }
   const int64_t stride = (n_max + 7) / 8 * 8 + 8, block = std::max<int64_t>(8, 4096 / D);
   const int64_t count = static_cast<int64_t>(rows.size()), pairs = (count + 1) / 2;
   scores.resize((count + 1) * stride);  // one spare row for the partner of an odd last row
@@ -140,19 +143,24 @@ void attend_rows_avx512(const std::vector<AttentionRow>& rows, const float* keys
       std::copy(qb + d, qb + d + 8, qq.data() + p * 2 * D + 2 * d + 8);
     }
   }
-  for (int64_t j0 = 0; j0 < n_max; j0 += block)
+  for (int64_t j0 = lo; j0 < n_max; j0 += block)
     for (int64_t p = 0; p < pairs; p += 2) {  // two pairs share each key load; a last pair alone
       const int64_t first = 2 * p, end = std::min(2 * p + 4, 2 * pairs);
-      int64_t last = 0;
-      for (int64_t r = first; r < end; ++r) last = std::max(last, rows[std::min(r, count - 1)].last);
+      int64_t from = INT64_MAX, last = 0;  // scores outside a row's own keys are computed, never read
+      for (int64_t r = first; r < end; ++r) {
+        from = std::min(from, rows[std::min(r, count - 1)].first);
+        last = std::max(last, rows[std::min(r, count - 1)].last);
+      }
       const float* qs[2] = {qq.data() + p * 2 * D, qq.data() + (p + 1) * 2 * D};
       float* s[4];
       for (int64_t r = first; r < first + 4; ++r) s[r - first] = scores.data() + std::min(r, 2 * pairs - 1) * stride;
-      if (end - first == 4) score_pairs<2>(qs, keys, j0, std::min(j0 + block, last + 1), D, scale, s);
-      else score_pairs<1>(qs, keys, j0, std::min(j0 + block, last + 1), D, scale, s);
+      const int64_t j = std::max(j0, from), j1 = std::min(j0 + block, last + 1);
+      if (end - first == 4) score_pairs<2>(qs, keys, j, j1, D, scale, s);
+      else score_pairs<1>(qs, keys, j, j1, D, scale, s);
     }
   std::vector<float> norm(count);
-  for (int64_t r = 0; r < count; ++r) norm[r] = avx512::softmax_numerators(scores.data() + r * stride, rows[r].last + 1);
+  for (int64_t r = 0; r < count; ++r)
+    norm[r] = avx512::softmax_numerators(scores.data() + r * stride + rows[r].first, rows[r].last + 1 - rows[r].first);
   constexpr int R = 4;
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     for (const AttentionRow& r : rows) std::fill(r.out + d0, r.out + d0 + 64, 0.f);
@@ -160,13 +168,17 @@ void attend_rows_avx512(const std::vector<AttentionRow>& rows, const float* keys
       const int64_t n = std::min<int64_t>(R, count - r0);
       const float* e[R];
       float* out[R];
-      int64_t shared = INT64_MAX;
+      int64_t from = 0, shared = INT64_MAX;
       for (int64_t i = 0; i < n; ++i) {
         e[i] = scores.data() + (r0 + i) * stride;
         out[i] = rows[r0 + i].out + d0;
+        from = std::max(from, rows[r0 + i].first);
         shared = std::min(shared, rows[r0 + i].last + 1);
       }
-      for (int64_t j0 = 0; j0 < shared; j0 += block) {  // the keys every row of the tile sees, together
+      from = std::min(from, shared);
+      for (int64_t i = 0; i < n; ++i)  // each row's own keys before those every row sees, in order
+        weigh_rows<1>(e + i, values, rows[r0 + i].first, from, D, d0, out + i);
+      for (int64_t j0 = from; j0 < shared; j0 += block) {  // the keys every row of the tile sees, together
         const int64_t j1 = std::min(j0 + block, shared);
         switch (n) {
           case 4: weigh_rows<4>(e, values, j0, j1, D, d0, out); break;
@@ -176,7 +188,7 @@ void attend_rows_avx512(const std::vector<AttentionRow>& rows, const float* keys
         }
       }
       for (int64_t i = 0; i < n; ++i)  // then each row's own later keys, still in order
-        weigh_rows<1>(e + i, values, shared, rows[r0 + i].last + 1, D, d0, out + i);
+        weigh_rows<1>(e + i, values, std::max(shared, rows[r0 + i].first), rows[r0 + i].last + 1, D, d0, out + i);
     }
     for (int64_t r = 0; r < count; ++r) {
       const __m512 n16 = _mm512_set1_ps(norm[r]);

@@ -5,16 +5,18 @@
 #include <cstdint>
 #include <vector>
 
-// One query row of a kv head: its query (float32, D values), its last visible key, where its output goes.
+// One query row of a kv head: its query (float32, D values), its first and last visible keys (first > 0 only in a
+// sliding-window layer), where its output goes.
 struct AttentionRow {
   const float* q;
-  int64_t last;
+  int64_t first, last;
   float* out;
 };
 
-// Rows sharing one kv head against keys 0..last of each (keys, values [n, D] float32; scores: the caller's scratch):
-// s_j = (q . k_j) * scale, e_j = exp(s_j - max s), out = (sum_j e_j v_j) / (sum_j e_j), in a fixed order, so a row's
-// output never depends on the other rows. The AVX-512 one needs D % 64 == 0.
+// Rows sharing one kv head against keys first..last of each (keys, values [n, D] float32; scores: the caller's
+// scratch): s_j = (q . k_j) * scale, e_j = exp(s_j - max s), out = (sum_j e_j v_j) / (sum_j e_j), in a fixed order
+// from the row's first key, so a row's output never depends on the other rows. Keys before the rows' first are never
+// read. The AVX-512 one needs D % 64 == 0.
 void attend_rows_avx2(const std::vector<AttentionRow>& rows, const float* keys, const float* values, int64_t D,
                       float scale, std::vector<float>& scores);
 void attend_rows_avx512(const std::vector<AttentionRow>& rows, const float* keys, const float* values, int64_t D,
@@ -25,16 +27,17 @@ void attend_rows_avx512(const std::vector<AttentionRow>& rows, const float* keys
 // this the same way, so its decode, verify and prefill steps agree.
 bool bf16_attention(bool bf16_products, int64_t head_dim);
 
-// Keys and values [32 b, 32 b + 32) of one kv head (float32 [n, D], rows past n_valid read as 0) rounded to
-// bfloat16 into the tiles amx_attend_rows reads: kp [n/16][D/32][16 pairs][16 keys][2] (keys as B tiles of
-// Q K^T), vp [n/32][D/16][16 key pairs][16 dims][2] (values as B tiles of P V).
-void amx_pack_block(const float* keys, const float* values, int64_t n_valid, int64_t b, int64_t D, uint16_t* kp,
-                    uint16_t* vp);
+// Keys and values [32 b, 32 b + 32) of one kv head (float32 [n, D]; rows outside [first, end) are not read, and
+// packed as 0) rounded to bfloat16 into the tiles amx_attend_rows reads: kp [n/16][D/32][16 pairs][16 keys][2] (keys
+// as B tiles of Q K^T), vp [n/32][D/16][16 key pairs][16 dims][2] (values as B tiles of P V).
+void amx_pack_block(const float* keys, const float* values, int64_t first, int64_t end, int64_t b, int64_t D,
+                    uint16_t* kp, uint16_t* vp);
 
-// Rows sharing one kv head (at most 32) against keys 0..last of each, from the packed tiles, with bf16 products
-// and float32 sums: s = bf16(q) . bf16(k_j), e_j = exp(s_j / sqrt(D) - max), out = sum_j bf16(e_j) bf16(v_j) /
-// sum_j e_j. Every output is the tile unit's function of its own row and the keys, dims and keys always walked
-// from 0 in whole tiles (a row's keys past its last count 0 exactly), so a row gets the same floats alone (decode),
-// in a verify step or in a prefill.
+// Rows sharing one kv head (at most 32) against keys first..last of each, from the packed tiles, with bf16 products
+// and float32 sums: s = bf16(q) . bf16(k_j), e_j = exp(s_j * scale - max), out = sum_j bf16(e_j) bf16(v_j) /
+// sum_j e_j. Every output is the tile unit's function of its own row and the keys, dims walked from 0 and keys from
+// the rows' first block of 32 in whole tiles (a row's keys outside first..last count 0 exactly, whole tiles of them
+// add nothing), so a row gets the same floats alone (decode), in a verify step or in a prefill. Blocks before the
+// rows' first need not be packed.
 void amx_attend_rows(const std::vector<AttentionRow>& rows, const uint16_t* kp, const uint16_t* vp, int64_t D,
                      float scale);

@@ -50,7 +50,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "rope, cache write and causal attention for a few new tokens",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("cos"), pybind11::arg("sin"),
         pybind11::arg("cache_k"), pybind11::arg("cache_v"), pybind11::arg("start"), pybind11::arg("bf16_products") = false,
-        NoGil());
+        pybind11::arg("window") = 0, pybind11::arg("scale") = 0.0, NoGil());
   m.def("bf16_attention", &bf16_attention, "whether attention runs on bfloat16 products (AMX tiles) for a model whose "
         "linears take bfloat16 inputs (True: the bf16 verifier), at this head_dim, on the current float path");
   pybind11::enum_<LinearKind>(m, "LinearKind", "how a linear runs: the kernel FusedLayers calls for it")
@@ -67,12 +67,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("weight", &LinearWeights::weight)
       .def_readwrite("scale", &LinearWeights::scale)
       .def_readwrite("bias", &LinearWeights::bias);
+  pybind11::enum_<Activation>(m, "Activation", "what the MLP multiplies up by: silu(gate) or gelu_tanh(gate)")
+      .value("SILU", Activation::SILU)
+      .value("GELU_TANH", Activation::GELU_TANH);
   pybind11::class_<LayerWeights>(m, "LayerWeights", "one decoder layer's norms and linears, by name")
       .def(pybind11::init<>())
       .def_readwrite("input_norm", &LayerWeights::input_norm)
       .def_readwrite("post_attention_norm", &LayerWeights::post_attention_norm)
       .def_readwrite("q_norm", &LayerWeights::q_norm, "empty without qk-norm")
       .def_readwrite("k_norm", &LayerWeights::k_norm, "empty without qk-norm")
+      .def_readwrite("attention_out_norm", &LayerWeights::attention_out_norm, "the attention output's norm (Gemma), or empty")
+      .def_readwrite("mlp_out_norm", &LayerWeights::mlp_out_norm, "the MLP output's norm (Gemma), or empty")
+      .def_readwrite("activation", &LayerWeights::activation)
+      .def_readwrite("window", &LayerWeights::window, "a sliding window's length in keys, 0 for none")
+      .def_readwrite("local_rope", &LayerWeights::local_rope, "takes the sliding-window layers' rope tables")
+      .def_readwrite("attention_scale", &LayerWeights::attention_scale, "the scores' scale, 0 for head_dim^-1/2")
       .def_readwrite("q", &LayerWeights::q)
       .def_readwrite("k", &LayerWeights::k)
       .def_readwrite("v", &LayerWeights::v)

@@ -1,5 +1,5 @@
 // One whole decoder layer in one call: the same kernels the Python layer calls one by one (RMSNorm, linears,
-// attention) plus ATen's silu, multiply and add, without the ~40 Python-level operations per layer in
+// attention) plus ATen's silu (or Gemma's tanh gelu), multiply and add, without the ~40 Python-level operations per layer in
 // between. FusedLayers runs all layers of a model in one call, with their tensors handed over once instead
 // of at every step.
 //
@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/tensor.h>
 
@@ -78,11 +79,16 @@ void fill_absent(LinearWeights& w) {
   fill_absent(w.bias);
 }
 
-// The MLP's silu(gate) * up, as ATen's silu_ and mul_ compute it, rounded for a bf16 down projection: in pieces of
-// rows that stay in L2, one pass over the hidden units instead of three (a 1.5B prefill's are 37 MB a tensor).
+// act(gate) in place, as ATen's silu_ or gelu_(tanh) computes it.
+at::Tensor& activate_(at::Tensor& gate, Activation act) {
+  return act == Activation::SILU ? at::silu_(gate) : at::gelu_(gate, "tanh");
+}
+
+// The MLP's act(gate) * up, as ATen's silu_ (gelu_) and mul_ compute it, rounded for a bf16 down projection: in pieces
+// of rows that stay in L2, one pass over the hidden units instead of three (a 1.5B prefill's are 37 MB a tensor).
 // ATen's loops take 32 values a step and the rest one by one (another exp): pieces of whole rows of a multiple of
 // 32 values are stepped as the whole tensor is, so each value is the unfused one (the caller checks I % 32 == 0).
-at::Tensor silu_mul_rounded(at::Tensor gate, at::Tensor up) {
+at::Tensor act_mul_rounded(at::Tensor gate, at::Tensor up, Activation act) {
   gate = gate.contiguous();
   up = up.contiguous();
   const int64_t M = gate.size(0), I = gate.size(1), rows = std::max<int64_t>(1, (64 << 10) / I);
@@ -93,7 +99,7 @@ at::Tensor silu_mul_rounded(at::Tensor gate, at::Tensor up) {
       const int64_t n = std::min(rows, m1 - m);
       // views made on this thread: tensors of the caller's inference mode may not change in place outside it
       auto piece = at::from_blob(g + m * I, {n, I}, at::dtype(at::kFloat));
-      at::silu_(piece).mul_(at::from_blob(u + m * I, {n, I}, at::dtype(at::kFloat)));
+      activate_(piece, act).mul_(at::from_blob(u + m * I, {n, I}, at::dtype(at::kFloat)));
       round_bf16_into(g + m * I, n * I, out, m * I);
     }
   });
@@ -102,32 +108,38 @@ at::Tensor silu_mul_rounded(at::Tensor gate, at::Tensor up) {
 
 }  // namespace
 
-at::Tensor decoder_layer(at::Tensor x, const LayerWeights& w, double eps, const at::Tensor& cos,
-                            const at::Tensor& sin, const std::vector<Segment>& segments, int64_t layer) {
+at::Tensor decoder_layer(at::Tensor x, const LayerWeights& w, double eps, const StepRope& rope,
+                            const std::vector<Segment>& segments, int64_t layer) {
   const int64_t T = x.size(0), D = segments[0].cache_k.size(3);
   auto qkv = linears(rms_norm(x, w.input_norm, eps), {&w.q, &w.k, &w.v});
   auto q = qkv[0], k = qkv[1];
-  if (w.q_norm.numel()) {  // qk-norm (qwen3): per head, before rope
+  if (w.q_norm.numel()) {  // qk-norm (qwen3, Gemma): per head, before rope
     q = rms_norm(q.view({-1, D}), w.q_norm, eps).view({T, -1});
     k = rms_norm(k.view({-1, D}), w.k_norm, eps).view({T, -1});
   }
   const auto all = w.linears();
   const bool bf16_products = all_of_kind({all.begin(), all.end()}, LinearKind::BF16);
-  auto attended = segment_attention(q, k, qkv[2], cos, sin, segments, layer, bf16_products);
+  const auto &cos = w.local_rope ? rope.local_cos : rope.cos, &sin = w.local_rope ? rope.local_sin : rope.sin;
+  auto attended = segment_attention(q, k, qkv[2], cos, sin, segments, layer, bf16_products,
+                                    AttentionWindow{w.window, w.attention_scale});
   // In place on the fresh results (a + b == b + a bit for bit): no new tensors between the kernels.
-  x = linear(attended, w.o).add_(x);
+  auto out = linear(attended, w.o);
+  x = (w.attention_out_norm.numel() ? rms_norm(out, w.attention_out_norm, eps) : out).add_(x);
   auto gate_up = linears(rms_norm(x, w.post_attention_norm, eps), {&w.gate, &w.up});
   if (w.down.kind == LinearKind::BF16 && gate_up[0].size(1) % 32 == 0)
-    return bf16_linear_rounded(silu_mul_rounded(gate_up[0], gate_up[1]), w.down.weight, w.down.bias).add_(x);
-  return linear(at::silu_(gate_up[0]).mul_(gate_up[1]), w.down).add_(x);
+    out = bf16_linear_rounded(act_mul_rounded(gate_up[0], gate_up[1], w.activation), w.down.weight, w.down.bias);
+  else
+    out = linear(activate_(gate_up[0], w.activation).mul_(gate_up[1]), w.down);
+  return (w.mlp_out_norm.numel() ? rms_norm(out, w.mlp_out_norm, eps) : out).add_(x);
 }
 
 FusedLayers::FusedLayers(std::vector<LayerWeights> layers, double eps, std::optional<HeadWeights> head)
     : layers_(std::move(layers)), eps_(eps), head_(std::move(head)) {
   for (LayerWeights& w : layers_) {
     TORCH_CHECK(w.input_norm.defined() && w.post_attention_norm.defined(), "every layer needs its two norms");
-    fill_absent(w.q_norm);
-    fill_absent(w.k_norm);
+    TORCH_CHECK(w.window >= 0 && w.attention_scale >= 0, "a window of 0 (none) or more keys, a scale of 0 (D^-1/2) or more");
+    for (at::Tensor* t : {&w.q_norm, &w.k_norm, &w.attention_out_norm, &w.mlp_out_norm}) fill_absent(*t);
+    local_rope_ = local_rope_ || w.local_rope;
     for (LinearWeights* l : {&w.q, &w.k, &w.v, &w.o, &w.gate, &w.up, &w.down}) fill_absent(*l);
   }
   if (head_) {
@@ -161,15 +173,22 @@ std::vector<Segment> FusedLayers::segments(const std::vector<at::Tensor>& caches
 
 bool FusedLayers::one_region(int64_t rows) const { return region_ && region_runs(*region_, rows); }
 
-// x [N, hidden], cos and sin [N, D]: the rows of several sequences one after another, `rows[i]` of them for
+StepRope FusedLayers::step_rope(const std::vector<at::Tensor>& rope, int64_t rows) const {
+  TORCH_CHECK(rope.size() == 4 || (rope.size() == 2 && !local_rope_),
+              "cos, sin, then the sliding-window layers' cos, sin expected");
+  for (const auto& t : rope) TORCH_CHECK(t.dim() == 2 && t.size(0) == rows, "one rope row per row of x");
+  return rope.size() == 4 ? StepRope{rope[0], rope[1], rope[2], rope[3]} : StepRope{rope[0], rope[1], {}, {}};
+}
+
+// x [N, hidden], rope as step_rope's: the rows of several sequences one after another, `rows[i]` of them for
 // sequence i, whose cache is caches_k[i], caches_v[i] [L, H_kv, S, D] with `starts[i]` positions filled.
-at::Tensor FusedLayers::forward_segments(at::Tensor x, at::Tensor cos, at::Tensor sin,
+at::Tensor FusedLayers::forward_segments(at::Tensor x, std::vector<at::Tensor> rope,
                                             std::vector<at::Tensor> caches_k, std::vector<at::Tensor> caches_v,
                                             std::vector<int64_t> starts, std::vector<int64_t> rows) const {
   const auto segs = segments(caches_k, caches_v, starts, rows, x.size(0));
-  TORCH_CHECK(cos.size(0) == x.size(0) && sin.size(0) == x.size(0), "one rope row per row of x");
-  if (one_region(x.size(0))) return run_region(*region_, x, cos, sin, segs, eps_, nullptr);
-  for (size_t i = 0; i < layers_.size(); ++i) x = decoder_layer(x, layers_[i], eps_, cos, sin, segs, static_cast<int64_t>(i));
+  const StepRope step = step_rope(rope, x.size(0));
+  if (one_region(x.size(0))) return run_region(*region_, x, step.cos, step.sin, segs, eps_, nullptr);
+  for (size_t i = 0; i < layers_.size(); ++i) x = decoder_layer(x, layers_[i], eps_, step, segs, static_cast<int64_t>(i));
   return x;
 }
 
@@ -229,19 +248,21 @@ at::Tensor rope_rows(const at::Tensor& table, const std::vector<int64_t>& starts
 // of a verify step) -> float32 logits [picked, V], the values the model's own modules give one by one. After a
 // forward has streamed the weights through the caches each Python-level operation costs tens of microseconds,
 // and the embedding, the rope rows and the tail were about ten of them.
-at::Tensor FusedLayers::forward_tokens(std::vector<int64_t> ids, at::Tensor embedding, at::Tensor cos_table,
-                                          at::Tensor sin_table, std::vector<at::Tensor> caches_k,
+at::Tensor FusedLayers::forward_tokens(std::vector<int64_t> ids, at::Tensor embedding,
+                                          std::vector<at::Tensor> rope_tables, std::vector<at::Tensor> caches_k,
                                           std::vector<at::Tensor> caches_v, std::vector<int64_t> starts,
                                           std::vector<int64_t> rows, std::vector<int64_t> picked) const {
   TORCH_CHECK(head_.has_value(), "these layers were built without the final norm and lm_head");
   TORCH_CHECK(starts.size() == rows.size(), "one start per segment");
-  auto cos = rope_rows(cos_table, starts, rows), sin = rope_rows(sin_table, starts, rows);
-  const int64_t N = cos.size(0);
+  std::vector<at::Tensor> rope;
+  for (const auto& table : rope_tables) rope.push_back(rope_rows(table, starts, rows));
+  const int64_t N = rope.empty() ? 0 : rope[0].size(0);
+  const auto &cos = rope.at(0), &sin = rope.at(1);
   for (int64_t row : picked) TORCH_CHECK(row >= 0 && row < N, "picked row ", row, " is not one of the ", N, " rows");
   if (one_region(N) && region_has_head(*region_))  // the layers and the head in one region
     return run_region(*region_, embed_rows(embedding, ids), cos, sin, segments(caches_k, caches_v, starts, rows, N),
                       eps_, &picked);
-  auto hidden = forward_segments(embed_rows(embedding, ids), cos, sin, std::move(caches_k), std::move(caches_v),
+  auto hidden = forward_segments(embed_rows(embedding, ids), std::move(rope), std::move(caches_k), std::move(caches_v),
                                  std::move(starts), std::move(rows));
   const bool all = static_cast<int64_t>(picked.size()) == N && std::is_sorted(picked.begin(), picked.end());
   if (!all) hidden = hidden.index_select(0, at::tensor(picked, at::kLong));

@@ -4,6 +4,7 @@
 #include "cpu.h"
 #include "linear_kind.h"
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
@@ -60,9 +61,15 @@ std::vector<double> keep_weights(at::Tensor logits, at::Tensor weights, at::Tens
 int64_t draw_index(at::Tensor weights, double u);
 // bf16_products: the step's linears take bfloat16 inputs (the bf16 verifier): then attention too runs on bfloat16
 // products where bf16_attention says so (attention_amx.cpp).
+// window: a sliding-window layer's (each query sees its last `window` positions), 0 for causal attention over the
+// whole cache; scale: the scores' (0: head_dim^-1/2).
+struct AttentionWindow {
+  int64_t window = 0;
+  double scale = 0;
+};
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos,
                                at::Tensor sin, at::Tensor cache_k, at::Tensor cache_v, int64_t start,
-                               bool bf16_products);
+                               bool bf16_products, int64_t window, double scale);
 // One sequence's rows inside a call over several: its cache [L, H_kv, S, D], positions filled, row count.
 struct Segment {
   at::Tensor cache_k, cache_v;
@@ -75,7 +82,8 @@ class AttentionSteps {
  public:
   // segments' caches [L, H_kv, S, D] (contiguous float32), T rows of H query heads; threads: how many share the items;
   // bf16_products as decode_attention's.
-  AttentionSteps(const std::vector<Segment>& segments, int64_t T, int64_t H, int64_t threads, bool bf16_products = false);
+  AttentionSteps(const std::vector<Segment>& segments, int64_t T, int64_t H, int64_t threads, bool bf16_products = false,
+                 AttentionWindow shape = {});
   ~AttentionSteps();
   AttentionSteps(const AttentionSteps&) = delete;
   AttentionSteps& operator=(const AttentionSteps&) = delete;
@@ -103,10 +111,14 @@ class AttentionSteps {
   struct Item {  // rows [first, first + count) of one kv head of one view (row r: token r / group, head r % group)
     int64_t view, kv, first, count, keys;  // keys: the key rows its rows read in all, its cost
   };
+  // The first key a query at position pos sees.
+  int64_t first_key(int64_t pos) const { return window_ ? std::max<int64_t>(0, pos - window_ + 1) : 0; }
+
   std::vector<View> views_;
   std::vector<int64_t> row_view_;  // the view of each row
   std::vector<Item> items_;
-  int64_t H_, H_kv_ = 0, D_ = 0;
+  int64_t H_, H_kv_ = 0, D_ = 0, window_ = 0;
+  float scale_ = 0;
   bool wide_ = false;  // AVX-512 attention (float_path_avx512, D % 64 == 0)
   bool amx_ = false;   // bfloat16 attention on AMX tiles (bf16_attention)
   struct Pack {        // 32 keys and values of one kv head of one view
@@ -123,10 +135,16 @@ class AttentionSteps {
 // decode_attention for the rows of several sequences, each over layer `layer` of its own cache (caches checked
 // by the caller: contiguous float32 [L, H_kv, S, D], one H_kv and D).
 at::Tensor segment_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos, at::Tensor sin,
-                                const std::vector<Segment>& segments, int64_t layer, bool bf16_products);
+                                const std::vector<Segment>& segments, int64_t layer, bool bf16_products,
+                                AttentionWindow shape = {});
+// cos and sin [N, D] of a step's rows: the model's, and where its sliding-window layers have their own frequencies
+// (Gemma 3) theirs (local_cos, local_sin; undefined otherwise).
+struct StepRope {
+  at::Tensor cos, sin, local_cos, local_sin;
+};
 // One decoder layer (decoder_layer.cpp) over the rows of the segments, layer `layer` of each one's cache.
-at::Tensor decoder_layer(at::Tensor x, const LayerWeights& w, double eps, const at::Tensor& cos,
-                            const at::Tensor& sin, const std::vector<Segment>& segments, int64_t layer);
+at::Tensor decoder_layer(at::Tensor x, const LayerWeights& w, double eps, const StepRope& rope,
+                            const std::vector<Segment>& segments, int64_t layer);
 
 // Every layer of a small step in one parallel region, for models whose linears are all packed W8A8
 // (packed_w8a8_step.cpp): plan_region is nullptr for any other model; run_region gives bitwise decoder_layer's results,
@@ -144,13 +162,15 @@ class FusedLayers {
  public:
   // head: the final norm and the lm_head, or none (forward_tokens then refuses).
   FusedLayers(std::vector<LayerWeights> layers, double eps, std::optional<HeadWeights> head);
-  at::Tensor forward_segments(at::Tensor x, at::Tensor cos, at::Tensor sin,
+  // rope: cos, sin [N, D] of x's rows, then the sliding-window layers' own pair where the model has one (Gemma 3).
+  at::Tensor forward_segments(at::Tensor x, std::vector<at::Tensor> rope,
                                  std::vector<at::Tensor> caches_k, std::vector<at::Tensor> caches_v,
                                  std::vector<int64_t> starts, std::vector<int64_t> rows) const;
-  at::Tensor forward_tokens(std::vector<int64_t> ids, at::Tensor embedding, at::Tensor cos_table,
-                               at::Tensor sin_table, std::vector<at::Tensor> caches_k,
-                               std::vector<at::Tensor> caches_v, std::vector<int64_t> starts,
-                               std::vector<int64_t> rows, std::vector<int64_t> picked) const;
+  // rope_tables: cos, sin [L, D] of positions 0 .. L - 1, then the sliding-window layers' own pair if any.
+  at::Tensor forward_tokens(std::vector<int64_t> ids, at::Tensor embedding, std::vector<at::Tensor> rope_tables,
+                               std::vector<at::Tensor> caches_k, std::vector<at::Tensor> caches_v,
+                               std::vector<int64_t> starts, std::vector<int64_t> rows,
+                               std::vector<int64_t> picked) const;
   // Whether a step of this many rows runs every layer in one parallel region (packed_w8a8_step.cpp).
   bool one_region(int64_t rows) const;
 
@@ -159,8 +179,13 @@ class FusedLayers {
   std::vector<Segment> segments(const std::vector<at::Tensor>& caches_k, const std::vector<at::Tensor>& caches_v,
                                 const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t total) const;
 
+  // The StepRope of 2 or 4 tensors (checked: 4 where a layer takes the local pair; a model with a local pair may give it
+  // when none of its layers takes it).
+  StepRope step_rope(const std::vector<at::Tensor>& rope, int64_t rows) const;
+
   std::vector<LayerWeights> layers_;
   double eps_;
+  bool local_rope_ = false;  // some layer takes the sliding-window layers' rope
   std::optional<HeadWeights> head_;
   std::shared_ptr<const RegionPlan> region_;  // nullptr: not all packed W8A8
 };

@@ -26,10 +26,27 @@ struct LinearWeights {
   at::Tensor weight, scale, bias;
 };
 
-// One decoder layer: its two norms, the q/k norms of qk-norm models (empty otherwise) and its seven linears.
+// What the MLP multiplies `up` by: silu(gate) (SwiGLU, the Llama family) or the tanh-approximated gelu(gate) (GeGLU,
+// Gemma).
+enum class Activation : int64_t { SILU = 0, GELU_TANH = 1 };
+
+// One decoder layer: its two norms (before attention, before the MLP), the q/k norms of qk-norm models (empty
+// otherwise), the norms of the attention's and the MLP's outputs before the residual adds them (Gemma's sandwich
+// norms; empty otherwise), its seven linears, and its attention's shape: a sliding window (0: none) that also takes
+// the second rope table (local_rope), and the scores' scale (0: head_dim^-1/2). Gemma's norms weigh by (1 + w): the
+// kernels take that sum as the weight.
 struct LayerWeights {
-  at::Tensor input_norm, post_attention_norm, q_norm, k_norm;
+  at::Tensor input_norm, post_attention_norm, q_norm, k_norm, attention_out_norm, mlp_out_norm;
   LinearWeights q, k, v, o, gate, up, down;
+  Activation activation = Activation::SILU;
+  int64_t window = 0;
+  bool local_rope = false;
+  double attention_scale = 0;
+  // Whether the layer is a plain Llama-family one (none of Gemma's parts above).
+  bool llama_form() const {
+    return !attention_out_norm.numel() && !mlp_out_norm.numel() && activation == Activation::SILU && !window &&
+           !local_rope && attention_scale == 0;
+  }
   // The seven linears in the order of a layer's forward.
   std::array<const LinearWeights*, 7> linears() const { return {&q, &k, &v, &o, &gate, &up, &down}; }
 };

@@ -129,6 +129,7 @@ std::shared_ptr<const RegionPlan> plan_region(const std::vector<LayerWeights>& l
   auto plan = std::make_shared<RegionPlan>();
   for (size_t l = 0; l < layers.size(); ++l) {
     const LayerWeights& w = layers[l];
+    if (!w.llama_form()) return nullptr;  // the region runs the Llama family's layers only
     std::vector<PackedLinear> lin;
     for (const LinearWeights* linear : w.linears()) {
       auto p = packed(*linear);
