@@ -106,6 +106,82 @@ def test_the_fused_kernels_give_the_torch_modules_logits_past_the_window(gemma_d
     assert (steps(fused, window=False) - reference).abs().max() > 10 * tolerance * reference.abs().max()
 
 
+@pytest.fixture
+def small_rings(monkeypatch):
+    """Rings of 64 positions (steps of at most 4 tokens, window 8): every cache of 256 keeps its sliding layers in
+    rings, and every prompt here is prefilled in pieces."""
+    from quasar.model import gemma3
+
+    monkeypatch.setattr(gemma3, "RING_ROWS", 4)
+
+
+LONG_TEXT = "The quick brown fox jumps over the lazy dog, and the lazy dog sleeps on. " * 4
+
+
+@pytest.fixture(params=["fp32-or-w8a8", "bf16"])
+def any_target(request, target, gemma_dir, tmp_path, monkeypatch):
+    """target, and the bf16 verifier (its attention on AMX tiles where the CPU has them)."""
+    from quasar import files
+    from quasar.verifiers.registry import load_verifier
+
+    if request.param != "bf16":
+        return target
+    monkeypatch.setattr(files, "_cache_dir", tmp_path)
+    return load_verifier(gemma_dir, "bf16")
+
+
+@needs_kernels
+def test_ring_caches_answer_as_whole_caches(any_target, small_rings, monkeypatch):
+    """Greedy speculative decoding over 200 tokens (the rings wrap several times, verify steps are trimmed back in
+    them) and a batch of requests give bitwise the tokens of caches that keep every position."""
+    from quasar.model import gemma3
+
+    target = any_target
+    cache = target.model.new_cache(256)
+    assert cache.ring == 64 and cache.max_rows == 4 and cache.k.shape[0] == 1 and cache.ring_k.shape[0] == 2
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (200, 40, 90)]
+
+    def answers(rings: int):
+        engine = Engine(target, decoder_for("ngram", target, k=3))  # a cache pool of its own
+        ids = [engine.encode(t, chat=False) for t in (LONG_TEXT, TEXTS[0], TEXTS[1])]
+        alone = [engine.generate(i, p).token_ids for i, p in zip(ids, params)]
+        requests = [engine.request(i, p) for i, p in zip(ids, params)]
+        Batch(engine, max_batch=3, max_rows=6).run_all(requests)
+        assert {c.ring for c in engine.caches.free} == {rings}
+        return alone, [r.output.token_ids for r in requests]
+
+    ringed = answers(64)
+    monkeypatch.setattr(gemma3, "RING_ROWS", 0)
+    whole = answers(0)
+    assert ringed == whole and ringed[0] == ringed[1]
+
+
+@needs_kernels
+def test_a_ring_refuses_what_it_no_longer_holds(target, small_rings):
+    """A trim back past what the rings hold, or a prefix of such a cache, is refused (not read stale); a prefix the
+    rings still hold (a chat's next turn) is taken."""
+    import torch
+
+    from quasar.model.kv_cache import CachePool
+
+    model = target.model
+    cache = model.new_cache(256)
+    with torch.inference_mode():
+        model(torch.arange(1, 101)[None], cache)
+    assert cache.keeps(100 - 26) and not cache.keeps(100 - 27)  # R - window - 30 = 26 positions back
+    with pytest.raises(ValueError, match="cannot trim"):
+        cache.trim(27)
+    cache.trim(26)
+    pool = CachePool(model)
+    taken = pool.take(256)
+    with torch.inference_mode():
+        model(torch.arange(1, 101)[None], taken)
+    taken.held = list(range(1, 101))
+    pool.give(taken)
+    assert pool.longest_prefix(list(range(1, 101)) + [7, 8]) == (taken, 100)
+    assert pool.longest_prefix(list(range(1, 50)) + [7, 8]) == (None, 0)  # its window is gone from the rings
+
+
 def test_smoothing_folds_into_a_one_plus_w_norm():
     import torch
 
@@ -165,10 +241,13 @@ def test_real_gemma_fp32_greedy_equals_transformers(real_pair, prompt):
     assert got == want
 
 
-@pytest.mark.parametrize("verifier", ["w8a8", "w4a8"])
-def test_real_gemma_greedy_speculative_equals_plain_past_the_window(verifier):
-    """On the kernels' linears, W8A8 and the file's own blocks: n-gram drafts change nothing, over 600 tokens of
-    prompt (longer than the 512-token window)."""
+@pytest.mark.parametrize("verifier", ["w8a8", "w4a8", "bf16"])
+def test_real_gemma_greedy_speculative_equals_plain_past_the_window(verifier, monkeypatch):
+    """On the fused kernels, W8A8, the file's own blocks and bf16 (its attention on AMX tiles where the CPU has them,
+    head_dim 256): n-gram drafts change nothing over 600 tokens of prompt (longer than the 512-token window), and
+    caches whose sliding layers keep rings (prefilled 16 tokens at a time, 600 new tokens: they wrap) answer as
+    caches that keep every position."""
+    from quasar.model import gemma3
     from quasar.verifiers.registry import load_verifier
 
     path = real_gemma()
@@ -178,6 +257,12 @@ def test_real_gemma_greedy_speculative_equals_plain_past_the_window(verifier):
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     want, got = plain.generate(ids, params), spec.generate(ids, params)
     assert got.token_ids == want.token_ids and got.stats.verify_steps < 40
+    long = SamplingParams(max_new_tokens=600, ignore_eos=True)
+    whole = Engine(target, decoder_for("ngram", target, k=5)).generate(ids, long)
+    monkeypatch.setattr(gemma3, "RING_ROWS", 16)
+    ringed = Engine(target, decoder_for("ngram", target, k=5))
+    assert ringed.generate(ids, long).token_ids == whole.token_ids
+    assert {c.ring for c in ringed.caches.free} == {576}
 
 
 def test_the_exact_cascade_answers_as_its_top_verifier(gemma_dir, tmp_path, monkeypatch):

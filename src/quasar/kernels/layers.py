@@ -184,14 +184,18 @@ class FusedLayers(Layers):
         up in `embedding` (the embedding module's table), rope rows read from the tables `rope` (cos, sin [L, D], then
         the sliding-window layers' pair if any: Transformer.rope_tables) at each sequence's positions, every layer, then
         the tail on the rows `picked` -> float32 logits [picked, V]."""
-        k, v, starts = self.cache_args(caches)
-        logits = self.fused.forward_tokens(ids, embedding, rope, k, v, starts, rows, picked)
+        logits = self.fused.forward_tokens(ids, embedding, rope, *self.cache_args(caches), rows, picked)
         self.advance(caches, rows)
         return logits
 
     @staticmethod
-    def cache_args(caches: list[KVCache]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
-        return [c.k[:, 0] for c in caches], [c.v[:, 0] for c in caches], [c.length for c in caches]
+    def cache_args(caches: list[KVCache]) -> tuple[list[torch.Tensor], ...]:
+        """The caches as the kernels take them: keys, values, the rings' keys and values (none: no rings), starts."""
+        rings = [c for c in caches if c.ring]
+        if rings and len(rings) < len(caches):
+            raise ValueError("the caches of one step all keep rings or none does")
+        return ([c.k[:, 0] for c in caches], [c.v[:, 0] for c in caches], [c.ring_k[:, 0] for c in rings],
+                [c.ring_v[:, 0] for c in rings], [c.length for c in caches])
 
     @staticmethod
     def advance(caches: list[KVCache], rows: list[int]) -> None:

@@ -18,7 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from quasar.model.config import ModelConfig
-from quasar.model.kv_cache import KVCache
+from quasar.model.kv_cache import KVCache, ring_size
+
+# The most tokens a forward writes into a cache whose sliding-window layers keep rings (Gemma3.new_cache): longer
+# prefills run in pieces of this many.
+RING_ROWS = 128
 from quasar.model.llama import (
     MLP,
     Attention,
@@ -137,6 +141,13 @@ class Gemma3(Transformer):
     def reset_rope(self) -> None:
         super().reset_rope()
         self.inv_freq_local = rope_inv_freq(dataclasses.replace(self.config, rope_theta=self.config.rope_local_theta))
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        """On the fused kernels, a cache longer than twice its ring keeps the sliding layers in rings (KVCache): their
+        memory no longer grows with the context."""
+        window = self.config.sliding_window
+        rings = self.plan.fused and batch == 1 and window and max_len > 2 * ring_size(window, RING_ROWS)
+        return KVCache(self.config, max_len, batch, self.dtype, self.device, RING_ROWS if rings else 0)
 
     def rope_tables(self, n: int) -> list[torch.Tensor]:
         return [*self.rope_table(n), *self.rope_table(n, "inv_freq_local")]

@@ -26,6 +26,12 @@ def blank(*shape: int, dtype: torch.dtype, device: torch.device | str) -> torch.
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def ring_size(window: int, rows: int) -> int:
+    """R of a ring that holds what steps of up to `rows` tokens read on a layer of this window: the step's keys and,
+    before them, the window of its first row from the start of its block of 32 (csrc/attention.cpp), in whole blocks."""
+    return (window + rows + 30 + 31) // 32 * 32
+
+
 class KVCache:
     """K/V buffers of shape [L, B, H_kv, S, D]; `length` tokens of them are valid.
 
@@ -34,6 +40,11 @@ class KVCache:
     The buffers start unwritten, so a cache sized for the whole context costs memory only for the positions it
     uses: positions are written before they are read, except those past the end that a masked step reads
     (`update` zeroes them first).
+
+    With `ring` (R > 0; the fused kernels only), the sliding-window layers keep their keys in rings `ring_k`,
+    `ring_v` [L_sliding, B, H_kv, 2 R, D] (position p in slots p % R and p % R + R, csrc/attention.cpp) and `k`, `v`
+    hold the other layers only: a long context costs those layers nothing past the window. Steps then take at most
+    `max_rows` tokens, and a trim may go back at most as far as the rings still hold the window (`keeps`).
     """
 
     def __init__(
@@ -43,13 +54,24 @@ class KVCache:
         batch: int = 1,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        ring_rows: int = 0,
     ) -> None:
-        shape = (config.num_hidden_layers, batch, config.num_key_value_heads, max_len, config.head_dim)
+        """ring_rows > 0: keep a sliding-window model's window layers in rings for steps of at most that many rows."""
+        sliding = sum(config.sliding_layers) if ring_rows and config.sliding_window else 0
+        self.ring = ring_size(config.sliding_window, ring_rows) if sliding else 0
+        self.window = config.sliding_window if sliding else 0
+        self.max_rows = ring_rows if sliding else None  # the most tokens a step may write (None: any)
+        H, D = config.num_key_value_heads, config.head_dim
+        shape = (config.num_hidden_layers - sliding, batch, H, max_len, D)
         self.k = blank(*shape, dtype=dtype, device=device)  # [L, B, H_kv, S, D]
         self.v = blank(*shape, dtype=dtype, device=device)  # [L, B, H_kv, S, D]
+        if sliding:
+            self.ring_k = blank(sliding, batch, H, 2 * self.ring, D, dtype=dtype, device=device)
+            self.ring_v = blank(sliding, batch, H, 2 * self.ring, D, dtype=dtype, device=device)
         self.finite = [0] * config.num_hidden_layers  # per layer: positions below it were written or zeroed
         self.max_len = max_len
         self.length = 0
+        self.written = 0  # the end of the positions written since the last reset (past `length` after a trim)
         self.held: list[int] = []  # the tokens at positions [0, len(held)), where known (len(held) <= length)
 
     def check_room(self, n: int) -> None:
@@ -69,6 +91,8 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, H_kv, T, D] at the next T positions; return the first `span` keys/values
         [B, H_kv, span, D] (span >= length + T; positions past that are masked by the caller)."""
+        if self.ring:
+            raise RuntimeError("a cache with rings is read by the fused kernels only")
         end = self.length + k.shape[2]
         self.k[layer, :, :, self.length : end] = k
         self.v[layer, :, :, self.length : end] = v
@@ -81,6 +105,12 @@ class KVCache:
 
     def advance(self, n: int) -> None:
         self.length += n
+        self.written = max(self.written, self.length)
+
+    def keeps(self, n: int) -> bool:
+        """Whether this cache trimmed to its first n positions still holds what the next step reads: always, but
+        where the rings have since overwritten the window of position n."""
+        return not self.ring or self.written - n <= self.ring - self.window - 30
 
     def wrote(self, n: int, tokens: list[int] | None = None) -> None:
         """Record that the last forward wrote n positions before `length`, holding `tokens` (None: not known, or not
@@ -92,20 +122,26 @@ class KVCache:
             self.held.extend(tokens)
 
     def copy_prefix(self, source: KVCache, n: int) -> None:
-        """Hold the first n positions of `source` (a cache of the same model), keys, values and tokens."""
+        """Hold the first n positions of `source` (a cache of the same model and layout, `source.keeps(n)`), keys,
+        values and tokens."""
+        if not source.keeps(n) or source.ring != self.ring:
+            raise ValueError(f"cannot take {n} positions of a cache whose rings no longer hold them")
         self.k[:, :, :, :n] = source.k[:, :, :, :n]
         self.v[:, :, :, :n] = source.v[:, :, :, :n]
-        self.length, self.held = n, source.held[:n]
+        if self.ring:
+            self.ring_k.copy_(source.ring_k)
+            self.ring_v.copy_(source.ring_v)
+        self.length, self.written, self.held = n, source.written, source.held[:n]
 
     def trim(self, n: int) -> None:
         """Forget the last n positions (they are overwritten by the next write)."""
-        if not 0 <= n <= self.length:
+        if not 0 <= n <= self.length or not self.keeps(self.length - n):
             raise ValueError(f"cannot trim {n} of {self.length} cached positions")
         self.length -= n
         del self.held[self.length :]
 
     def reset(self) -> None:
-        self.length = 0
+        self.length = self.written = 0
         self.held.clear()
 
 
@@ -133,6 +169,9 @@ class StreamCache:
         the last. Call `fed` with what the next forward writes."""
         assert self.cache is not None
         common = common_prefix(self.cached, stream, min(len(self.cached), len(stream) - 1))
+        if not self.cache.keeps(common):  # its rings no longer hold that prefix's window: start over
+            common = 0
+            self.cache.reset()
         self.cache.trim(self.cache.length - common)
         del self.cached[common:]
         feed = stream[common:]
@@ -197,7 +236,7 @@ class CachePool:
         best, most = None, 0
         for cache in self.free:
             common = common_prefix(cache.held, prompt, min(len(cache.held), len(prompt) - 1))
-            if common > most:
+            if common > most and cache.keeps(common):
                 best, most = cache, common
         return best, most
 

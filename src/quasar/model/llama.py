@@ -352,6 +352,9 @@ class Transformer(nn.Module):
         if not self.plan.fused and (not self.plan.batches_rows or len(steps) == 1):
             return [self.forward_modules(torch.tensor([s.tokens], device=self.device), s.cache, s.last_only)[0]
                     for s in steps]
+        most = min((s.cache.max_rows for s in steps if s.cache.max_rows), default=None)
+        if most is not None and any(len(s.tokens) > most for s in steps):
+            return self.forward_in_pieces(steps, most)
         rows = [len(s.tokens) for s in steps]
         caches = [s.cache for s in steps]
         for cache, n in zip(caches, rows):
@@ -370,6 +373,17 @@ class Transformer(nn.Module):
             x = self.model.layers.forward_segments(x, rope, caches, rows)
             logits = self.lm_head(self.model.norm(x[torch.tensor(picked, device=self.device)])).float()  # [picked, V]
         return list(logits.split([len(r) for r in scored]))
+
+    def forward_in_pieces(self, steps: Sequence[Rows], most: int) -> list[torch.Tensor]:
+        """forward_steps of steps some of which are longer than their caches take at once (`max_rows`, caches with
+        rings): `most` tokens of each at a time, the logits of every piece joined (the last piece's, last_only)."""
+        done, parts = [0] * len(steps), [[] for _ in steps]
+        while live := [i for i, s in enumerate(steps) if done[i] < len(s.tokens)]:
+            pieces = [Tokens(steps[i].tokens[done[i]:done[i] + most], steps[i].cache, steps[i].last_only) for i in live]
+            for i, piece, logits in zip(live, pieces, self.forward_steps(pieces)):
+                parts[i].append(logits)
+                done[i] += len(piece.tokens)
+        return [torch.cat(p[-1:] if s.last_only else p) for p, s in zip(parts, steps)]
 
     def forward_modules(self, input_ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """input_ids [B, T] through the modules one by one (each layer a module call, as hooks see them) -> logits

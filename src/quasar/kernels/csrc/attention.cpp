@@ -8,6 +8,9 @@
 //   s_j = (q . k_j) * D^-1/2,  e_j = exp(s_j - max s),  out = (sum_j e_j v_j) / (sum_j e_j).
 // A sliding-window layer (Gemma 3's, `window` > 0) attends over keys start + t - window + 1 .. start + t instead and
 // reads no key before them; a model may set its own scale (Gemma's query_pre_attn_scalar^-1/2) for D^-1/2.
+// Such a layer may keep its keys in a ring (Segment::ring_k): position p in slot p % R and again in slot p % R + R of
+// 2R slots, so that any R consecutive positions lie side by side; R is a multiple of 32, so a key's place in its block
+// of 32 is the same in the ring as in a plain cache, and the rows get the same floats either way.
 // A row reads only its own query and the keys up to its position, so a token scored alone (decode)
 // and inside [last, *draft] (verify) gets bitwise the same output, whatever T and the cache size are:
 // the property that makes greedy speculative decoding equal plain decoding, without padding.
@@ -41,21 +44,26 @@ inline void rope(const float* x, const float* cos, const float* sin, float* out,
 }  // namespace
 
 AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, int64_t H, int64_t threads,
-                               bool bf16_products, AttentionWindow shape)
+                               bool bf16_products, AttentionWindow shape, bool ring)
     : row_view_(T, -1), H_(H), window_(shape.window) {
-  const auto& first = segments.at(0).cache_k;
+  const auto& first = ring ? segments.at(0).ring_k : segments.at(0).cache_k;
   H_kv_ = first.size(1);
   D_ = first.size(3);
   TORCH_CHECK(D_ % 8 == 0 && H % H_kv_ == 0, "bad head shapes");
   TORCH_CHECK(window_ >= 0, "a window of at least one key, or 0 for none");
   scale_ = shape.scale > 0 ? static_cast<float>(shape.scale) : 1.f / std::sqrt(static_cast<float>(D_));
   int64_t row = 0;
+  TORCH_CHECK(!ring || window_ > 0, "only a sliding-window layer keeps its keys in a ring");
   for (const Segment& s : segments) {
-    const int64_t S = s.cache_k.size(2);
-    TORCH_CHECK(s.start >= 0 && s.start + s.rows <= S, "the new tokens do not fit the cache");
+    const auto &keys = ring ? s.ring_k : s.cache_k, &values = ring ? s.ring_v : s.cache_v;
+    TORCH_CHECK(keys.defined() && values.defined(), "every segment needs its ring");
+    const int64_t S = keys.size(2), R = ring ? S / 2 : 0, origin = first_key(s.start) / 32 * 32;
+    TORCH_CHECK(s.start >= 0 && (ring ? s.start + s.rows - origin <= R : s.start + s.rows <= S),
+                ring ? "the new tokens and their window do not fit the ring" : "the new tokens do not fit the cache");
     TORCH_CHECK(row + s.rows <= T, "the sequences' rows are not q's rows");
     std::fill(row_view_.begin() + row, row_view_.begin() + row + s.rows, static_cast<int64_t>(views_.size()));
-    views_.push_back(View{s.cache_k.data_ptr<float>(), s.cache_v.data_ptr<float>(), H_kv_ * S * D_, S, s.start, row, s.rows});
+    views_.push_back(View{keys.data_ptr<float>(), values.data_ptr<float>(), H_kv_ * S * D_, S, s.start, row, s.rows, R,
+                          origin});
     row += s.rows;
   }
   TORCH_CHECK(row == T, "the segments' rows are q's rows");
@@ -99,13 +107,13 @@ AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, 
   // prefill), else by the item itself before it attends (decode, verify: no parallel phase more per layer).
   int64_t size = 0;
   for (size_t v = 0; v < views_.size(); ++v) {
-    const int64_t padded = (views_[v].start + views_[v].rows + 31) / 32 * 32, from = first_key(views_[v].start) / 32;
+    const int64_t padded = (views_[v].start + views_[v].rows - views_[v].origin + 31) / 32 * 32;
     const bool shared = std::count_if(items_.begin(), items_.end(), [&](const Item& i) {
       return i.view == static_cast<int64_t>(v) && i.kv == 0; }) > 1;
     packed_.push_back(Packed{padded * D_, shared ? size : -1});
     if (!shared) continue;
     for (int64_t kv = 0; kv < H_kv_; ++kv)
-      for (int64_t b = from; b < padded / 32; ++b) packs_.push_back(Pack{static_cast<int64_t>(v), kv, b});
+      for (int64_t b = 0; b < padded / 32; ++b) packs_.push_back(Pack{static_cast<int64_t>(v), kv, b});
     size += 2 * H_kv_ * padded * D_;
   }
   thread_local std::vector<uint16_t> buffer;  // grows to the largest step's, never given back: no page faults per layer
@@ -128,9 +136,10 @@ void AttentionSteps::pack(int64_t layer, int64_t i) const {
   const Pack& p = packs_[i];
   const View& view = views_[p.view];
   const Packed& into = packed_[p.view];
-  const int64_t at = layer * view.layer_size + p.kv * view.S * D_;
+  const int64_t at = from_origin(view, layer, p.kv);
   uint16_t* k = shared_ + into.at + 2 * p.kv * into.size;
-  amx_pack_block(view.k + at, view.v + at, first_key(view.start), view.start + view.rows, p.block, D_, k, k + into.size);
+  amx_pack_block(view.k + at, view.v + at, first_key(view.start) - view.origin, view.start + view.rows - view.origin,
+                 p.block, D_, k, k + into.size);
 }
 
 void AttentionSteps::rope(int64_t layer, const float* q, const float* k, const float* v, const float* cos,
@@ -140,9 +149,15 @@ void AttentionSteps::rope(int64_t layer, const float* q, const float* k, const f
     const int64_t pos = view.start + t - view.row0;
     float *k_cache = view.k + layer * view.layer_size, *v_cache = view.v + layer * view.layer_size;
     for (int64_t h = 0; h < H_; ++h) ::rope(q + (t * H_ + h) * D_, cos + t * D_, sin + t * D_, q_rot + (t * H_ + h) * D_, D_);
+    const int64_t slot = view.ring ? pos % view.ring : pos;
     for (int64_t h = 0; h < H_kv_; ++h) {
-      ::rope(k + (t * H_kv_ + h) * D_, cos + t * D_, sin + t * D_, k_cache + (h * view.S + pos) * D_, D_);
-      std::copy(v + (t * H_kv_ + h) * D_, v + (t * H_kv_ + h + 1) * D_, v_cache + (h * view.S + pos) * D_);
+      float *key = k_cache + (h * view.S + slot) * D_, *value = v_cache + (h * view.S + slot) * D_;
+      ::rope(k + (t * H_kv_ + h) * D_, cos + t * D_, sin + t * D_, key, D_);
+      std::copy(v + (t * H_kv_ + h) * D_, v + (t * H_kv_ + h + 1) * D_, value);
+      if (view.ring) {  // and its mirror R slots on
+        std::copy(key, key + D_, key + view.ring * D_);
+        std::copy(value, value + D_, value + view.ring * D_);
+      }
     }
   }
 }
@@ -155,19 +170,20 @@ void AttentionSteps::attend(int64_t layer, int64_t i, const float* q_rot, float*
   rows.clear();
   for (int64_t r = item.first; r < item.first + item.count; ++r) {
     const int64_t t = view.row0 + r / group, h = item.kv * group + r % group;
-    const int64_t pos = view.start + r / group;
-    rows.push_back(AttentionRow{q_rot + (t * H_ + h) * D_, first_key(pos), pos, out + (t * H_ + h) * D_});
+    const int64_t pos = view.start + r / group;  // keys counted from the view's origin
+    rows.push_back(AttentionRow{q_rot + (t * H_ + h) * D_, first_key(pos) - view.origin, pos - view.origin,
+                                out + (t * H_ + h) * D_});
   }
-  const int64_t at = layer * view.layer_size + item.kv * view.S * D_;
+  const int64_t at = from_origin(view, layer, item.kv);
   const float scale = scale_;
   if (amx_) {
     const Packed& from = packed_[item.view];
     thread_local std::vector<uint16_t> own;
     if (from.at < 0) {  // this item is all of its kv head's rows: it packs their keys and values itself
       own.resize(std::max<size_t>(own.size(), 2 * from.size));
-      const int64_t first = first_key(view.start);
-      for (int64_t b = first / 32; b < from.size / D_ / 32; ++b)
-        amx_pack_block(view.k + at, view.v + at, first, view.start + view.rows, b, D_, own.data(), own.data() + from.size);
+      const int64_t first = first_key(view.start) - view.origin, end = view.start + view.rows - view.origin;
+      for (int64_t b = 0; b < from.size / D_ / 32; ++b)
+        amx_pack_block(view.k + at, view.v + at, first, end, b, D_, own.data(), own.data() + from.size);
     }
     const uint16_t* k = from.at < 0 ? own.data() : shared_ + from.at + 2 * item.kv * from.size;
     amx_attend_rows(rows, k, k + from.size, D_, scale);
@@ -231,11 +247,11 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor
 // segment i attending over layer `layer` of its own cache [L, H_kv, S, D] (checked by FusedLayers::forward_segments).
 at::Tensor segment_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos, at::Tensor sin,
                                 const std::vector<Segment>& segments, int64_t layer, bool bf16_products,
-                                AttentionWindow shape) {
+                                AttentionWindow shape, bool ring) {
   const int64_t D = segments.at(0).cache_k.size(3);
   TORCH_CHECK(q.dim() == 2 && q.size(1) % D == 0, "q [T, H*D] expected");
   auto out = kernel_result(q.sizes(), q.options());
-  attend_steps(AttentionSteps(segments, q.size(0), q.size(1) / D, at::get_num_threads(), bf16_products, shape), layer, q,
-               k, v, cos, sin, out);
+  attend_steps(AttentionSteps(segments, q.size(0), q.size(1) / D, at::get_num_threads(), bf16_products, shape, ring),
+               layer, q, k, v, cos, sin, out);
   return out;
 }

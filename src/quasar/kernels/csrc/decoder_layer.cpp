@@ -109,7 +109,7 @@ at::Tensor act_mul_rounded(at::Tensor gate, at::Tensor up, Activation act) {
 }  // namespace
 
 at::Tensor decoder_layer(at::Tensor x, const LayerWeights& w, double eps, const StepRope& rope,
-                            const std::vector<Segment>& segments, int64_t layer) {
+                            const std::vector<Segment>& segments, int64_t layer, bool ring) {
   const int64_t T = x.size(0), D = segments[0].cache_k.size(3);
   auto qkv = linears(rms_norm(x, w.input_norm, eps), {&w.q, &w.k, &w.v});
   auto q = qkv[0], k = qkv[1];
@@ -121,7 +121,7 @@ at::Tensor decoder_layer(at::Tensor x, const LayerWeights& w, double eps, const 
   const bool bf16_products = all_of_kind({all.begin(), all.end()}, LinearKind::BF16);
   const auto &cos = w.local_rope ? rope.local_cos : rope.cos, &sin = w.local_rope ? rope.local_sin : rope.sin;
   auto attended = segment_attention(q, k, qkv[2], cos, sin, segments, layer, bf16_products,
-                                    AttentionWindow{w.window, w.attention_scale});
+                                    AttentionWindow{w.window, w.attention_scale}, ring);
   // In place on the fresh results (a + b == b + a bit for bit): no new tensors between the kernels.
   auto out = linear(attended, w.o);
   x = (w.attention_out_norm.numel() ? rms_norm(out, w.attention_out_norm, eps) : out).add_(x);
@@ -140,6 +140,7 @@ FusedLayers::FusedLayers(std::vector<LayerWeights> layers, double eps, std::opti
     TORCH_CHECK(w.window >= 0 && w.attention_scale >= 0, "a window of 0 (none) or more keys, a scale of 0 (D^-1/2) or more");
     for (at::Tensor* t : {&w.q_norm, &w.k_norm, &w.attention_out_norm, &w.mlp_out_norm}) fill_absent(*t);
     local_rope_ = local_rope_ || w.local_rope;
+    index_.push_back(w.window ? rings_++ : plains_++);
     for (LinearWeights* l : {&w.q, &w.k, &w.v, &w.o, &w.gate, &w.up, &w.down}) fill_absent(*l);
   }
   if (head_) {
@@ -149,22 +150,36 @@ FusedLayers::FusedLayers(std::vector<LayerWeights> layers, double eps, std::opti
   region_ = plan_region(layers_, head_);
 }
 
+namespace {
+
+void check_cache(const at::Tensor& k, const at::Tensor& v, int64_t layers, const at::Tensor& like) {
+  TORCH_CHECK(k.dim() == 4 && k.size(0) == layers && k.sizes() == v.sizes() && k.size(1) == like.size(1) &&
+              k.size(3) == like.size(3), "caches [L, H_kv, S, D] of this model expected");
+  TORCH_CHECK(k.dtype() == at::kFloat && v.dtype() == at::kFloat && k.is_contiguous() &&
+              v.is_contiguous() && k.device().is_cpu() && v.device().is_cpu(), "contiguous float32 CPU caches expected");
+}
+
+}  // namespace
+
 std::vector<Segment> FusedLayers::segments(const std::vector<at::Tensor>& caches_k,
-                                           const std::vector<at::Tensor>& caches_v, const std::vector<int64_t>& starts,
+                                           const std::vector<at::Tensor>& caches_v, const std::vector<at::Tensor>& rings_k,
+                                           const std::vector<at::Tensor>& rings_v, const std::vector<int64_t>& starts,
                                            const std::vector<int64_t>& rows, int64_t total) const {
   const size_t n = caches_k.size();
   TORCH_CHECK(n > 0 && caches_v.size() == n && starts.size() == n && rows.size() == n, "one cache, start and row count per segment");
+  const bool rings = !rings_k.empty();
+  TORCH_CHECK(!rings || (rings_k.size() == n && rings_v.size() == n && rings_ > 0), "one ring per segment, for a model with windows");
   std::vector<Segment> out;
   int64_t sum = 0;
   for (size_t i = 0; i < n; ++i) {  // checked once here, not in every layer's attention
-    const auto &k = caches_k[i], &v = caches_v[i];
-    TORCH_CHECK(k.dim() == 4 && k.size(0) == static_cast<int64_t>(layers_.size()) && k.sizes() == v.sizes() &&
-                k.size(1) == caches_k[0].size(1) && k.size(3) == caches_k[0].size(3),
-                "caches [L, H_kv, S, D] of this model expected");
-    TORCH_CHECK(k.dtype() == at::kFloat && v.dtype() == at::kFloat && k.is_contiguous() &&
-                v.is_contiguous() && k.device().is_cpu() && v.device().is_cpu(), "contiguous float32 CPU caches expected");
+    check_cache(caches_k[i], caches_v[i], rings ? plains_ : static_cast<int64_t>(layers_.size()), caches_k[0]);
+    if (rings) {
+      check_cache(rings_k[i], rings_v[i], rings_, caches_k[0]);
+      TORCH_CHECK(rings_k[i].size(2) % 64 == 0, "a ring of 2 R slots, R a multiple of 32, expected");
+    }
     TORCH_CHECK(rows[i] > 0, "every segment has at least one row");
-    out.push_back(Segment{caches_k[i], caches_v[i], starts[i], rows[i]});
+    out.push_back(Segment{caches_k[i], caches_v[i], starts[i], rows[i], rings ? rings_k[i] : at::Tensor(),
+                          rings ? rings_v[i] : at::Tensor()});
     sum += rows[i];
   }
   TORCH_CHECK(sum == total, "the segments' rows are x's rows");
@@ -181,14 +196,20 @@ StepRope FusedLayers::step_rope(const std::vector<at::Tensor>& rope, int64_t row
 }
 
 // x [N, hidden], rope as step_rope's: the rows of several sequences one after another, `rows[i]` of them for
-// sequence i, whose cache is caches_k[i], caches_v[i] [L, H_kv, S, D] with `starts[i]` positions filled.
+// sequence i, whose cache is caches_k[i], caches_v[i] [L, H_kv, S, D] with `starts[i]` positions filled; with rings
+// (rings_k[i], rings_v[i]), the sliding-window layers' keys are there and caches_k[i] holds the other layers'.
 at::Tensor FusedLayers::forward_segments(at::Tensor x, std::vector<at::Tensor> rope,
                                             std::vector<at::Tensor> caches_k, std::vector<at::Tensor> caches_v,
+                                            std::vector<at::Tensor> rings_k, std::vector<at::Tensor> rings_v,
                                             std::vector<int64_t> starts, std::vector<int64_t> rows) const {
-  const auto segs = segments(caches_k, caches_v, starts, rows, x.size(0));
+  const auto segs = segments(caches_k, caches_v, rings_k, rings_v, starts, rows, x.size(0));
   const StepRope step = step_rope(rope, x.size(0));
   if (one_region(x.size(0))) return run_region(*region_, x, step.cos, step.sin, segs, eps_, nullptr);
-  for (size_t i = 0; i < layers_.size(); ++i) x = decoder_layer(x, layers_[i], eps_, step, segs, static_cast<int64_t>(i));
+  const bool rings = !rings_k.empty();
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const bool ring = rings && layers_[i].window;
+    x = decoder_layer(x, layers_[i], eps_, step, segs, rings ? index_[i] : static_cast<int64_t>(i), ring);
+  }
   return x;
 }
 
@@ -250,7 +271,8 @@ at::Tensor rope_rows(const at::Tensor& table, const std::vector<int64_t>& starts
 // and the embedding, the rope rows and the tail were about ten of them.
 at::Tensor FusedLayers::forward_tokens(std::vector<int64_t> ids, at::Tensor embedding,
                                           std::vector<at::Tensor> rope_tables, std::vector<at::Tensor> caches_k,
-                                          std::vector<at::Tensor> caches_v, std::vector<int64_t> starts,
+                                          std::vector<at::Tensor> caches_v, std::vector<at::Tensor> rings_k,
+                                          std::vector<at::Tensor> rings_v, std::vector<int64_t> starts,
                                           std::vector<int64_t> rows, std::vector<int64_t> picked) const {
   TORCH_CHECK(head_.has_value(), "these layers were built without the final norm and lm_head");
   TORCH_CHECK(starts.size() == rows.size(), "one start per segment");
@@ -260,10 +282,10 @@ at::Tensor FusedLayers::forward_tokens(std::vector<int64_t> ids, at::Tensor embe
   const auto &cos = rope.at(0), &sin = rope.at(1);
   for (int64_t row : picked) TORCH_CHECK(row >= 0 && row < N, "picked row ", row, " is not one of the ", N, " rows");
   if (one_region(N) && region_has_head(*region_))  // the layers and the head in one region
-    return run_region(*region_, embed_rows(embedding, ids), cos, sin, segments(caches_k, caches_v, starts, rows, N),
-                      eps_, &picked);
+    return run_region(*region_, embed_rows(embedding, ids), cos, sin,
+                      segments(caches_k, caches_v, rings_k, rings_v, starts, rows, N), eps_, &picked);
   auto hidden = forward_segments(embed_rows(embedding, ids), std::move(rope), std::move(caches_k), std::move(caches_v),
-                                 std::move(starts), std::move(rows));
+                                 std::move(rings_k), std::move(rings_v), std::move(starts), std::move(rows));
   const bool all = static_cast<int64_t>(picked.size()) == N && std::is_sorted(picked.begin(), picked.end());
   if (!all) hidden = hidden.index_select(0, at::tensor(picked, at::kLong));
   return linear(rms_norm(hidden, head_->norm, eps_), head_->lm_head);

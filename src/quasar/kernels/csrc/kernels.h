@@ -70,10 +70,13 @@ struct AttentionWindow {
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos,
                                at::Tensor sin, at::Tensor cache_k, at::Tensor cache_v, int64_t start,
                                bool bf16_products, int64_t window, double scale);
-// One sequence's rows inside a call over several: its cache [L, H_kv, S, D], positions filled, row count.
+// One sequence's rows inside a call over several: its cache [L, H_kv, S, D], positions filled, row count, and where
+// its sliding-window layers keep their keys in rings (attention.cpp), those: [L_sliding, H_kv, 2 R, D] (R % 32 == 0),
+// cache_k then holding the other layers only (undefined: every layer in cache_k).
 struct Segment {
   at::Tensor cache_k, cache_v;
   int64_t start, rows;
+  at::Tensor ring_k = {}, ring_v = {};
 };
 // Rope, cache writes and attention of one step's rows over their sequences' caches (attention.cpp), in parts any
 // thread may run: rope(t0, t1) for every row first, then attend(i) for each work item i < items(), in any order and
@@ -82,8 +85,9 @@ class AttentionSteps {
  public:
   // segments' caches [L, H_kv, S, D] (contiguous float32), T rows of H query heads; threads: how many share the items;
   // bf16_products as decode_attention's.
+  // ring: the layer reads the segments' rings (a sliding-window layer's).
   AttentionSteps(const std::vector<Segment>& segments, int64_t T, int64_t H, int64_t threads, bool bf16_products = false,
-                 AttentionWindow shape = {});
+                 AttentionWindow shape = {}, bool ring = false);
   ~AttentionSteps();
   AttentionSteps(const AttentionSteps&) = delete;
   AttentionSteps& operator=(const AttentionSteps&) = delete;
@@ -104,10 +108,15 @@ class AttentionSteps {
   void pack(int64_t layer, int64_t i) const;
 
  private:
-  struct View {  // one sequence: its caches, a layer's size in them, its rows [row0, row0 + rows) at positions start..
-    float *k, *v;
-    int64_t layer_size, S, start, row0, rows;
+  struct View {  // one sequence: its caches, a layer's size in them, its rows [row0, row0 + rows) at positions start..,
+    float *k, *v;  // its ring's R (0: a plain cache) and the first position its rows read, rounded down to a block of 32
+    int64_t layer_size, S, start, row0, rows, ring, origin;
   };
+  // Where kv head kv's key at the view's origin is in layer `layer` of its caches: the keys from there to the rows'
+  // last lie side by side (in a ring, from its first copy).
+  int64_t from_origin(const View& v, int64_t layer, int64_t kv) const {
+    return layer * v.layer_size + (kv * v.S + (v.ring ? v.origin % v.ring : v.origin)) * D_;
+  }
   struct Item {  // rows [first, first + count) of one kv head of one view (row r: token r / group, head r % group)
     int64_t view, kv, first, count, keys;  // keys: the key rows its rows read in all, its cost
   };
@@ -136,15 +145,16 @@ class AttentionSteps {
 // by the caller: contiguous float32 [L, H_kv, S, D], one H_kv and D).
 at::Tensor segment_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos, at::Tensor sin,
                                 const std::vector<Segment>& segments, int64_t layer, bool bf16_products,
-                                AttentionWindow shape = {});
+                                AttentionWindow shape = {}, bool ring = false);
 // cos and sin [N, D] of a step's rows: the model's, and where its sliding-window layers have their own frequencies
 // (Gemma 3) theirs (local_cos, local_sin; undefined otherwise).
 struct StepRope {
   at::Tensor cos, sin, local_cos, local_sin;
 };
-// One decoder layer (decoder_layer.cpp) over the rows of the segments, layer `layer` of each one's cache.
+// One decoder layer (decoder_layer.cpp) over the rows of the segments, layer `layer` of each one's cache (of its ring,
+// with ring).
 at::Tensor decoder_layer(at::Tensor x, const LayerWeights& w, double eps, const StepRope& rope,
-                            const std::vector<Segment>& segments, int64_t layer);
+                            const std::vector<Segment>& segments, int64_t layer, bool ring = false);
 
 // Every layer of a small step in one parallel region, for models whose linears are all packed W8A8
 // (packed_w8a8_step.cpp): plan_region is nullptr for any other model; run_region gives bitwise decoder_layer's results,
@@ -163,12 +173,15 @@ class FusedLayers {
   // head: the final norm and the lm_head, or none (forward_tokens then refuses).
   FusedLayers(std::vector<LayerWeights> layers, double eps, std::optional<HeadWeights> head);
   // rope: cos, sin [N, D] of x's rows, then the sliding-window layers' own pair where the model has one (Gemma 3).
+  // rings_k, rings_v: empty, or one ring per segment holding the sliding-window layers' keys (Segment).
   at::Tensor forward_segments(at::Tensor x, std::vector<at::Tensor> rope,
                                  std::vector<at::Tensor> caches_k, std::vector<at::Tensor> caches_v,
+                                 std::vector<at::Tensor> rings_k, std::vector<at::Tensor> rings_v,
                                  std::vector<int64_t> starts, std::vector<int64_t> rows) const;
   // rope_tables: cos, sin [L, D] of positions 0 .. L - 1, then the sliding-window layers' own pair if any.
   at::Tensor forward_tokens(std::vector<int64_t> ids, at::Tensor embedding, std::vector<at::Tensor> rope_tables,
                                std::vector<at::Tensor> caches_k, std::vector<at::Tensor> caches_v,
+                               std::vector<at::Tensor> rings_k, std::vector<at::Tensor> rings_v,
                                std::vector<int64_t> starts, std::vector<int64_t> rows,
                                std::vector<int64_t> picked) const;
   // Whether a step of this many rows runs every layer in one parallel region (packed_w8a8_step.cpp).
@@ -177,6 +190,7 @@ class FusedLayers {
  private:
   // The segments of the caches (checked), with rows[i] rows each, `total` in all.
   std::vector<Segment> segments(const std::vector<at::Tensor>& caches_k, const std::vector<at::Tensor>& caches_v,
+                                const std::vector<at::Tensor>& rings_k, const std::vector<at::Tensor>& rings_v,
                                 const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t total) const;
 
   // The StepRope of 2 or 4 tensors (checked: 4 where a layer takes the local pair; a model with a local pair may give it
@@ -186,6 +200,8 @@ class FusedLayers {
   std::vector<LayerWeights> layers_;
   double eps_;
   bool local_rope_ = false;  // some layer takes the sliding-window layers' rope
+  int64_t rings_ = 0, plains_ = 0;  // layers with a window (kept in rings where the caches have them), the others
+  std::vector<int64_t> index_;      // each layer's place among those of its kind
   std::optional<HeadWeights> head_;
   std::shared_ptr<const RegionPlan> region_;  // nullptr: not all packed W8A8
 };
