@@ -180,6 +180,16 @@ def test_a_ring_refuses_what_it_no_longer_holds(target, small_rings):
     pool.give(taken)
     assert pool.longest_prefix(list(range(1, 101)) + [7, 8]) == (taken, 100)
     assert pool.longest_prefix(list(range(1, 50)) + [7, 8]) == (None, 0)  # its window is gone from the rings
+    longer = pool.take(512, list(range(1, 101)) + [7, 8])  # a cache of another size takes the prefix over
+    assert longer.length == 100 and longer.ring == 64
+    pool.give(longer)
+    pool.configure(None, 2)
+    short = pool.take(64)  # too short for rings: a prefix of it cannot go into a cache with rings, nor back
+    with torch.inference_mode():
+        model(torch.arange(1, 31)[None], short)
+    short.held = list(range(1, 31))
+    pool.give(short)
+    assert not short.ring and pool.take(512, list(range(1, 31)) + [9]).length == 0
 
 
 def test_smoothing_folds_into_a_one_plus_w_norm():

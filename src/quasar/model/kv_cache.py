@@ -224,7 +224,7 @@ class CachePool:
             cache.trim(cache.length - common)
         else:
             cache.reset()
-            if common:
+            if common and cache.ring == source.ring:  # a prefix goes into a cache of its own layout only
                 cache.copy_prefix(source, common)
         self.taken += size
         return cache
