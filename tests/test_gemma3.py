@@ -238,17 +238,25 @@ def real_pair():
 
 @pytest.mark.parametrize("prompt", ["The capital of France is", "def fibonacci(n):\n", LONG])
 def test_real_gemma_fp32_greedy_equals_transformers(real_pair, prompt):
-    """64 greedy tokens from the Q4_K_M GGUF, dequantized to fp32, equal transformers' on the same file; the last
-    prompt (over 600 tokens) is longer than the sliding window (512)."""
+    """64 greedy tokens from the Q4_K_M GGUF, dequantized to fp32, equal transformers' on the same file, on the torch
+    modules and on the fused kernels; the last prompt (over 600 tokens) is longer than the sliding window (512)."""
+    import copy
+
     import torch
+
+    from quasar.kernels import plan
 
     ours, hf = real_pair
     ids = ours.tokenizer(prompt, return_tensors="pt").input_ids
     assert prompt != LONG or ids.shape[1] > ours.model.config.sliding_window
     with torch.no_grad():
         want = hf.generate(ids, max_new_tokens=64, do_sample=False, min_new_tokens=64)[0, ids.shape[1]:].tolist()
-    got = Engine(ours).generate(ids[0].tolist(), SamplingParams(max_new_tokens=64, ignore_eos=True)).token_ids
-    assert got == want
+    fused = copy.copy(ours)
+    fused.model = copy.deepcopy(ours.model)
+    assert plan.prepare_(fused.model).fused == (plan.kernel_for(fused.model) is not None)
+    for loaded in (ours, fused):
+        got = Engine(loaded).generate(ids[0].tolist(), SamplingParams(max_new_tokens=64, ignore_eos=True)).token_ids
+        assert got == want, loaded.model.plan.paths
 
 
 @pytest.mark.parametrize("verifier", ["w8a8", "w4a8", "bf16"])
