@@ -14,6 +14,7 @@ import torch
 from conftest import needs_kernels, tiny_hf_model, write_hf_dir
 
 from quasar.kernels import native, plan
+from quasar.model.llama import Tokens
 from quasar.quant.bf16 import use_bf16_linears_
 from quasar.quant.schemes import W8A8Config, W8A16Config, quantize_
 
@@ -262,3 +263,28 @@ def test_one_call_forward_equals_the_modules_one_by_one(kind, layout, tied_dir):
     assert not model.plan.fused
     for a, b in zip(whole, one_by_one):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_the_mlp_activation_is_row_by_row_at_any_thread_count(model_type, tmp_path, tokenizer_dir):
+    """ATen's silu and gelu split a whole tensor between threads by its size and compute each part's tail one value at
+    a time (other floats than its vector loop): over all rows at once, a row's values depended on how many rows came
+    with it. 2,048 hidden units, 1-10 one-token sequences in one step at 3, 5 and 12 threads: each gets its logits
+    alone."""
+    from quasar.model.loading import load
+
+    hf = tiny_hf_model(model_type, seed=5, intermediate_size=2048)
+    model = load(write_hf_dir(hf, tmp_path / model_type, tokenizer_dir), "fp32").model
+    assert plan.prepare_(model).fused
+    threads = torch.get_num_threads()
+    try:
+        for n in (3, 5, 12):
+            torch.set_num_threads(n)
+            for rows in (1, 9, 10):
+                caches = [model.new_cache(16) for _ in range(rows)]
+                with torch.inference_mode():
+                    together = model.forward_steps([Tokens([7 + i], c) for i, c in enumerate(caches)])
+                    alone = [model.forward_steps([Tokens([7 + i], model.new_cache(16))])[0] for i in range(rows)]
+                assert all(torch.equal(a, b) for a, b in zip(together, alone)), (n, rows)
+    finally:
+        torch.set_num_threads(threads)

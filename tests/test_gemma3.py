@@ -157,6 +157,31 @@ def test_ring_caches_answer_as_whole_caches(any_target, small_rings, monkeypatch
 
 
 @needs_kernels
+def test_a_batch_mixes_caches_with_and_without_rings(target, monkeypatch):
+    """Rings of 160 positions: a 512-position cache keeps them, a 256-position one does not; a batch of both runs a
+    forward per layout and answers as each request alone. A layer-skip view of the model makes its own caches."""
+    import torch
+
+    from quasar.model import gemma3
+    from quasar.verifiers.pruned import keep_layers
+
+    monkeypatch.setattr(gemma3, "RING_ROWS", 100)
+    engine = Engine(target, decoder_for("ngram", target, k=3))
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (200, 40, 30)]
+    ids = [engine.encode(t, chat=False) for t in (LONG_TEXT, TEXTS[0], TEXTS[1])]
+    alone = [engine.generate(i, p).token_ids for i, p in zip(ids, params)]
+    requests = [engine.request(i, p) for i, p in zip(ids, params)]
+    Batch(engine, max_batch=3, max_rows=6).run_all(requests)
+    assert [r.output.token_ids for r in requests] == alone
+    assert {c.ring for c in engine.caches.free} == {0, 160}
+    first = keep_layers(target.model, [0])  # a sliding layer: its view's cache keeps one ring
+    cache = first.new_cache(512)
+    assert cache.ring == 160 and cache.ring_k.shape[0] == 1 and cache.k.shape[0] == 0
+    with torch.inference_mode():
+        assert torch.isfinite(first(torch.arange(1, 300)[None], cache)).all()
+
+
+@needs_kernels
 def test_a_ring_refuses_what_it_no_longer_holds(target, small_rings):
     """A trim back past what the rings hold, or a prefix of such a cache, is refused (not read stale); a prefix the
     rings still hold (a chat's next turn) is taken."""

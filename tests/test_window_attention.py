@@ -33,25 +33,27 @@ def float_paths(kernel) -> list[str]:
     return list(kernel.float_paths())
 
 
-@pytest.mark.parametrize("D,H,H_kv,T", [(64, 4, 2, 1), (64, 4, 2, 7), (256, 4, 1, 5), (128, 6, 3, 40)])
-def test_a_window_sees_its_last_keys_and_reads_none_before(D, H, H_kv, T):
+@pytest.mark.parametrize("D,H,H_kv,T,window", [(64, 4, 2, 1, 24), (64, 4, 2, 7, 24), (256, 4, 1, 5, 24),
+                                               (128, 6, 3, 40, 24), (16, 4, 2, 7, 9)])
+def test_a_window_sees_its_last_keys_and_reads_none_before(D, H, H_kv, T, window):
     """Each row equals, bitwise, the same query attending without a window over a cache that starts at its first
-    key; keys before the step's first window are NaN and never show."""
+    key; keys before the step's first window are NaN and never show (a window of 9: scores padded past a row's last
+    key stay inside the scratch)."""
     kernel = native.kernel()
     (q, k, v, cos, sin), cache = inputs(D, H, H_kv, T)
     scale = 0.07
     try:
         for path in float_paths(kernel):
             kernel.use_float_path(path)
-            windowed = poisoned(cache, START - WINDOW + 1)
-            out = kernel.decode_attention(q, k, v, cos, sin, *windowed, START, False, WINDOW, scale)
+            windowed = poisoned(cache, START - window + 1)
+            out = kernel.decode_attention(q, k, v, cos, sin, *windowed, START, False, window, scale)
             assert torch.isfinite(out).all(), path
             for t in range(T):
-                first = START + t - WINDOW + 1
-                # the keys the windowed call wrote, from the row's first: its own key at position WINDOW - 1
+                first = START + t - window + 1
+                # the keys the windowed call wrote, from the row's first: its own key at position window - 1
                 sliced = [c[:, first:].clone() for c in windowed]
                 rows = [x[t:t + 1] for x in (q, k, v, cos, sin)]
-                alone = kernel.decode_attention(*rows, *sliced, WINDOW - 1, False, 0, scale)
+                alone = kernel.decode_attention(*rows, *sliced, window - 1, False, 0, scale)
                 assert torch.equal(out[t:t + 1], alone), (path, t)
     finally:
         kernel.use_float_path("auto")

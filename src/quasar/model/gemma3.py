@@ -19,10 +19,6 @@ from torch import nn
 
 from quasar.model.config import ModelConfig
 from quasar.model.kv_cache import KVCache, ring_size
-
-# The most tokens a forward writes into a cache whose sliding-window layers keep rings (Gemma3.new_cache): longer
-# prefills run in pieces of this many.
-RING_ROWS = 128
 from quasar.model.llama import (
     MLP,
     Attention,
@@ -34,6 +30,11 @@ from quasar.model.llama import (
     rope_inv_freq,
     scaled,
 )
+
+
+# The most tokens a forward writes into a cache whose sliding-window layers keep rings (Gemma3.new_cache): longer
+# prefills run in pieces of this many.
+RING_ROWS = 128
 
 
 class GemmaRMSNorm(RMSNorm):

@@ -352,6 +352,8 @@ class Transformer(nn.Module):
         if not self.plan.fused and (not self.plan.batches_rows or len(steps) == 1):
             return [self.forward_modules(torch.tensor([s.tokens], device=self.device), s.cache, s.last_only)[0]
                     for s in steps]
+        if len({bool(s.cache.ring) for s in steps}) > 1:  # caches with rings and without: a kernel call for each
+            return self.forward_by_layout(steps)
         most = min((s.cache.max_rows for s in steps if s.cache.max_rows), default=None)
         if most is not None and any(len(s.tokens) > most for s in steps):
             return self.forward_in_pieces(steps, most)
@@ -374,9 +376,21 @@ class Transformer(nn.Module):
             logits = self.lm_head(self.model.norm(x[torch.tensor(picked, device=self.device)])).float()  # [picked, V]
         return list(logits.split([len(r) for r in scored]))
 
+    def forward_by_layout(self, steps: Sequence[Rows]) -> list[torch.Tensor]:
+        """forward_steps of steps whose caches differ in layout (KVCache.ring: a long Gemma request's beside a short
+        one's): one forward per layout, each step's logits in its place."""
+        out: list[torch.Tensor | None] = [None] * len(steps)
+        for ring in (False, True):
+            group = [i for i, s in enumerate(steps) if bool(s.cache.ring) == ring]
+            for i, logits in zip(group, self.forward_steps([steps[i] for i in group])):
+                out[i] = logits
+        return out  # type: ignore[return-value]
+
     def forward_in_pieces(self, steps: Sequence[Rows], most: int) -> list[torch.Tensor]:
         """forward_steps of steps some of which are longer than their caches take at once (`max_rows`, caches with
         rings): `most` tokens of each at a time, the logits of every piece joined (the last piece's, last_only)."""
+        for s in steps:  # before any piece is written
+            s.cache.check_room(len(s.tokens))
         done, parts = [0] * len(steps), [[] for _ in steps]
         while live := [i for i, s in enumerate(steps) if done[i] < len(s.tokens)]:
             pieces = [Tokens(steps[i].tokens[done[i]:done[i] + most], steps[i].cache, steps[i].last_only) for i in live]

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quasar.model.kv_cache import KVCache
 from quasar.model.llama import Layers
 from quasar.quant.calibration import fixture_texts, read_texts, token_windows
 
@@ -70,7 +71,8 @@ def _layer_outputs(model: nn.Module | Any, ids: torch.Tensor) -> tuple[torch.Ten
     stack.__class__ = Layers  # the same kernels, called layer by layer: the same floats
     handles = [layer.register_forward_hook(lambda m, a, out: outputs.append(out.float())) for layer in stack]
     try:
-        logits = model.forward_modules(ids, model.new_cache(ids.shape[1]))
+        # a cache of every layer at every position (never rings: the torch modules run here)
+        logits = model.forward_modules(ids, KVCache(model.config, ids.shape[1], 1, model.dtype, model.device))
     finally:
         stack.__class__ = fused
         for h in handles:

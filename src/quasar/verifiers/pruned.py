@@ -26,7 +26,9 @@ def keep_layers(model: Transformer, keep: list[int]) -> Transformer:
     renumbered must not run the original model afterwards: use this on the first layers (renumbering is
     then the identity) or on a model of your own.
     """
-    config = dataclasses.replace(model.config, num_hidden_layers=len(keep))
+    sliding = model.config.sliding_layers  # which layers attend over a window (Gemma 3), by the kept ones' numbers
+    config = dataclasses.replace(model.config, num_hidden_layers=len(keep),
+                                 sliding_layers=tuple(sliding[i] for i in keep) if sliding else ())
     with torch.device("meta"):
         small = type(model)(config)
     small.model.embed_tokens = model.model.embed_tokens

@@ -92,7 +92,8 @@ void attend_rows_avx2(const std::vector<AttentionRow>& rows, const float* keys, 
     n_max = std::max(n_max, r.last + 1);
     lo = std::min(lo, r.first);
   }
-  const int64_t stride = (n_max + 7) / 8 * 8, block = std::max<int64_t>(8, 4096 / D);
+  // + 8: a row's softmax pads its scores from its first key to a multiple of 8, up to 7 past its last
+  const int64_t stride = (n_max + 7) / 8 * 8 + 8, block = std::max<int64_t>(8, 4096 / D);
   scores.resize(rows.size() * stride);
   for (int64_t j0 = lo; j0 < n_max; j0 += block)
     for (size_t r = 0; r < rows.size(); ++r)

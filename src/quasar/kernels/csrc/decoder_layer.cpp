@@ -84,23 +84,32 @@ at::Tensor& activate_(at::Tensor& gate, Activation act) {
   return act == Activation::SILU ? at::silu_(gate) : at::gelu_(gate, "tanh");
 }
 
-// The MLP's act(gate) * up, as ATen's silu_ (gelu_) and mul_ compute it, rounded for a bf16 down projection: in pieces
-// of rows that stay in L2, one pass over the hidden units instead of three (a 1.5B prefill's are 37 MB a tensor).
-// ATen's loops take 32 values a step and the rest one by one (another exp): pieces of whole rows of a multiple of
-// 32 values are stepped as the whole tensor is, so each value is the unfused one (the caller checks I % 32 == 0).
-at::Tensor act_mul_rounded(at::Tensor gate, at::Tensor up, Activation act) {
+// ATen runs an elementwise op over at most this many values on one thread, in one vector loop (taking 32 values a step
+// and the rest one by one, other floats than the vector's); over more, it splits them between threads by the tensor's
+// size and the thread count (gelu's GELU_MIN_ELEMENTS_FOR_MULTI_THREADING), so a row's values would depend on how many
+// rows came with it.
+constexpr int64_t kSerialValues = 6144;
+
+// The MLP's act(gate) * up, as ATen's silu_ (gelu_) and mul_ compute it, in place in gate; with `rounded`, then rounded
+// into a bf16 down projection's input (returned; else gate). One pass over the hidden units instead of three (a 1.5B
+// prefill's are 37 MB a tensor), in pieces of at most kSerialValues: whole rows of a multiple of 32 values where they
+// fit, else the same column ranges of each row, so every value is the same whatever rows and threads come with it.
+at::Tensor act_mul(at::Tensor gate, at::Tensor up, Activation act, bool rounded) {
   gate = gate.contiguous();
   up = up.contiguous();
-  const int64_t M = gate.size(0), I = gate.size(1), rows = std::max<int64_t>(1, (64 << 10) / I);
-  auto out = kernel_result({M, I}, at::dtype(bf16_input_dtype(I)));
+  const int64_t M = gate.size(0), I = gate.size(1);
+  const int64_t rows = I % 32 || I > kSerialValues ? 1 : kSerialValues / I, span = std::min(I, kSerialValues);
+  auto out = rounded ? kernel_result({M, I}, at::dtype(bf16_input_dtype(I))) : gate;
   float *g = gate.data_ptr<float>(), *u = up.data_ptr<float>();
   at::parallel_for(0, M, rows, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; m += rows) {
       const int64_t n = std::min(rows, m1 - m);
-      // views made on this thread: tensors of the caller's inference mode may not change in place outside it
-      auto piece = at::from_blob(g + m * I, {n, I}, at::dtype(at::kFloat));
-      activate_(piece, act).mul_(at::from_blob(u + m * I, {n, I}, at::dtype(at::kFloat)));
-      round_bf16_into(g + m * I, n * I, out, m * I);
+      for (int64_t c = 0; c < I; c += span) {  // views made on this thread: tensors of the caller's inference mode
+        const int64_t width = std::min(span, I - c);  // may not change in place outside it
+        auto piece = at::from_blob(g + m * I + c, {n, width}, {I, 1}, at::dtype(at::kFloat));
+        activate_(piece, act).mul_(at::from_blob(u + m * I + c, {n, width}, {I, 1}, at::dtype(at::kFloat)));
+      }
+      if (rounded) round_bf16_into(g + m * I, n * I, out, m * I);
     }
   });
   return out;
@@ -127,9 +136,9 @@ at::Tensor decoder_layer(at::Tensor x, const LayerWeights& w, double eps, const 
   x = (w.attention_out_norm.numel() ? rms_norm(out, w.attention_out_norm, eps) : out).add_(x);
   auto gate_up = linears(rms_norm(x, w.post_attention_norm, eps), {&w.gate, &w.up});
   if (w.down.kind == LinearKind::BF16 && gate_up[0].size(1) % 32 == 0)
-    out = bf16_linear_rounded(act_mul_rounded(gate_up[0], gate_up[1], w.activation), w.down.weight, w.down.bias);
+    out = bf16_linear_rounded(act_mul(gate_up[0], gate_up[1], w.activation, true), w.down.weight, w.down.bias);
   else
-    out = linear(activate_(gate_up[0], w.activation).mul_(gate_up[1]), w.down);
+    out = linear(act_mul(gate_up[0], gate_up[1], w.activation, false), w.down);
   return (w.mlp_out_norm.numel() ? rms_norm(out, w.mlp_out_norm, eps) : out).add_(x);
 }
 

@@ -156,8 +156,8 @@ struct StepRope {
 at::Tensor decoder_layer(at::Tensor x, const LayerWeights& w, double eps, const StepRope& rope,
                             const std::vector<Segment>& segments, int64_t layer, bool ring = false);
 
-// Every layer of a small step in one parallel region, for models whose linears are all packed W8A8
-// (packed_w8a8_step.cpp): plan_region is nullptr for any other model; run_region gives bitwise decoder_layer's results,
+// Every layer of a small step in one parallel region, for Llama-family models whose linears are all packed W8A8
+// (packed_w8a8_step.cpp): plan_region is nullptr for any other model (Gemma's layers included); run_region gives bitwise decoder_layer's results,
 // then the logits of the picked rows where the plan holds the head (else the hidden states).
 struct RegionPlan;
 std::shared_ptr<const RegionPlan> plan_region(const std::vector<LayerWeights>& layers,
@@ -203,5 +203,5 @@ class FusedLayers {
   int64_t rings_ = 0, plains_ = 0;  // layers with a window (kept in rings where the caches have them), the others
   std::vector<int64_t> index_;      // each layer's place among those of its kind
   std::optional<HeadWeights> head_;
-  std::shared_ptr<const RegionPlan> region_;  // nullptr: not all packed W8A8
+  std::shared_ptr<const RegionPlan> region_;  // nullptr: not all packed W8A8, or not the Llama family's layers
 };
