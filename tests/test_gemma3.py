@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 from conftest import needs_kernels, tiny_hf_model, write_hf_dir
-
 from helpers import decoder_for
+
 from quasar.decoding.batch import Batch
 from quasar.decoding.engine import Engine
 from quasar.decoding.sampling import SamplingParams

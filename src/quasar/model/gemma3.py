@@ -31,7 +31,6 @@ from quasar.model.llama import (
     scaled,
 )
 
-
 # The most tokens a forward writes into a cache whose sliding-window layers keep rings (Gemma3.new_cache): longer
 # prefills run in pieces of this many.
 RING_ROWS = 128
