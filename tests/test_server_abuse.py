@@ -4,6 +4,7 @@ was returned, the key guards what it should."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import resource
@@ -66,7 +67,13 @@ def server(model_dir, tmp_path_factory):  # noqa: F811
 
 def long_stream(server: Server, tokens: int, out: dict) -> threading.Thread:
     body = {"model": MODEL, "prompt": "a", "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
-    thread = threading.Thread(target=lambda: out.update(lines=stream_lines(server.url + "/v1/completions", body)))
+    def read() -> None:
+        try:
+            out.update(lines=stream_lines(server.url + "/v1/completions", body))
+        except (OSError, http.client.HTTPException) as e:  # a server killed mid-stream: the test looks at out
+            out.update(error=e)
+
+    thread = threading.Thread(target=read)
     thread.start()
     while server.metrics()["quasar_requests_running"] < 1:
         time.sleep(0.01)
@@ -303,8 +310,13 @@ def test_a_busy_server_says_when_to_retry(model_dir, tmp_path):  # noqa: F811
     out: dict = {}
     try:
         long_stream(server, LONG_CONTEXT - 8, out)
-        waiter = threading.Thread(target=lambda: raw_status(
-            server, "/v1/completions", json.dumps({"model": MODEL, "prompt": "b", "max_tokens": 2}).encode()))
+        def wait() -> None:
+            try:
+                raw_status(server, "/v1/completions", json.dumps({"model": MODEL, "prompt": "b", "max_tokens": 2}).encode())
+            except (OSError, http.client.HTTPException):  # the server is killed before it answers
+                pass
+
+        waiter = threading.Thread(target=wait)
         waiter.start()
         while server.metrics()["quasar_queue_length"] < 1:
             time.sleep(0.01)
