@@ -27,9 +27,9 @@ from quasar.model.llama import (
     RMSNorm,
     Transformer,
     project,
-    rope_inv_freq,
     scaled,
 )
+from quasar.model.rope import rope_inv_freq
 
 # The most tokens a forward writes into a cache whose sliding-window layers keep rings (Gemma3.new_cache): longer
 # prefills run in pieces of this many.

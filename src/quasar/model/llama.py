@@ -8,7 +8,6 @@ D head dim, V vocab.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
@@ -16,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quasar.model.execution import ON_TORCH
-from quasar.spec import MAX_DRAFT
-from quasar.model.kv_cache import KVCache
 from quasar.model.config import ModelConfig
+from quasar.model.execution import ON_TORCH
+from quasar.model.kv_cache import KVCache
+from quasar.model.rope import apply_rope, rope_inv_freq, rope_values
+from quasar.spec import MAX_DRAFT
 
 # A token scored alone (plain decoding) and inside [last, *draft] (a verify step) must get bitwise the same
 # logits, or greedy speculative decoding drifts from greedy plain decoding. Float GEMMs round a row
@@ -99,36 +99,6 @@ class RMSNorm(nn.Module):
     def divide_(self, s: torch.Tensor) -> None:
         """Divide the output by s [dim] (SmoothQuant folds its scales into the norm)."""
         self.weight.div_(s)
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [D/2], with llama3-style or linear `rope_scaling` applied."""
-    dim = config.head_dim
-    # on the CPU even inside torch.device('meta') (loaders build models there): meta arithmetic costs ~1 s of imports
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
-    scaling = config.rope_scaling
-    if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3, linear")
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos, sin [T, D]. Rotate-half convention (Hugging Face)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def project(x: torch.Tensor, *linears: nn.Module) -> list[torch.Tensor]:
@@ -304,10 +274,7 @@ class Transformer(nn.Module):
     def rope_values(self, positions: torch.Tensor, inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] for positions [T] (with the model's frequencies unless given), computed in float32 like
         the reference."""
-        inv_freq = self.inv_freq if inv_freq is None else inv_freq
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return rope_values(positions, self.inv_freq if inv_freq is None else inv_freq, self.dtype)
 
     def rope_table(self, n: int, freqs: str = "inv_freq") -> tuple[torch.Tensor, torch.Tensor]:
         """rope_values of positions 0 .. at least n - 1, [L, D] each, with the frequencies the attribute `freqs`
