@@ -231,8 +231,7 @@ def layer_weights(kernel: Any, layer: nn.Module) -> Any:
     weights = kernel.LayerWeights()
     attn = layer.self_attn
     weights.input_norm = layer.input_layernorm.kernel_weight()
-    sandwich = hasattr(layer, "pre_feedforward_layernorm")
-    if sandwich:
+    if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma's sandwich norms
         weights.post_attention_norm = layer.pre_feedforward_layernorm.kernel_weight()
         weights.attention_out_norm = layer.post_attention_layernorm.kernel_weight()
         weights.mlp_out_norm = layer.post_feedforward_layernorm.kernel_weight()

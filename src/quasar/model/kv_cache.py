@@ -26,10 +26,16 @@ def blank(*shape: int, dtype: torch.dtype, device: torch.device | str) -> torch.
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def window_reach(window: int) -> int:
+    """How many positions before a step's first one a sliding-window layer reads: its first row's window (window - 1),
+    from the start of that key's block of 32 (csrc/attention.cpp: up to 31 more)."""
+    return window - 1 + 31
+
+
 def ring_size(window: int, rows: int) -> int:
-    """R of a ring that holds what steps of up to `rows` tokens read on a layer of this window: the step's keys and,
-    before them, the window of its first row from the start of its block of 32 (csrc/attention.cpp), in whole blocks."""
-    return (window + rows + 30 + 31) // 32 * 32
+    """R of a ring that holds what steps of up to `rows` tokens read on a layer of this window (their keys and the
+    window_reach before them), in whole blocks of 32."""
+    return (window_reach(window) + rows + 31) // 32 * 32
 
 
 class KVCache:
@@ -59,7 +65,7 @@ class KVCache:
         """ring_rows > 0: keep a sliding-window model's window layers in rings for steps of at most that many rows."""
         sliding = sum(config.sliding_layers) if ring_rows and config.sliding_window else 0
         self.ring = ring_size(config.sliding_window, ring_rows) if sliding else 0
-        self.window = config.sliding_window if sliding else 0
+        self.reach = window_reach(config.sliding_window) if sliding else 0
         self.max_rows = ring_rows if sliding else None  # the most tokens a step may write (None: any)
         H, D = config.num_key_value_heads, config.head_dim
         shape = (config.num_hidden_layers - sliding, batch, H, max_len, D)
@@ -110,7 +116,7 @@ class KVCache:
     def keeps(self, n: int) -> bool:
         """Whether this cache trimmed to its first n positions still holds what the next step reads: always, but
         where the rings have since overwritten the window of position n."""
-        return not self.ring or self.written - n <= self.ring - self.window - 30
+        return not self.ring or self.written - n <= self.ring - self.reach
 
     def wrote(self, n: int, tokens: list[int] | None = None) -> None:
         """Record that the last forward wrote n positions before `length`, holding `tokens` (None: not known, or not

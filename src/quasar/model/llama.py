@@ -319,11 +319,11 @@ class Transformer(nn.Module):
         if not self.plan.fused and (not self.plan.batches_rows or len(steps) == 1):
             return [self.forward_modules(torch.tensor([s.tokens], device=self.device), s.cache, s.last_only)[0]
                     for s in steps]
-        if len({bool(s.cache.ring) for s in steps}) > 1:  # caches with rings and without: a kernel call for each
-            return self.forward_by_layout(steps)
-        most = min((s.cache.max_rows for s in steps if s.cache.max_rows), default=None)
-        if most is not None and any(len(s.tokens) > most for s in steps):
-            return self.forward_in_pieces(steps, most)
+        if any(s.cache.ring for s in steps):  # caches with rings (KVCache): one layout a call, max_rows tokens a step
+            if not all(s.cache.ring for s in steps):
+                return self.forward_by_layout(steps)
+            if any(len(s.tokens) > s.cache.max_rows for s in steps):
+                return self.forward_in_pieces(steps, steps[0].cache.max_rows)
         rows = [len(s.tokens) for s in steps]
         caches = [s.cache for s in steps]
         for cache, n in zip(caches, rows):

@@ -287,8 +287,8 @@ at::Tensor FusedLayers::forward_tokens(std::vector<int64_t> ids, at::Tensor embe
   TORCH_CHECK(starts.size() == rows.size(), "one start per segment");
   std::vector<at::Tensor> rope;
   for (const auto& table : rope_tables) rope.push_back(rope_rows(table, starts, rows));
-  const int64_t N = rope.empty() ? 0 : rope[0].size(0);
   const auto &cos = rope.at(0), &sin = rope.at(1);
+  const int64_t N = cos.size(0);
   for (int64_t row : picked) TORCH_CHECK(row >= 0 && row < N, "picked row ", row, " is not one of the ", N, " rows");
   if (one_region(N) && region_has_head(*region_))  // the layers and the head in one region
     return run_region(*region_, embed_rows(embedding, ids), cos, sin,
