@@ -177,7 +177,7 @@ def test_verifier_names_pick_the_scheme(tiny_model_dir, tmp_path, monkeypatch):
     assert load_verifier(tiny_model_dir, "w8a8:pc").model.model.layers[0].mlp.up_proj.group_size == 0
     assert load_verifier(tiny_model_dir, "w8a8:g64").model.model.layers[0].mlp.up_proj.group_size == 64
     assert isinstance(load_verifier(tiny_model_dir, "w8a8:lmbf16").model.lm_head, BF16Linear)  # on every host
-    with pytest.raises(ValueError, match="'x' is neither pc, gN, lm8, lmbf16, awq, rtn, auto, none nor an alpha"):
+    with pytest.raises(ValueError, match="'x' is neither pc, gN, lm8, lmbf16, awq, rtn, gptq, auto, none nor an alpha"):
         load_verifier(tiny_model_dir, "w8a8:x")
 
 

@@ -54,6 +54,7 @@ def test_every_engine_name_shown_round_trips(name):
     ("w8a8:pc:none", VerifierSpec("w8a8", group=0, alpha="none")),
     ("w4a8", VerifierSpec("w4a8")),
     ("w4a8:g64:rtn", VerifierSpec("w4a8", group=64, method="rtn")),
+    ("w4a8:g32:gptq", VerifierSpec("w4a8", group=32, method="gptq")),
     ("pruned:8", VerifierSpec("pruned", layers=8)),
 ])
 def test_parts_land_in_their_fields(name, spec):

@@ -169,7 +169,56 @@ def test_activation_aware_fit_lowers_the_output_error():
     assert out_err[0] < 0.8 * out_err[1]
 
 
-def test_calibrated_checkpoint_round_trip(tiny_model, tmp_path):
+def correlated_inputs(gen: torch.Generator, rows: int, K: int) -> torch.Tensor:
+    """Inputs whose channels are correlated and differ in size, as a layer's activations are."""
+    mix = torch.randn(K // 8, K, generator=gen)
+    return (torch.randn(rows, K // 8, generator=gen) @ mix + 0.1 * torch.randn(rows, K, generator=gen)) * torch.exp(
+        0.5 * torch.randn(K, generator=gen))
+
+
+def test_error_compensating_rounding_lowers_the_output_error():
+    """GPTQ-style rounding keeps the fitted scales and mins and moves each quant's rounding error onto the inputs
+    not yet rounded, weighted by the inputs' products: a smaller output error than rounding each weight alone."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 512, generator=gen) * 0.05
+    x, held_out = correlated_inputs(gen, 4096, 512).split(2048)
+    importance, hessian = x.square().mean(0), x.t() @ x
+    fitted, compensated = quantize_4bit(w, 32, importance), quantize_4bit(w, 32, importance, hessian=hessian)
+    for name in ("d", "dmin", "sc", "m"):
+        assert torch.equal(getattr(fitted, name), getattr(compensated, name))
+    assert compensated.q.max() <= 15 and compensated.source == "w4a8:g32"
+    out_err = [((held_out @ (b.dequantize() - w).t()) ** 2).mean().item() for b in (fitted, compensated)]
+    assert out_err[1] < 0.5 * out_err[0]
+
+
+def test_error_compensation_ignores_inputs_that_are_never_seen():
+    """A channel whose input is always zero takes no error and gets no weight error compensated through it."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(16, 64, generator=gen) * 0.05
+    x = correlated_inputs(gen, 256, 64)
+    x[:, 5] = 0
+    blocks = quantize_4bit(w, 32, x.square().mean(0), hessian=x.t() @ x)
+    assert torch.isfinite(blocks.dequantize()).all() and blocks.q.max() <= 15
+
+
+def test_calibration_sums_input_products_once_per_shared_input(tiny_model):
+    """The Hessian sums x^T x of each linear's inputs; linears reading the same input (q, k, v; gate, up) share one."""
+    from quasar.quant.calibration import calibrate
+
+    windows = [torch.tensor([[1, 5, 9, 20, 3, 7]]), torch.tensor([[4, 4, 2]])]
+    calib = calibrate(tiny_model.model, windows, hessians=True)
+    attn = "model.layers.0.self_attn."
+    assert calib.hessians[attn + "q_proj"] is calib.hessians[attn + "k_proj"] is calib.hessians[attn + "v_proj"]
+    assert calib.hessians[attn + "o_proj"] is not calib.hessians[attn + "q_proj"]
+    K = tiny_model.model.config.hidden_size
+    H = calib.hessians[attn + "q_proj"]
+    assert H.shape == (K, K) and torch.allclose(H, H.t())
+    assert torch.allclose(H.diagonal() / calib.tokens, calib.mean_square()[attn + "q_proj"].float(), rtol=1e-4)
+    assert not calibrate(tiny_model.model, windows).hessians  # only when asked
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_calibrated_checkpoint_round_trip(tiny_model, tmp_path, method):
     """w4a8:g32 on a float model: W4A8 layers (lm_head too), the block recorded, reloaded bit-identically."""
     import copy
 
@@ -180,9 +229,10 @@ def test_calibrated_checkpoint_round_trip(tiny_model, tmp_path):
     from quasar.verifiers.quantized import checkpoint_spec
 
     loaded = copy.deepcopy(tiny_model)
-    block = quantize_model(loaded, recipe_for(VerifierSpec.parse("w4a8:g32"), CalibrationSpec(samples=2, seq_len=32)))
-    assert block["scheme"] == "w4a8" and block["method"] == "awq" and block["calibration"] is not None
-    assert checkpoint_spec(block) == VerifierSpec("w4a8", 32, method="awq")
+    spec = VerifierSpec.parse("w4a8:g32" if method == "awq" else f"w4a8:g32:{method}")
+    block = quantize_model(loaded, recipe_for(spec, CalibrationSpec(samples=2, seq_len=32)))
+    assert block["scheme"] == "w4a8" and block["method"] == method and block["calibration"] is not None
+    assert checkpoint_spec(block) == VerifierSpec("w4a8", 32, method=method)
     assert isinstance(loaded.model.model.layers[0].mlp.down_proj, W4A8Linear) and isinstance(loaded.model.lm_head, W4A8Linear)
     ids = torch.tensor([[1, 5, 9, 20, 3]])
     with torch.inference_mode():

@@ -4,7 +4,7 @@
     EngineSpec.parse("ngram+w8a8+bf16")     # drafter ngram, levels (w8a8, bf16): w8a8 drafts for bf16
     EngineSpec.parse("ar:w8a8")             # plain decoding (no drafter) with the w8a8 verifier
 
-Verifier names: fp32, bf16, w8a16, w4a8[:gN][:awq|:rtn] (a GGUF's own 4-bit blocks, or calibrated 4-bit blocks),
+Verifier names: fp32, bf16, w8a16, w4a8[:gN][:awq|:rtn|:gptq] (a GGUF's own 4-bit blocks, or calibrated 4-bit blocks),
 pruned:N and w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16]. An engine name is
 [DRAFTER+]LEVEL[+LEVEL] or ar:LEVEL[+LEVEL]: with two levels the first drafts for the second, whose output the
 request gets (the cascade). `str(spec)` writes a spec back in its canonical form, which parses to the same spec.
@@ -19,8 +19,10 @@ FLOAT_KINDS = ("fp32", "bf16")
 QUANTIZED_KINDS = ("w8a8", "w8a16")
 FILE_BLOCK_KINDS = ("w4a8",)  # plain: the GGUF file's own quantized blocks, computed on as they are
 KINDS = (*FLOAT_KINDS, *QUANTIZED_KINDS, *FILE_BLOCK_KINDS, "pruned")
-VERIFIER_FORMS = "fp32, bf16, w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16], w8a16, w4a8[:gN][:awq|:rtn], pruned:N"
-FIT_METHODS = ("awq", "rtn")  # how calibrated 4-bit blocks are fitted: activation-aware search, or min-max rounding
+VERIFIER_FORMS = "fp32, bf16, w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16], w8a16, w4a8[:gN][:awq|:rtn|:gptq], pruned:N"
+# How calibrated 4-bit blocks are fitted: activation-aware search, min-max rounding, or the activation-aware fit's
+# scales with error-compensating (GPTQ-style) rounding of the quants.
+FIT_METHODS = ("awq", "rtn", "gptq")
 ENGINE_FORMS = "[DRAFTER+]VERIFIER[+VERIFIER] or ar:VERIFIER[+VERIFIER] (e.g. ngram+w8a8, ar:bf16, ngram+w8a8+bf16)"
 NO_DRAFTER = "none"
 PLAIN = "ar"
@@ -39,7 +41,7 @@ class VerifierSpec:
     alpha: float | str | None = None  # w8a8: smoothing strength, 'auto' or 'none'; None: unnamed (auto)
     lm_head: str | None = None  # w8a8: 'lm8' (W8A8 lm_head) or 'lmbf16'; None: unnamed (W8A8)
     layers: int | None = None  # pruned: how many layers to drop
-    method: str | None = None  # w4a8: how calibrated blocks are fitted ('awq', 'rtn'); None: unnamed
+    method: str | None = None  # w4a8: how calibrated blocks are fitted ('awq', 'rtn', 'gptq'); None: unnamed
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -126,7 +128,7 @@ def part_value(part: str, text: str) -> tuple[str, object]:
     try:
         return "alpha", float(part)
     except ValueError:
-        raise ValueError(f"verifier {text!r}: {part!r} is neither pc, gN, lm8, lmbf16, awq, rtn, auto, none nor an alpha; "
+        raise ValueError(f"verifier {text!r}: {part!r} is neither pc, gN, lm8, lmbf16, awq, rtn, gptq, auto, none nor an alpha; "
                          f"choose from {VERIFIER_FORMS}") from None
 
 

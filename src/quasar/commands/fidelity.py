@@ -54,7 +54,7 @@ def build_variants(loaded, names: list[str], spec) -> dict:
     recipes = {name: recipe_for(s, spec) for name, s in specs.items() if name not in file_blocks}
     calib = None
     if any(r.calibrated for r in recipes.values()):
-        calib = calibrate_model(loaded, spec, SmoothConfig())
+        calib = calibrate_model(loaded, spec, SmoothConfig(), any(r.input_products for r in recipes.values()))
     variants = {}
     for name, recipe in recipes.items():
         copy_ = copy.deepcopy(loaded)

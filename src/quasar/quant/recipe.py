@@ -23,7 +23,7 @@ log = logging.getLogger("quasar")
 DEFAULT_W8A8_GROUP = 32
 # A w8a8 verifier's lm_head is W8A8 like the layers by default (llama.cpp's Q8_0 quantizes its output layer too, and
 # it stays inside the fidelity bound); ':lmbf16' keeps it in bf16 (the paper's float lm_head).
-SCHEME_FORMS = ("w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16], w8a16 or w4a8[:gN][:awq|:rtn] "
+SCHEME_FORMS = ("w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16], w8a16 or w4a8[:gN][:awq|:rtn|:gptq] "
                 "(e.g. w8a8, w8a8:g32, w8a8:pc:0.5, w8a8:lmbf16, w4a8:g32)")
 DEFAULT_W4A8_GROUP = 32
 
@@ -40,7 +40,8 @@ class QuantRecipe:
     backend: str = "auto"
     ignore: tuple[str, ...] = ()  # fnmatch patterns of linears kept in float, e.g. "model.layers.29.*"
     group_size: int = DEFAULT_W8A8_GROUP  # w8a8 / w4a8 scales per group of G inputs; 0: per channel and token
-    method: str = "awq"  # w4a8: fit the blocks to the inputs' mean squares ('awq') or by min-max rounding ('rtn')
+    method: str = "awq"  # w4a8: fit the blocks to the inputs' mean squares ('awq'), by min-max rounding ('rtn'), or
+    # with awq's scales and error-compensating rounding ('gptq')
 
     def __post_init__(self) -> None:
         if self.lm_head is None:
@@ -55,7 +56,12 @@ class QuantRecipe:
     @property
     def calibrated(self) -> bool:
         """Whether the float model runs over the calibration set first (smoothing, or w4a8's activation-aware fit)."""
-        return self.smoothing is not None or (self.scheme == "w4a8" and self.method == "awq")
+        return self.smoothing is not None or (self.scheme == "w4a8" and self.method in ("awq", "gptq"))
+
+    @property
+    def input_products(self) -> bool:
+        """Whether the calibration sums each linear's x^T x too (w4a8's error-compensating rounding)."""
+        return self.scheme == "w4a8" and self.method == "gptq"
 
     @property
     def spec(self) -> VerifierSpec:
@@ -112,10 +118,13 @@ def recipe_for(spec: VerifierSpec, calib: CalibrationSpec | None = None, **optio
     return QuantRecipe("w8a8", parse_alpha(str(alpha)), calib or CalibrationSpec(), group_size=group, **options)
 
 
-def calibrate_model(loaded: LoadedModel, spec: CalibrationSpec, smoothing: SmoothConfig | None) -> Calibration:
-    """The float model's statistics over the calibration set (and the input rows smoothing's alpha search needs)."""
+def calibrate_model(loaded: LoadedModel, spec: CalibrationSpec, smoothing: SmoothConfig | None,
+                    hessians: bool = False) -> Calibration:
+    """The float model's statistics over the calibration set (and the input rows smoothing's alpha search needs, and
+    with hessians the inputs' summed x^T x)."""
     windows = token_windows(loaded.tokenizer, calibration_texts(spec), spec.samples, spec.seq_len)
-    return calibrate(loaded.model, windows, row_sites(loaded.model, smoothing) if smoothing else frozenset())
+    return calibrate(loaded.model, windows, row_sites(loaded.model, smoothing) if smoothing else frozenset(),
+                     hessians=hessians)
 
 
 def quantize_model(loaded: LoadedModel, recipe: QuantRecipe, calib: Calibration | None = None) -> dict[str, Any]:
@@ -128,10 +137,13 @@ def quantize_model(loaded: LoadedModel, recipe: QuantRecipe, calib: Calibration 
     smoothing = recipe.smoothing
     check_targets(model, recipe.scheme_config(), target_linears(model, recipe.scheme_config()))  # before any work
     if recipe.calibrated:
-        calib = calib or calibrate_model(loaded, recipe.calib, smoothing)
+        calib = calib or calibrate_model(loaded, recipe.calib, smoothing, recipe.input_products)
+        if recipe.input_products and not calib.hessians:
+            raise ValueError(f"{recipe.name} needs a calibration that summed its inputs' products (hessians=True)")
     if smoothing is not None:
         alphas = smooth_(model, calib, smoothing)
-    quantize_(model, recipe.scheme_config(), calib.mean_square() if calib is not None else None)
+    quantize_(model, recipe.scheme_config(), calib.mean_square() if calib is not None else None,
+              calib.hessians if calib is not None and recipe.input_products else None)
     if not recipe.lm_head:  # the float lm_head reads half the bytes as bf16; part of the recipe on every host
         use_bf16_linears_(model, ["lm_head"])
     return {

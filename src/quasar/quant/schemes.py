@@ -39,7 +39,8 @@ class W8A16Config:
 @dataclass(frozen=True)
 class W4A8Config:
     """4-bit weights in blocks (a scale and a min per group of inputs, stored as Q4_K stores them) and dynamic int8
-    activations per 32 inputs; fitted to the inputs' mean squares ('awq') or by min-max rounding ('rtn')."""
+    activations per 32 inputs; fitted to the inputs' mean squares ('awq'), by min-max rounding ('rtn'), or with awq's
+    scales and error-compensating rounding of the quants ('gptq')."""
 
     group_size: int = 32
     method: str = "awq"
@@ -51,8 +52,8 @@ class W4A8Config:
 @dataclass(frozen=True)
 class Scheme:
     name: str
-    # (linear, config, its inputs' mean square [K] or None) -> quantized layer
-    from_float: Callable[[nn.Linear, Any, Any], nn.Module]
+    # (linear, config, its inputs' mean square [K] or None, their summed x^T x [K, K] or None) -> quantized layer
+    from_float: Callable[[nn.Linear, Any, Any, Any], nn.Module]
     empty: Callable[[int, int, bool, Any], nn.Module]  # (in, out, bias, config) -> layer to load into
 
 
@@ -67,19 +68,20 @@ def register_scheme(config_type: type, scheme: Scheme) -> None:
 
 register_scheme(W8A8Config, Scheme(
     "w8a8",
-    lambda linear, cfg, _: Int8Linear.from_float(linear, cfg.backend, cfg.group_size),
+    lambda linear, cfg, *_: Int8Linear.from_float(linear, cfg.backend, cfg.group_size),
     lambda k, n, bias, cfg: Int8Linear(k, n, bias, cfg.backend, cfg.group_size),
 ))
 register_scheme(W8A16Config, Scheme(
     "w8a16",
-    lambda linear, cfg, _: Int8WeightOnlyLinear.from_float(linear),
+    lambda linear, cfg, *_: Int8WeightOnlyLinear.from_float(linear),
     lambda k, n, bias, cfg: Int8WeightOnlyLinear(k, n, bias),
 ))
 register_scheme(W4A8Config, Scheme(
     "w4a8",
     # the activation-aware fit where the calibration saw the linear's inputs (not the lm_head's: min-max there)
-    lambda linear, cfg, importance: W4A8Linear.from_float(linear, cfg.group_size, importance,
-                                                          cfg.method == "awq" and importance is not None),
+    lambda linear, cfg, importance, hessian: W4A8Linear.from_float(
+        linear, cfg.group_size, importance, cfg.method in ("awq", "gptq") and importance is not None,
+        hessian if cfg.method == "gptq" else None),
     lambda k, n, bias, cfg: W4A8Linear(k, n, bias, block_size(k)),
 ))
 
@@ -121,16 +123,19 @@ def check_targets(model: nn.Module, config: Any, names: list[str]) -> None:
         check_group_size(getattr(config, "group_size", 0), model.get_submodule(name).in_features, name)
 
 
-def quantize_(model: nn.Module, config: Any, mean_squares: dict[str, Any] | None = None) -> list[str]:
+def quantize_(model: nn.Module, config: Any, mean_squares: dict[str, Any] | None = None,
+              hessians: dict[str, Any] | None = None) -> list[str]:
     """Replace the target linears of `model` in place by quantized layers; returns their names. mean_squares: each
-    linear's inputs' mean square per channel (calibration), for schemes that fit to it."""
+    linear's inputs' mean square per channel, hessians their summed x^T x (calibration), for schemes that fit to them."""
     from quasar.progress import progress
 
     scheme = SCHEMES[type(config)]
     names = target_linears(model, config)
     check_targets(model, config, names)
     for name in progress(names, f"quantizing to {scheme.name}"):
-        swap_module_(model, name, scheme.from_float(model.get_submodule(name), config, (mean_squares or {}).get(name)))
+        linear = model.get_submodule(name)
+        swap_module_(model, name, scheme.from_float(linear, config, (mean_squares or {}).get(name),
+                                                    (hessians or {}).get(name)))
     return names
 
 

@@ -31,6 +31,8 @@ GROUP = 32
 LEVELS = 15  # the largest 4-bit quant
 CLIP_RATIOS = torch.linspace(1.0, 0.7, 13).tolist()  # the range searched for each group's scale and min
 ROWS_AT_ONCE = 4096  # rows of a weight fitted together (bounds the fit's temporaries)
+GPTQ_DAMP = 0.01  # added to the input products' diagonal, times its mean (GPTQ's dampening)
+GPTQ_COLUMNS = 128  # inputs rounded together before their errors reach the later ones (GPTQ's lazy batch)
 
 
 def block_size(in_features: int) -> int:
@@ -80,12 +82,43 @@ def two_level(values: torch.Tensor, per: int) -> tuple[torch.Tensor, torch.Tenso
     return d, byte.to(torch.uint8)
 
 
+def compensated_quants(weight: torch.Tensor, hessian: torch.Tensor, S: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    """GPTQ's rounding (Frantar et al., 2023, arXiv 2210.17323) with fixed group scales: weight [N, K], hessian [K, K]
+    (the sum of x^T x over the calibration inputs), S and M [N, K/32] the stored scale and min of each group -> q [N, K]
+    in [0, 15]. The inputs are rounded in order, and each one's rounding error is moved onto the inputs not yet
+    rounded as their correlation with it says, so that the linear's output on inputs like the calibration's changes
+    least."""
+    N, K = weight.shape
+    W = weight.detach().float().clone()
+    H = hessian.detach().double().clone()
+    dead = H.diagonal() == 0  # an input never seen: its weights cannot matter, nothing is compensated through it
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    H.diagonal().add_(GPTQ_DAMP * H.diagonal().mean())
+    U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()  # H^-1 = U^T U
+    q = torch.empty(N, K, dtype=torch.uint8)
+    scale = S.float().repeat_interleave(GROUP, 1)  # [N, K]
+    low = M.float().repeat_interleave(GROUP, 1)
+    for c0 in range(0, K, GPTQ_COLUMNS):
+        c1 = min(c0 + GPTQ_COLUMNS, K)
+        block, errors, U1 = W[:, c0:c1].clone(), torch.empty(N, c1 - c0), U[c0:c1, c0:c1]
+        for i in range(c1 - c0):
+            s, lo, w = scale[:, c0 + i], low[:, c0 + i], block[:, i]
+            qi = torch.where(s > 0, ((w + lo) / s.clamp_min(1e-30)).round(), torch.zeros_like(w)).clamp_(0, LEVELS)
+            q[:, c0 + i] = qi.to(torch.uint8)
+            errors[:, i] = (w - (s * qi - lo)) / U1[i, i]
+            block[:, i:].addr_(errors[:, i], U1[i, i:], alpha=-1)
+        W[:, c1:].addmm_(errors, U[c0:c1, c1:], alpha=-1)
+    return q
+
+
 def quantize_4bit(weight: torch.Tensor, group: int = GROUP, importance: torch.Tensor | None = None,
-                  search: bool = True):
+                  search: bool = True, hessian: torch.Tensor | None = None):
     """weight [N, K] float -> FourBitBlocks (quasar.model.gguf_blocks): a scale and a min per `group` inputs (a multiple
     of 32 dividing K), stored as Q4_K stores them (bytes sc and m per 32 inputs times float16 d and dmin per block of
     block_size(K) inputs), the quants refitted to the stored scales. importance [K]: the inputs' mean square
-    (calibration), None for all alike."""
+    (calibration), None for all alike. hessian [K, K]: the sum of the calibration inputs' x^T x, to round the quants
+    by compensated_quants instead of each to its nearest."""
     from quasar.model.gguf_blocks import FourBitBlocks
 
     N, K = weight.shape
@@ -105,6 +138,8 @@ def quantize_4bit(weight: torch.Tensor, group: int = GROUP, importance: torch.Te
     dmin, m = two_level((-low).repeat_interleave(repeat, 1), B // GROUP)
     S = d.float().repeat_interleave(B // GROUP, 1) * sc.float()  # [N, K/32] as stored
     M = dmin.float().repeat_interleave(B // GROUP, 1) * m.float()
+    if hessian is not None:
+        return FourBitBlocks(compensated_quants(weight, hessian, S, M), d, dmin, sc, m, B, f"w4a8:g{group}")
     w = weight.view(N, K // GROUP, GROUP)
     q = torch.where(S[..., None] > 0, ((w + M[..., None]) / S[..., None].clamp_min(1e-30)).round(), torch.zeros_like(w))
     return FourBitBlocks(q.clamp_(0, LEVELS).to(torch.uint8).view(N, K), d, dmin, sc, m, B, f"w4a8:g{group}")
@@ -154,9 +189,9 @@ class W4A8Linear(nn.Module):
 
     @classmethod
     def from_float(cls, linear: nn.Linear, group: int = GROUP, importance: torch.Tensor | None = None,
-                   search: bool = True) -> W4A8Linear:
+                   search: bool = True, hessian: torch.Tensor | None = None) -> W4A8Linear:
         """Calibrated 4-bit blocks of a float linear (quantize_4bit)."""
-        return cls.from_blocks(quantize_4bit(linear.weight, group, importance, search), linear.bias)
+        return cls.from_blocks(quantize_4bit(linear.weight, group, importance, search, hessian), linear.bias)
 
     def quants(self) -> torch.Tensor:
         """q [N, K] uint8 in [0, 2^bits)."""

@@ -1,5 +1,5 @@
 """The 'w4a8' verifier: a GGUF model's own quantized blocks, computed on as they are (no requantization); or, for
-'w4a8:gN[:awq|:rtn]' and for a model that is no GGUF file, 4-bit blocks fitted to the float weights once and cached
+'w4a8:gN[:awq|:rtn|:gptq]' and for a model that is no GGUF file, 4-bit blocks fitted to the float weights once and cached
 as the w8a8 checkpoints are (verifiers/quantized.py, quant/w4a8.quantize_4bit).
 
 Every linear whose tensor is Q4_0, Q4_1, Q4_K or Q5_K becomes a W4A8Linear holding the file's 4- or 5-bit quants,
