@@ -215,6 +215,16 @@ def test_calibration_sums_input_products_once_per_shared_input(tiny_model):
     assert H.shape == (K, K) and torch.allclose(H, H.t())
     assert torch.allclose(H.diagonal() / calib.tokens, calib.mean_square()[attn + "q_proj"].float(), rtol=1e-4)
     assert not calibrate(tiny_model.model, windows).hessians  # only when asked
+    # the lm_head's inputs: every position's final norm, though the forward scores only the last
+    assert calib.hessians["lm_head"].shape == (K, K) and calib.tokens == 9
+    model, hidden = tiny_model.model, []
+    handle = model.model.layers.register_forward_hook(lambda _, args, out: hidden.append(model.model.norm(out)))
+    with torch.inference_mode():
+        for ids in windows:
+            model(ids, model.new_cache(8))
+    handle.remove()
+    rows = torch.cat([h.reshape(-1, K) for h in hidden]).double()  # all 9 positions
+    assert torch.allclose(calib.squares["lm_head"], rows.square().sum(0))
 
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])

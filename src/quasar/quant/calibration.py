@@ -1,6 +1,8 @@
 """Calibration: run the float model over text and record what each linear layer sees.
 
-For every linear in the decoder layers: the per-input-channel absolute maximum of its input activations
+For every linear in the decoder layers, and for the lm_head (its inputs: the final norm of every position's hidden
+state, though the calibration forward scores only each window's last): the per-input-channel absolute maximum of its
+input activations
 (a running max, so memory does not grow with the data), for a few chosen linears a bounded sample of
 input rows (for the alpha search in smoothquant.py), and where asked the sum of x^T x over its inputs (GPTQ's
 Hessian, for w4a8's error-compensating rounding; linears that read the same input share one).
@@ -169,6 +171,8 @@ def calibrate(model: nn.Module, windows: list[torch.Tensor], row_sites: set[str]
         for name, module in model.named_modules()
         if isinstance(module, nn.Linear) and name.startswith("model.layers.")
     ]
+    head = _hook(calib, "lm_head", per_window, False, products)
+    handles.append(model.model.layers.register_forward_hook(lambda _, args, out: head(None, (model.model.norm(out),))))
     try:
         for ids in progress(windows, f"calibrating on {sum(w.shape[1] for w in windows)} tokens"):
             model(ids.to(model.device), model.new_cache(ids.shape[1]), last_only=True)
