@@ -292,3 +292,28 @@ def test_the_w4a8_verifier_looks_tokens_up_in_the_files_blocks():
     assert isinstance(model.model.embed_tokens, BlockEmbedding)
     ids = torch.tensor([[1, 500, 9000, 49151]])
     assert torch.equal(model.model.embed_tokens(ids), load("default", "fp32").model.model.embed_tokens(ids))
+
+
+def test_a_gptq_checkpoint_from_the_cli_decodes_speculative_as_plain(tiny_model_dir, tmp_path):
+    """`quasar quantize --scheme w4a8:g32:gptq` writes a checkpoint that records its method, loads as that verifier,
+    and decodes greedy speculative token for token as plain."""
+    import json
+
+    from quasar.cli import main
+    from quasar.decoding.drafters import build_drafter
+    from quasar.decoding.engine import Engine
+    from quasar.decoding.sampling import SamplingParams
+    from quasar.decoding.speculative import Speculative
+    from quasar.verifiers.registry import load_verifier
+
+    out = tmp_path / "gptq"
+    assert main(["quantize", "--model", str(tiny_model_dir), "--out", str(out), "--scheme", "w4a8:g32:gptq",
+                 "--calib-samples", "2", "--seq-len", "32"]) == 0
+    assert json.loads((out / "config.json").read_text())["quantization"]["method"] == "gptq"
+    target = load_verifier(out, "w4a8:g32:gptq")
+    assert any(isinstance(m, (W4A8Linear, KernelW4A8Linear)) for m in target.model.modules())
+    ids = [1, 5, 9, 20, 3, 7, 1, 5, 9, 20, 3, 7, 1, 5]
+    params = SamplingParams(max_new_tokens=24)
+    plain = Engine(target).generate(ids, params)
+    spec = Engine(target, decoder=Speculative(build_drafter("ngram", target), k=4)).generate(ids, params)
+    assert spec.token_ids == plain.token_ids and spec.stats.verify_steps < len(plain.token_ids)
