@@ -2,9 +2,8 @@
 
 For every linear in the decoder layers, and for the lm_head (its inputs: the final norm of every position's hidden
 state, though the calibration forward scores only each window's last): the per-input-channel absolute maximum of its
-input activations
-(a running max, so memory does not grow with the data), for a few chosen linears a bounded sample of
-input rows (for the alpha search in smoothquant.py), and where asked the sum of x^T x over its inputs (GPTQ's
+input activations (a running max, so memory does not grow with the data), for a few chosen linears a bounded sample
+of input rows (for the alpha search in smoothquant.py), and where asked the sum of x^T x over its inputs (GPTQ's
 Hessian, for w4a8's error-compensating rounding; linears that read the same input share one).
 
 Default calibration set: the HellaSwag (100 items; context + correct ending) and TruthfulQA-MC1 (100 items;

@@ -78,7 +78,7 @@ register_scheme(W8A16Config, Scheme(
 ))
 register_scheme(W4A8Config, Scheme(
     "w4a8",
-    # the activation-aware fit where the calibration saw the linear's inputs (not the lm_head's: min-max there)
+    # the activation-aware fit where the calibration saw the linear's inputs (the lm_head's too); min-max without
     lambda linear, cfg, importance, hessian: W4A8Linear.from_float(
         linear, cfg.group_size, importance, cfg.method in ("awq", "gptq") and importance is not None,
         hessian if cfg.method == "gptq" else None),
