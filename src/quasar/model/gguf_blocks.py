@@ -17,6 +17,8 @@ token embeddings up in blocks of any of these forms.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -182,6 +184,9 @@ def byte_blocks(data: np.ndarray, rows: int, qtype: Any, name: str) -> ByteBlock
     return ByteBlocks(torch.from_numpy(values.astype(np.int8).reshape(rows, -1)), torch.from_numpy(d), name)
 
 
+BLOCK_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0", "Q5_0")  # the GGML types with a block form here
+
+
 def tensor_blocks(tensor: Any) -> Blocks | None:
     """One GGUF tensor's blocks, or None for a type without a block form here."""
     return unpack(np.asarray(tensor.data), tensor.tensor_type, int(np.prod(tensor.shape[1:])))
@@ -190,6 +195,8 @@ def tensor_blocks(tensor: Any) -> Blocks | None:
 def unpack(data: np.ndarray, qtype: Any, rows: int) -> Blocks | None:
     """The raw blocks of a tensor of `rows` rows of GGML type qtype (gguf.GGMLQuantizationType) as blocks, or None."""
     name = qtype.name
+    if name not in BLOCK_TYPES:
+        return None
     if name in ("Q4_K", "Q5_K"):
         return k_quant(data, rows, name == "Q5_K")
     if name == "Q6_K":
@@ -207,20 +214,28 @@ def permute_rows(blocks: Blocks, heads: int) -> Blocks:
     return type(blocks)(**{**vars(blocks), **fields})
 
 
-def linear_blocks(path: Path, config: dict[str, Any]) -> dict[str, Blocks | None]:
-    """Every 2-D weight of the GGUF at path by its Hugging Face name ('lm_head.weight' for a tied embedding too),
-    as blocks, or None where its type has no block form here."""
-    reader = open_gguf(path)
-    out: dict[str, Blocks | None] = {}
-    for tensor in reader.tensors:
-        if len(tensor.shape) != 2 or not tensor.name.endswith(".weight"):
+def linear_blocks(path: Path, config: dict[str, Any]) -> dict[str, Callable[[], Blocks]]:
+    """Every 2-D weight of the GGUF at path whose type has a block form, by its Hugging Face name ('lm_head.weight'
+    for a tied embedding too): a function that unpacks its blocks. A caller that turns each into its layer before
+    unpacking the next holds one tensor's unpacked blocks at a time, not the whole model's (on the 1.5B, 1.6 GB of
+    quants a byte each); the embedding's blocks are unpacked once, for the table and a tied lm_head alike."""
+    out: dict[str, Callable[[], Blocks]] = {}
+    for tensor in open_gguf(path).tensors:
+        if len(tensor.shape) != 2 or not tensor.name.endswith(".weight") or tensor.tensor_type.name not in BLOCK_TYPES:
             continue
+        heads = None
+        if config["model_type"] in ("llama", "mistral") and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config["num_attention_heads" if "attn_q" in tensor.name else "num_key_value_heads"]
         name = hf_name(tensor.name, config["model_type"])
-        blocks = tensor_blocks(tensor)
-        if blocks is not None and config["model_type"] in ("llama", "mistral") and tensor.name.endswith(
-                ("attn_q.weight", "attn_k.weight")):
-            blocks = permute_rows(blocks, config["num_attention_heads" if "attn_q" in tensor.name else "num_key_value_heads"])
-        out[name] = blocks
+        out[name] = functools.partial(_read_blocks, tensor, heads)
+        if name == "model.embed_tokens.weight":
+            out[name] = functools.cache(out[name])
     if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
+
+
+def _read_blocks(tensor: Any, heads: int | None) -> Blocks:
+    """A tensor's blocks, its rows in the Hugging Face order (llama.cpp permutes Llama's q and k: heads given)."""
+    blocks = tensor_blocks(tensor)
+    return blocks if heads is None else permute_rows(blocks, heads)

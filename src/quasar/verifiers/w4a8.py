@@ -59,15 +59,16 @@ def load_file_blocks(model: str | Path) -> LoadedModel:
     (and of the embedding) are never read."""
     path = resolve(model)
     blocks = linear_blocks(path, read_config(float_directory(path)))
-    loaded = load(model, "fp32", skip={name for name, b in blocks.items() if b is not None})  # never read in float
+    loaded = load(model, "fp32", skip=set(blocks))  # never read in float
     sources: Counter[str] = Counter()
     names = [n for n, m in loaded.model.named_modules() if isinstance(m, nn.Linear)]
-    for name in names:
-        layer, source = block_linear(loaded.model.get_submodule(name), blocks.get(f"{name}.weight"))
+    for name in names:  # each tensor's blocks unpacked, made a layer and dropped before the next
+        read = blocks.get(f"{name}.weight")
+        layer, source = block_linear(loaded.model.get_submodule(name), read() if read else None)
         swap_module_(loaded.model, name, layer)
         sources[source] += 1
-    table = blocks.get("model.embed_tokens.weight")
-    if table is not None:  # looked up in the blocks: the float table was never read
+    if "model.embed_tokens.weight" in blocks:  # looked up in the blocks: the float table was never read
+        table = blocks["model.embed_tokens.weight"]()
         loaded.model.model.embed_tokens = BlockEmbedding(table, loaded.model.model.embed_tokens.multiplier)
     log.info("w4a8 from %s: %s", path.name, ", ".join(f"{n} linears {s}" for s, n in sorted(sources.items())))
     return loaded
