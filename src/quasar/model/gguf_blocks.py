@@ -195,8 +195,6 @@ def tensor_blocks(tensor: Any) -> Blocks | None:
 def unpack(data: np.ndarray, qtype: Any, rows: int) -> Blocks | None:
     """The raw blocks of a tensor of `rows` rows of GGML type qtype (gguf.GGMLQuantizationType) as blocks, or None."""
     name = qtype.name
-    if name not in BLOCK_TYPES:
-        return None
     if name in ("Q4_K", "Q5_K"):
         return k_quant(data, rows, name == "Q5_K")
     if name == "Q6_K":
