@@ -13,6 +13,7 @@ from quasar.quant.bf16 import use_bf16_linears_
 from quasar.quant.calibration import Calibration, CalibrationSpec, calibrate, calibration_texts, token_windows
 from quasar.quant.schemes import check_targets, config_dict, quantize_, scheme_config, target_linears
 from quasar.quant.smoothquant import SmoothConfig, parse_alpha, row_sites, smooth_
+from quasar.quant.w4a8 import ACTIVATION_AWARE
 from quasar.spec import VerifierSpec
 from quasar.version import __version__
 
@@ -56,7 +57,7 @@ class QuantRecipe:
     @property
     def calibrated(self) -> bool:
         """Whether the float model runs over the calibration set first (smoothing, or w4a8's activation-aware fit)."""
-        return self.smoothing is not None or (self.scheme == "w4a8" and self.method in ("awq", "gptq"))
+        return self.smoothing is not None or (self.scheme == "w4a8" and self.method in ACTIVATION_AWARE)
 
     @property
     def input_products(self) -> bool:
@@ -143,7 +144,7 @@ def quantize_model(loaded: LoadedModel, recipe: QuantRecipe, calib: Calibration 
     if smoothing is not None:
         alphas = smooth_(model, calib, smoothing)
     quantize_(model, recipe.scheme_config(), calib.mean_square() if calib is not None else None,
-              calib.hessians if calib is not None and recipe.input_products else None)
+              calib.hessians if calib is not None else None)  # the scheme takes them where its method rounds by them
     if not recipe.lm_head:  # the float lm_head reads half the bytes as bf16; part of the recipe on every host
         use_bf16_linears_(model, ["lm_head"])
     return {

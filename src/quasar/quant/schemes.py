@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from quasar.quant.int8 import Int8Linear, Int8WeightOnlyLinear, check_group_size
-from quasar.quant.w4a8 import W4A8Linear, block_size
+from quasar.quant.w4a8 import ACTIVATION_AWARE, W4A8Linear, block_size
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ register_scheme(W4A8Config, Scheme(
     "w4a8",
     # the activation-aware fit where the calibration saw the linear's inputs (the lm_head's too); min-max without
     lambda linear, cfg, importance, hessian: W4A8Linear.from_float(
-        linear, cfg.group_size, importance, cfg.method in ("awq", "gptq") and importance is not None,
+        linear, cfg.group_size, importance, cfg.method in ACTIVATION_AWARE and importance is not None,
         hessian if cfg.method == "gptq" else None),
     lambda k, n, bias, cfg: W4A8Linear(k, n, bias, block_size(k)),
 ))

@@ -31,6 +31,7 @@ GROUP = 32
 LEVELS = 15  # the largest 4-bit quant
 CLIP_RATIOS = torch.linspace(1.0, 0.7, 13).tolist()  # the range searched for each group's scale and min
 ROWS_AT_ONCE = 4096  # rows of a weight fitted together (bounds the fit's temporaries)
+ACTIVATION_AWARE = ("awq", "gptq")  # the fits that weigh each input by its calibration mean square
 GPTQ_DAMP = 0.01  # added to the input products' diagonal, times its mean (GPTQ's dampening)
 GPTQ_COLUMNS = 128  # inputs rounded together before their errors reach the later ones (GPTQ's lazy batch)
 
@@ -82,6 +83,11 @@ def two_level(values: torch.Tensor, per: int) -> tuple[torch.Tensor, torch.Tenso
     return d, byte.to(torch.uint8)
 
 
+def nearest_quants(w: torch.Tensor, S: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    """The quants q in [0, 15] (as floats) nearest to w = S q - M, 0 where S is 0 (w, S, M broadcast together)."""
+    return torch.where(S > 0, ((w + M) / S.clamp_min(1e-30)).round(), torch.zeros_like(w)).clamp_(0, LEVELS)
+
+
 def compensated_quants(weight: torch.Tensor, hessian: torch.Tensor, S: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
     """GPTQ's rounding (Frantar et al., 2023, arXiv 2210.17323) with fixed group scales: weight [N, K], hessian [K, K]
     (the sum of x^T x over the calibration inputs), S and M [N, K/32] the stored scale and min of each group -> q [N, K]
@@ -97,14 +103,12 @@ def compensated_quants(weight: torch.Tensor, hessian: torch.Tensor, S: torch.Ten
     H.diagonal().add_(GPTQ_DAMP * H.diagonal().mean())
     U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True).float()  # H^-1 = U^T U
     q = torch.empty(N, K, dtype=torch.uint8)
-    scale = S.float().repeat_interleave(GROUP, 1)  # [N, K]
-    low = M.float().repeat_interleave(GROUP, 1)
     for c0 in range(0, K, GPTQ_COLUMNS):
         c1 = min(c0 + GPTQ_COLUMNS, K)
         block, errors, U1 = W[:, c0:c1].clone(), torch.empty(N, c1 - c0), U[c0:c1, c0:c1]
         for i in range(c1 - c0):
-            s, lo, w = scale[:, c0 + i], low[:, c0 + i], block[:, i]
-            qi = torch.where(s > 0, ((w + lo) / s.clamp_min(1e-30)).round(), torch.zeros_like(w)).clamp_(0, LEVELS)
+            s, lo, w = S[:, (c0 + i) // GROUP], M[:, (c0 + i) // GROUP], block[:, i]
+            qi = nearest_quants(w, s, lo)
             q[:, c0 + i] = qi.to(torch.uint8)
             errors[:, i] = (w - (s * qi - lo)) / U1[i, i]
             block[:, i:].addr_(errors[:, i], U1[i, i:], alpha=-1)
@@ -140,9 +144,8 @@ def quantize_4bit(weight: torch.Tensor, group: int = GROUP, importance: torch.Te
     M = dmin.float().repeat_interleave(B // GROUP, 1) * m.float()
     if hessian is not None:
         return FourBitBlocks(compensated_quants(weight, hessian, S, M), d, dmin, sc, m, B, f"w4a8:g{group}")
-    w = weight.view(N, K // GROUP, GROUP)
-    q = torch.where(S[..., None] > 0, ((w + M[..., None]) / S[..., None].clamp_min(1e-30)).round(), torch.zeros_like(w))
-    return FourBitBlocks(q.clamp_(0, LEVELS).to(torch.uint8).view(N, K), d, dmin, sc, m, B, f"w4a8:g{group}")
+    q = nearest_quants(weight.view(N, K // GROUP, GROUP), S[..., None], M[..., None])
+    return FourBitBlocks(q.to(torch.uint8).view(N, K), d, dmin, sc, m, B, f"w4a8:g{group}")
 
 
 class W4A8Linear(nn.Module):
