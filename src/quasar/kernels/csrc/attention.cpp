@@ -8,7 +8,7 @@
 //   s_j = (q . k_j) * D^-1/2,  e_j = exp(s_j - max s),  out = (sum_j e_j v_j) / (sum_j e_j).
 // A sliding-window layer (Gemma 3's, `window` > 0) attends over keys start + t - window + 1 .. start + t instead and
 // reads no key before them; a model may set its own scale (Gemma's query_pre_attn_scalar^-1/2) for D^-1/2.
-// Such a layer may keep its keys in a ring (Segment::ring_k): position p in slot p % R and again in slot p % R + R of
+// Such a layer may keep its keys in a ring (Segment::ring): position p in slot p % R and again in slot p % R + R of
 // 2R slots, so that any R consecutive positions lie side by side; R is a multiple of 32, so a key's place in its block
 // of 32 is the same in the ring as in a plain cache, and the rows get the same floats either way.
 // A row reads only its own query and the keys up to its position, so a token scored alone (decode)
@@ -21,8 +21,7 @@
 // The bf16 verifier on the float path amx attends on AMX tiles instead (bf16 products: attention_amx.cpp), from
 // keys and values AttentionSteps packs for it once per layer.
 #include "attention_rows.h"
-#include "kernels.h"
-#include <ATen/Parallel.h>
+#include "kernel_ops.h"
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -46,27 +45,27 @@ inline void rope(const float* x, const float* cos, const float* sin, float* out,
 AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, int64_t H, int64_t threads,
                                bool bf16_products, AttentionWindow shape, bool ring)
     : row_view_(T, -1), H_(H), window_(shape.window) {
-  const auto& first = ring ? segments.at(0).ring_k : segments.at(0).cache_k;
-  H_kv_ = first.size(1);
-  D_ = first.size(3);
-  TORCH_CHECK(D_ % 8 == 0 && H % H_kv_ == 0, "bad head shapes");
-  TORCH_CHECK(window_ >= 0, "a window of at least one key, or 0 for none");
+  const CacheView& first = ring ? segments.at(0).ring : segments.at(0).cache;
+  H_kv_ = first.H_kv;
+  D_ = first.D;
+  KERNEL_CHECK(D_ % 8 == 0 && H % H_kv_ == 0, "bad head shapes");
+  KERNEL_CHECK(window_ >= 0, "a window of at least one key, or 0 for none");
   scale_ = shape.scale > 0 ? static_cast<float>(shape.scale) : 1.f / std::sqrt(static_cast<float>(D_));
   int64_t row = 0;
-  TORCH_CHECK(!ring || window_ > 0, "only a sliding-window layer keeps its keys in a ring");
+  KERNEL_CHECK(!ring || window_ > 0, "only a sliding-window layer keeps its keys in a ring");
   for (const Segment& s : segments) {
-    const auto &keys = ring ? s.ring_k : s.cache_k, &values = ring ? s.ring_v : s.cache_v;
-    TORCH_CHECK(keys.defined() && values.defined(), "every segment needs its ring");
-    const int64_t S = keys.size(2), R = ring ? S / 2 : 0, origin = first_key(s.start) / 32 * 32;
-    TORCH_CHECK(s.start >= 0 && (ring ? s.start + s.rows - origin <= R : s.start + s.rows <= S),
+    const CacheView& cache = ring ? s.ring : s.cache;
+    KERNEL_CHECK(cache.k && cache.v, "every segment needs its ring");
+    const int64_t S = cache.S, R = ring ? S / 2 : 0, origin = first_key(s.start) / 32 * 32;
+    KERNEL_CHECK(s.start >= 0 && (ring ? s.start + s.rows - origin <= R : s.start + s.rows <= S),
                 ring ? "the new tokens and their window do not fit the ring" : "the new tokens do not fit the cache");
-    TORCH_CHECK(row + s.rows <= T, "the sequences' rows are not q's rows");
+    KERNEL_CHECK(row + s.rows <= T, "the sequences' rows are not q's rows");
     std::fill(row_view_.begin() + row, row_view_.begin() + row + s.rows, static_cast<int64_t>(views_.size()));
-    views_.push_back(View{keys.data_ptr<float>(), values.data_ptr<float>(), H_kv_ * S * D_, S, s.start, row, s.rows, R,
+    views_.push_back(View{cache.k, cache.v, H_kv_ * S * D_, S, s.start, row, s.rows, R,
                           origin});
     row += s.rows;
   }
-  TORCH_CHECK(row == T, "the segments' rows are q's rows");
+  KERNEL_CHECK(row == T, "the segments' rows are q's rows");
   const int64_t group = H / H_kv_;
   // Work items: the rows of one kv head of one sequence, split in parts of at most kItemRows rows (a
   // prefill's scores stay small), and further only when there are fewer items than threads; rows of an item
@@ -117,7 +116,7 @@ AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, 
     size += 2 * H_kv_ * padded * D_;
   }
   thread_local std::vector<uint16_t> buffer;  // grows to the largest step's, never given back: no page faults per layer
-  TORCH_CHECK(live_on_thread() == 0, "one AttentionSteps on AMX at a time per thread: they share its pack buffer");
+  KERNEL_CHECK(live_on_thread() == 0, "one AttentionSteps on AMX at a time per thread: they share its pack buffer");
   buffer.resize(std::max<size_t>(buffer.size(), size));
   shared_ = buffer.data();
   ++live_on_thread();  // last: a constructor that throws has no destructor to undo it
@@ -194,64 +193,21 @@ void AttentionSteps::attend(int64_t layer, int64_t i, const float* q_rot, float*
   }
 }
 
-namespace {
-
-// The steps' rope and attention of layer `layer` over every row, split between ATen's threads.
-void attend_steps(const AttentionSteps& steps, int64_t layer, const at::Tensor& q, const at::Tensor& k,
-                  const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
-  for (const auto& t : {q, k, v, cos, sin})
-    TORCH_CHECK(t.dtype() == at::kFloat && t.is_contiguous() && t.device().is_cpu(),
-                "contiguous float32 CPU tensors expected");
-  const int64_t T = q.size(0), H = steps.heads(), H_kv = steps.kv_heads(), D = steps.head_dim();
-  TORCH_CHECK(q.size(1) == H * D && k.size(1) == H_kv * D && v.size(1) == H_kv * D, "bad head shapes");
-  auto q_rot = kernel_result(q.sizes(), q.options());
-  float* qr = q_rot.data_ptr<float>();
+void attend_steps(const AttentionSteps& steps, int64_t layer, const float* q, const float* k, const float* v,
+                  const float* cos, const float* sin, float* q_rot, float* out, int64_t T) {
+  const int64_t H = steps.heads(), H_kv = steps.kv_heads(), D = steps.head_dim();
   // Each row on its own (a batch's rows split between the threads: none waits while one rotates).
   const int64_t per_row = (H + 2 * H_kv) * D;
-  at::parallel_for(0, T, std::max<int64_t>(1, 8192 / per_row), [&](int64_t t0, int64_t t1) {
-    steps.rope(layer, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), cos.data_ptr<float>(),
-               sin.data_ptr<float>(), qr, t0, t1);
+  parallel_for(0, T, std::max<int64_t>(1, 8192 / per_row), [&](int64_t t0, int64_t t1) {
+    steps.rope(layer, q, k, v, cos, sin, q_rot, t0, t1);
   });
-  at::parallel_for(0, steps.packs(), 1, [&](int64_t i0, int64_t i1) {  // none unless the attention runs on AMX
+  parallel_for(0, steps.packs(), 1, [&](int64_t i0, int64_t i1) {  // none unless the attention runs on AMX
     for (int64_t i = i0; i < i1; ++i) steps.pack(layer, i);
   });
   std::atomic<int64_t> next{0};
   const int64_t n_items = steps.items();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n_items), 1, [&](int64_t, int64_t) {
+  parallel_for(0, std::min<int64_t>(kernel_threads(), n_items), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
-    for (int64_t i = next++; i < n_items; i = next++) steps.attend(layer, i, qr, op, scores);
+    for (int64_t i = next++; i < n_items; i = next++) steps.attend(layer, i, q_rot, out, scores);
   });
-}
-
-}  // namespace
-
-// q [T, H*D], k and v [T, H_kv*D], cos and sin [T, D], cache_k and cache_v [H_kv, S, D] (one layer, batch
-// 0), all float32 -> out [T, H*D]. Writes the rotated k and v at cache positions [start, start + T).
-at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos,
-                               at::Tensor sin, at::Tensor cache_k, at::Tensor cache_v, int64_t start,
-                               bool bf16_products, int64_t window, double scale) {
-  TORCH_CHECK(cache_k.dtype() == at::kFloat && cache_v.dtype() == at::kFloat && cache_k.is_contiguous() &&
-              cache_v.is_contiguous() && cache_k.device().is_cpu() && cache_k.dim() == 3 && cache_k.sizes() == cache_v.sizes(),
-              "contiguous float32 CPU caches [H_kv, S, D] expected");
-  auto out = kernel_result(q.sizes(), q.options());
-  const int64_t D = cache_k.size(2);
-  TORCH_CHECK(q.dim() == 2 && q.size(1) % D == 0, "q [T, H*D] expected");
-  const std::vector<Segment> one{Segment{cache_k.unsqueeze(0), cache_v.unsqueeze(0), start, q.size(0)}};
-  attend_steps(AttentionSteps(one, q.size(0), q.size(1) / D, at::get_num_threads(), bf16_products, {window, scale}), 0, q,
-               k, v, cos, sin, out);
-  return out;
-}
-
-// The rows of several sequences one after another (q, k, v, cos, sin as decode_attention's, over all rows),
-// segment i attending over layer `layer` of its own cache [L, H_kv, S, D] (checked by FusedLayers::forward_segments).
-at::Tensor segment_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos, at::Tensor sin,
-                                const std::vector<Segment>& segments, int64_t layer, bool bf16_products,
-                                AttentionWindow shape, bool ring) {
-  const int64_t D = segments.at(0).cache_k.size(3);
-  TORCH_CHECK(q.dim() == 2 && q.size(1) % D == 0, "q [T, H*D] expected");
-  auto out = kernel_result(q.sizes(), q.options());
-  attend_steps(AttentionSteps(segments, q.size(0), q.size(1) / D, at::get_num_threads(), bf16_products, shape, ring),
-               layer, q, k, v, cos, sin, out);
-  return out;
 }

@@ -17,7 +17,7 @@
 #include "attention_rows.h"
 #include "float_amx.h"
 #include "simd_lanes.h"
-#include "kernels.h"
+#include "kernel_ops.h"
 #include "targets.h"
 
 #include <immintrin.h>
@@ -120,7 +120,7 @@ void amx_attend_rows(const std::vector<AttentionRow>& rows, const uint16_t* kp, 
                      float scale) {
   thread_local Scratch w;
   const int64_t count = static_cast<int64_t>(rows.size()), tiles = (count + 15) / 16, M = 16 * tiles;
-  TORCH_CHECK(tiles <= 2 && D % 64 == 0, "at most 32 rows and head_dim % 64 == 0");
+  KERNEL_CHECK(tiles <= 2 && D % 64 == 0, "at most 32 rows and head_dim % 64 == 0");
   int64_t n = 0, lo = INT64_MAX;
   for (const AttentionRow& r : rows) {
     n = std::max(n, r.last + 1);

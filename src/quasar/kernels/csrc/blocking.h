@@ -1,7 +1,7 @@
 // Loop helpers shared by the linear kernels (w8a8_linear.cpp, norm_quant.cpp, int8_dot.cpp, float_dot.cpp,
 // int8_panel.cpp).
 #pragma once
-#include <ATen/Parallel.h>
+#include "runtime.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
@@ -78,5 +78,5 @@ void panel_tiles(int64_t M, int64_t p0, int64_t p1, int64_t K, int64_t k_bytes, 
 template <typename F>
 void over_rows(int64_t M, int64_t K, const F& fn) {
   constexpr int64_t kRowsWork = 8192;  // values per thread at least
-  at::parallel_for(0, M, std::max<int64_t>(1, kRowsWork / std::max<int64_t>(K, 1)), fn);
+  parallel_for(0, M, std::max<int64_t>(1, kRowsWork / std::max<int64_t>(K, 1)), fn);
 }

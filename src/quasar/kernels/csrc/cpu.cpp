@@ -3,8 +3,6 @@
 #include "cpu.h"
 #include "targets.h"
 
-#include <c10/util/Exception.h>
-#include <c10/util/StringUtil.h>
 
 #include <cpuid.h>
 #include <immintrin.h>
@@ -14,6 +12,17 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+
+namespace {
+
+// "a, b, c"
+std::string joined(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& name : names) out += (out.empty() ? "" : ", ") + name;
+  return out;
+}
+
+}  // namespace
 
 namespace {
 
@@ -79,8 +88,8 @@ std::vector<std::string> int8_paths() {
 Int8Path parse_int8_path(const std::string& name) {
   const auto paths = int8_paths();
   const std::string chosen = name == "auto" ? paths.front() : name;
-  TORCH_CHECK(std::find(paths.begin(), paths.end(), chosen) != paths.end(), "int8 path '", name,
-              "' is not available on this CPU; available: auto, ", c10::Join(", ", paths));
+  KERNEL_CHECK(std::find(paths.begin(), paths.end(), chosen) != paths.end(), "int8 path '", name,
+              "' is not available on this CPU; available: auto, ", joined(paths));
   if (chosen == "dpbusd") return Int8Path::Dpbusd;
   if (chosen == "dpbusd-emulated") return Int8Path::DpbusdEmulated;
   return Int8Path::Maddubs;
@@ -212,7 +221,7 @@ std::string use_float_path(const std::string& name) {
       float_path_slot().store(static_cast<int>(p));
       return path_name(p);
     }
-  TORCH_CHECK(false, "float path '", name, "' is not available on this CPU; available: auto, ", c10::Join(", ", float_paths()));
+  KERNEL_CHECK(false, "float path '", name, "' is not available on this CPU; available: auto, ", joined(float_paths()));
 }
 
 // ---- prefetch policy --------------------------------------------------------------------------------------------
@@ -246,7 +255,7 @@ std::string prefetch() {
 
 std::string use_prefetch(const std::string& name) {
   const bool automatic = name == "auto" || name.rfind("auto:", 0) == 0;  // what prefetch() says restores it
-  TORCH_CHECK(automatic || name == "l1" || name == "l2", "prefetch policy '", name, "' unknown; choose auto, l1 or l2");
+  KERNEL_CHECK(automatic || name == "l1" || name == "l2", "prefetch policy '", name, "' unknown; choose auto, l1 or l2");
   prefetch_slot().store(automatic ? kAuto : static_cast<int>(name == "l2" ? Prefetch::L2 : Prefetch::L1));
   return prefetch();
 }

@@ -119,7 +119,7 @@ at::Tensor act_mul(at::Tensor gate, at::Tensor up, Activation act, bool rounded)
 
 at::Tensor decoder_layer(at::Tensor x, const LayerWeights& w, double eps, const StepRope& rope,
                             const std::vector<Segment>& segments, int64_t layer, bool ring) {
-  const int64_t T = x.size(0), D = segments[0].cache_k.size(3);
+  const int64_t T = x.size(0), D = segments[0].cache.D;
   auto qkv = linears(rms_norm(x, w.input_norm, eps), {&w.q, &w.k, &w.v});
   auto q = qkv[0], k = qkv[1];
   if (w.q_norm.numel()) {  // qk-norm (qwen3, Gemma): per head, before rope
@@ -161,11 +161,12 @@ FusedLayers::FusedLayers(std::vector<LayerWeights> layers, double eps, std::opti
 
 namespace {
 
-void check_cache(const at::Tensor& k, const at::Tensor& v, int64_t layers, const at::Tensor& like) {
+// The view of a sequence's caches, of this model's shape (the first sequence's heads and head_dim); cache_view checks
+// the rest.
+CacheView check_cache(const at::Tensor& k, const at::Tensor& v, int64_t layers, const at::Tensor& like) {
   TORCH_CHECK(k.dim() == 4 && k.size(0) == layers && k.sizes() == v.sizes() && k.size(1) == like.size(1) &&
               k.size(3) == like.size(3), "caches [L, H_kv, S, D] of this model expected");
-  TORCH_CHECK(k.dtype() == at::kFloat && v.dtype() == at::kFloat && k.is_contiguous() &&
-              v.is_contiguous() && k.device().is_cpu() && v.device().is_cpu(), "contiguous float32 CPU caches expected");
+  return cache_view(k, v);
 }
 
 }  // namespace
@@ -181,14 +182,15 @@ std::vector<Segment> FusedLayers::segments(const std::vector<at::Tensor>& caches
   std::vector<Segment> out;
   int64_t sum = 0;
   for (size_t i = 0; i < n; ++i) {  // checked once here, not in every layer's attention
-    check_cache(caches_k[i], caches_v[i], rings ? plains_ : static_cast<int64_t>(layers_.size()), caches_k[0]);
+    const CacheView cache = check_cache(caches_k[i], caches_v[i], rings ? plains_ : static_cast<int64_t>(layers_.size()),
+                                        caches_k[0]);
+    CacheView ring;
     if (rings) {
-      check_cache(rings_k[i], rings_v[i], rings_, caches_k[0]);
+      ring = check_cache(rings_k[i], rings_v[i], rings_, caches_k[0]);
       TORCH_CHECK(rings_k[i].size(2) % 64 == 0, "a ring of 2 R slots, R a multiple of 32, expected");
     }
     TORCH_CHECK(rows[i] > 0, "every segment has at least one row");
-    out.push_back(Segment{caches_k[i], caches_v[i], starts[i], rows[i], rings ? rings_k[i] : at::Tensor(),
-                          rings ? rings_v[i] : at::Tensor()});
+    out.push_back(Segment{cache, starts[i], rows[i], ring});
     sum += rows[i];
   }
   TORCH_CHECK(sum == total, "the segments' rows are x's rows");

@@ -27,13 +27,12 @@
 // in L2 while every row passes: a prefill of many rows reads each weight from memory once. The packed ones also
 // walk K in chunks, keeping its partial sums in y between them (a float stored and loaded is the same
 // float, so the chunks change no result).
-#include "kernels.h"
+#include "kernel_ops.h"
 #include "blocking.h"
 #include "simd_lanes.h"
 #include "float_amx.h"
 #include "cpu.h"
 #include "targets.h"
-#include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cstring>
@@ -379,7 +378,7 @@ namespace {
 template <typename W>
 void act32_dot(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
   const FloatPath path = current_float_path();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     if (path != FloatPath::Avx2) return avx512::act32(x, w, y, M, N, K, n0, n1);
     const auto tile = [&](auto rows, auto cols, int64_t m, int64_t n) {
       act32_tile_avx2<decltype(rows)::value, decltype(cols)::value>(x, w, y, m, n, N, K);
@@ -403,41 +402,17 @@ void epilogue(float* y, int64_t M, int64_t N, const float* sp, const float* bp) 
     }
 }
 
-void check_float_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, int64_t multiple) {
-  TORCH_CHECK(x.dtype() == at::kFloat, "float32 x expected");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] and w [N, K] expected");
-  TORCH_CHECK(x.size(1) % multiple == 0, "K must be a multiple of ", multiple);
-  TORCH_CHECK(bias.numel() == 0 || (bias.dtype() == at::kFloat && bias.numel() == w.size(0)),
-              "float32 bias [N] or empty expected");
-}
-
 }  // namespace
 
-// Float activations times float32, int8 (W8A16) or bfloat16 weights, float32 sums in a fixed order:
-// x [M, K] float32, w [N, K], scale [N] float32 or empty, bias [N] float32 or empty
-// -> y [M, N] float32 = (x . w[n]) * scale[n] + bias[n]. Row m of the result depends on x[m] only.
-at::Tensor float_act_linear(at::Tensor x, at::Tensor w, at::Tensor scale, at::Tensor bias) {
-  TORCH_CHECK(w.dtype() == at::kChar || w.dtype() == at::kBFloat16 || w.dtype() == at::kFloat,
-              "float32, int8 or bfloat16 w expected");
-  check_float_linear(x, w, bias, 16);
-  x = x.contiguous();
-  w = w.contiguous();
-  scale = scale.contiguous();
-  bias = bias.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(scale.numel() == 0 || (scale.dtype() == at::kFloat && scale.numel() == N),
-              "float32 scale [N] or empty expected");
-  auto y = kernel_result({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  if (w.dtype() == at::kChar)
-    act32_dot(xp, w.data_ptr<int8_t>(), yp, M, N, K);
-  else if (w.dtype() == at::kFloat)
-    act32_dot(xp, w.data_ptr<float>(), yp, M, N, K);
+void float_act_dot(const float* x, const void* w, WeightType type, const float* scale, const float* bias, float* y,
+                   int64_t M, int64_t N, int64_t K) {
+  if (type == WeightType::Int8)
+    act32_dot(x, static_cast<const int8_t*>(w), y, M, N, K);
+  else if (type == WeightType::Float32)
+    act32_dot(x, static_cast<const float*>(w), y, M, N, K);
   else
-    act32_dot(xp, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), yp, M, N, K);
-  epilogue(yp, M, N, scale.numel() ? scale.data_ptr<float>() : nullptr, bias.numel() ? bias.data_ptr<float>() : nullptr);
-  return y;
+    act32_dot(x, static_cast<const uint16_t*>(w), y, M, N, K);
+  epilogue(y, M, N, scale, bias);
 }
 
 namespace {
@@ -447,36 +422,22 @@ namespace {
 bool amx_takes(int64_t K) { return current_float_path() == FloatPath::Amx && K % 32 == 0; }
 bool rounded_as_float(int64_t K) { return !amx_takes(K) && lanes_path() == FloatPath::Avx512; }
 
-// The packed products (bf16_linear_rounded, fp32_linear): x [M, K] times weights packed in panels of 16 channels:
-// bfloat16 pairs [N/16, K/2, 16, 2] (x as bf16_input rounds it), float32 [N/16, K, 16] or bfloat16 [N/16, K, 16]
-// (widened; x float32), plus bias [N] float32 or empty -> y [M, N] float32; one parallel region over the panels.
-at::Tensor packed_linear(at::Tensor x, at::Tensor wp, at::Tensor bias) {
-  const bool pairs = wp.dim() == 4, widened = wp.dim() == 3 && wp.dtype() == at::kBFloat16;
-  TORCH_CHECK(pairs ? wp.dtype() == at::kBFloat16 && wp.size(3) == 2 : wp.dim() == 3,
-              "weights packed [N/16, K/2, 16, 2] (bfloat16 pairs) or [N/16, K, 16] (float32 or bfloat16) expected");
-  TORCH_CHECK(wp.size(2) == 16, "panels of 16 channels expected");
-  const int64_t K = pairs ? 2 * wp.size(1) : wp.size(1), P = wp.size(0), N = 16 * P;
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.device().is_cpu(), "x [M, K] expected");
-  TORCH_CHECK(pairs ? x.scalar_type() == bf16_input_dtype(K) : x.dtype() == at::kFloat,
-              pairs ? "x rounded as bf16_input rounds it for this path expected" : "float32 x expected");
-  TORCH_CHECK(bias.numel() == 0 || (bias.dtype() == at::kFloat && bias.numel() == N), "float32 bias [N] or empty expected");
-  const int64_t M = x.size(0);
-  x = x.contiguous();
-  wp = wp.contiguous();
-  bias = bias.contiguous();
+}  // namespace
+
+void packed_dot(const void* x, const void* w, bool pairs, bool bf16, const float* bias, float* yp, int64_t M, int64_t N,
+                int64_t K) {
+  const int64_t P = N / 16;
+  const bool widened = !pairs && bf16;
   // The amx path's tiles take bf16 pairs where K is whole tiles; what they do not take runs as on the avx512 path.
   const bool amx = pairs && amx_takes(K);
   const FloatPath path = lanes_path();
   // x rounded to bfloat16: as float32 for the AVX-512 FMAs, as bfloat16 bits for the tiles, vdpbf16ps and AVX2
-  const float* xf = pairs && rounded_as_float(K) ? x.data_ptr<float>() : nullptr;
-  const uint16_t* xb = pairs && !xf ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
-  auto y = kernel_result({M, N}, at::dtype(at::kFloat));
-  float* yp = y.data_ptr<float>();
-  const float* xp = pairs ? nullptr : x.data_ptr<float>();
-  const bool bf16 = wp.dtype() == at::kBFloat16;
-  const uint16_t* w16 = bf16 ? reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()) : nullptr;
-  const float* w32 = bf16 ? nullptr : wp.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+  const float* xf = pairs && rounded_as_float(K) ? static_cast<const float*>(x) : nullptr;
+  const uint16_t* xb = pairs && !xf ? static_cast<const uint16_t*>(x) : nullptr;
+  const float* xp = pairs ? nullptr : static_cast<const float*>(x);
+  const uint16_t* w16 = bf16 ? static_cast<const uint16_t*>(w) : nullptr;
+  const float* w32 = bf16 ? nullptr : static_cast<const float*>(w);
+  parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     if (amx) return amx_bf16_panels(xb, w16, yp, M, N, K, p0, p1);
     if (pairs) {
       if (path == FloatPath::Avx512Bf16) return avx512bf16::panel_dot(xb, w16, yp, M, N, K, p0, p1);
@@ -498,49 +459,14 @@ at::Tensor packed_linear(at::Tensor x, at::Tensor wp, at::Tensor bias) {
     };
     panel_tiles<6, 1>(M, p0, p1, K, widened ? 32 : 64, 2, tile);
   });
-  epilogue(yp, M, N, nullptr, bias.numel() ? bias.data_ptr<float>() : nullptr);
-  return y;
+  epilogue(yp, M, N, nullptr, bias);
 }
 
-}  // namespace
+bool bf16_rounded_as_float(int64_t K) { return rounded_as_float(K); }
 
-at::ScalarType bf16_input_dtype(int64_t K) { return rounded_as_float(K) ? at::kFloat : at::kBFloat16; }
-
-void round_bf16_into(const float* x, int64_t count, at::Tensor& out, int64_t offset) {
-  TORCH_CHECK(out.is_contiguous() && offset >= 0 && offset + count <= out.numel(), "the rounded values do not fit out");
-  if (out.dtype() == at::kFloat)
-    round_bf16(x, count, out.data_ptr<float>() + offset);
+void round_bf16_to(const float* x, int64_t count, void* out, bool as_float) {
+  if (as_float)
+    round_bf16(x, count, static_cast<float*>(out));
   else
-    round_bf16(x, count, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + offset);
-}
-
-at::Tensor bf16_input(at::Tensor x) {
-  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.device().is_cpu(), "float32 x [M, K] expected");
-  x = x.contiguous();
-  auto out = kernel_result(x.sizes(), at::dtype(bf16_input_dtype(x.size(1))));
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, x.numel(), 1 << 16, [&](int64_t i0, int64_t i1) { round_bf16_into(xp + i0, i1 - i0, out, i0); });
-  return out;
-}
-
-at::Tensor bf16_linear_rounded(at::Tensor xr, at::Tensor wp, at::Tensor bias) {
-  TORCH_CHECK(wp.dtype() == at::kBFloat16 && wp.dim() == 4, "bfloat16 weights packed [N/16, K/2, 16, 2] expected");
-  return packed_linear(xr, wp, bias);
-}
-
-// x [M, K] float32 rounded to bfloat16, times bfloat16 weights packed [N/16, K/2, 16, 2] (w[n, k] at
-// [n / 16, k / 2, n % 16, k % 2]), float32 sums as vdpbf16ps takes them, plus bias [N] float32 (or empty)
-// -> y [M, N] float32: the bf16 verifier. Row m of the result depends on x[m] only.
-at::Tensor bf16_linear(at::Tensor x, at::Tensor wp, at::Tensor bias) {
-  return bf16_linear_rounded(bf16_input(x), wp, bias);
-}
-
-// x [M, K] float32 times float32 or bfloat16 weights packed [N/16, K, 16] (w[n, k] at [n / 16, k, n % 16]),
-// bfloat16 widened to float32 exactly, each output one float32 FMA chain in k order, plus bias [N] float32
-// (or empty) -> y [M, N] float32: the fp32 verifier, and the bf16 lm_head of W8A8 checkpoints. Row m of the
-// result depends on x[m] only.
-at::Tensor fp32_linear(at::Tensor x, at::Tensor wp, at::Tensor bias) {
-  TORCH_CHECK((wp.dtype() == at::kFloat || wp.dtype() == at::kBFloat16) && wp.dim() == 3,
-              "float32 or bfloat16 weights packed [N/16, K, 16] expected");
-  return packed_linear(x, wp, bias);
+    round_bf16(x, count, static_cast<uint16_t*>(out));
 }

@@ -1,7 +1,9 @@
-// quasar's CPU kernels, as the other kernel files and bindings.cpp see them.
+// quasar's CPU kernels on tensors, as bindings.cpp and the layer files (decoder_layer.cpp, packed_w8a8_step.cpp) see
+// them: tensors.cpp checks each operation's tensors, makes its results and calls the kernel on their pointers
+// (kernel_ops.h).
 #pragma once
 #include "aten.h"
-#include "cpu.h"
+#include "kernel_ops.h"
 #include "linear_kind.h"
 
 #include <algorithm>
@@ -13,8 +15,6 @@
 // A new, unwritten tensor like at::empty's, for a kernel to fill whole (result_pool.cpp): blocks of 1 MB and more are
 // handed back to the next result of the same size instead of to malloc (a forward repeats its sizes every layer).
 at::Tensor kernel_result(at::IntArrayRef sizes, const at::TensorOptions& options);
-// Free every kept block (a server gone idle gives its memory back); returns the bytes freed.
-int64_t release_results();
 
 at::Tensor w8a8_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor bias);
 std::vector<at::Tensor> w8a8_linear_many(at::Tensor x, std::vector<at::Tensor> w,
@@ -47,10 +47,6 @@ at::Tensor bf16_linear_rounded(at::Tensor xr, at::Tensor w, at::Tensor bias);
 // float32 x times float32 w packed in panels of 16 channels, one FMA chain per output (fp32_linear).
 at::Tensor fp32_linear(at::Tensor x, at::Tensor w, at::Tensor bias);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
-// One row of rms_norm (y may be x), and quantize_tokens on each group of G values (G % 16 == 0) of x [M, K] -> q
-// [M, K], scale [M, K / G]: the row operations of the W8A8 linears (norm_quant.cpp), for packed_w8a8_step.cpp too.
-void norm_row(const float* x, const float* weight, int64_t K, double eps, float* y);
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* q, float* scale);
 // logits [R, V] float32 -> torch.argmax(logits, -1) (logits.cpp).
 at::Tensor argmax_rows(at::Tensor logits);
 // Sampling at temperature > 0 (logits.cpp, quasar.decoding.sampling): the weights exp((logits - max) * inv_t) and their row
@@ -59,88 +55,13 @@ std::vector<double> sampling_weights(at::Tensor logits, at::Tensor out, double i
 at::Tensor filter_cuts(at::Tensor logits, at::Tensor weights, int64_t top_k, double top_p);
 std::vector<double> keep_weights(at::Tensor logits, at::Tensor weights, at::Tensor keep_from);
 int64_t draw_index(at::Tensor weights, double u);
-// bf16_products: the step's linears take bfloat16 inputs (the bf16 verifier): then attention too runs on bfloat16
-// products where bf16_attention says so (attention_amx.cpp).
-// window: a sliding-window layer's (each query sees its last `window` positions), 0 for causal attention over the
-// whole cache; scale: the scores' (0: head_dim^-1/2).
-struct AttentionWindow {
-  int64_t window = 0;
-  double scale = 0;
-};
+// Attention over one cache [H_kv, S, D] (decode_attention) or over each segment's (segment_attention; kernel_ops.h's
+// AttentionSteps). bf16_products: the step's linears take bfloat16 inputs (the bf16 verifier).
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos,
                                at::Tensor sin, at::Tensor cache_k, at::Tensor cache_v, int64_t start,
                                bool bf16_products, int64_t window, double scale);
-// One sequence's rows inside a call over several: its cache [L, H_kv, S, D], positions filled, row count, and where
-// its sliding-window layers keep their keys in rings (attention.cpp), those: [L_sliding, H_kv, 2 R, D] (R % 32 == 0),
-// cache_k then holding the other layers only (undefined: every layer in cache_k).
-struct Segment {
-  at::Tensor cache_k, cache_v;
-  int64_t start, rows;
-  at::Tensor ring_k = {}, ring_v = {};
-};
-// Rope, cache writes and attention of one step's rows over their sequences' caches (attention.cpp), in parts any
-// thread may run: rope(t0, t1) for every row first, then attend(i) for each work item i < items(), in any order and
-// on any thread (the results never depend on which runs what). Built once per step, for every layer.
-class AttentionSteps {
- public:
-  // segments' caches [L, H_kv, S, D] (contiguous float32), T rows of H query heads; threads: how many share the items;
-  // bf16_products as decode_attention's.
-  // ring: the layer reads the segments' rings (a sliding-window layer's).
-  AttentionSteps(const std::vector<Segment>& segments, int64_t T, int64_t H, int64_t threads, bool bf16_products = false,
-                 AttentionWindow shape = {}, bool ring = false);
-  ~AttentionSteps();
-  AttentionSteps(const AttentionSteps&) = delete;
-  AttentionSteps& operator=(const AttentionSteps&) = delete;
-  int64_t items() const { return static_cast<int64_t>(items_.size()); }
-  int64_t heads() const { return H_; }
-  int64_t kv_heads() const { return H_kv_; }
-  int64_t head_dim() const { return D_; }
-  // q [T, H*D], k and v [T, H_kv*D], cos and sin [T, D]: rows [t0, t1) of q_rot [T, H*D] (q rotated), and the rows'
-  // rotated keys and their values written into layer `layer` of their caches.
-  void rope(int64_t layer, const float* q, const float* k, const float* v, const float* cos, const float* sin,
-            float* q_rot, int64_t t0, int64_t t1) const;
-  // Work item i of layer `layer`: its rows of out [T, H*D] from q_rot and the caches (scores: the caller's scratch).
-  void attend(int64_t layer, int64_t i, const float* q_rot, float* out, std::vector<float>& scores) const;
-  // Where the attention runs on AMX: part i < packs() of layer `layer`'s keys and values packed into the bfloat16
-  // tiles attend reads, each part once, after rope and before attend (packs() is 0 otherwise). The steps of one
-  // thread share its pack buffer: one AttentionSteps on AMX at a time per thread (checked).
-  int64_t packs() const { return static_cast<int64_t>(packs_.size()); }
-  void pack(int64_t layer, int64_t i) const;
-
- private:
-  struct View {  // one sequence: its caches, a layer's size in them, its rows [row0, row0 + rows) at positions start..,
-    float *k, *v;  // its ring's R (0: a plain cache) and the first position its rows read, rounded down to a block of 32
-    int64_t layer_size, S, start, row0, rows, ring, origin;
-  };
-  // Where kv head kv's key at the view's origin is in layer `layer` of its caches: the keys from there to the rows'
-  // last lie side by side (in a ring, from its first copy).
-  int64_t from_origin(const View& v, int64_t layer, int64_t kv) const {
-    return layer * v.layer_size + (kv * v.S + (v.ring ? v.origin % v.ring : v.origin)) * D_;
-  }
-  struct Item {  // rows [first, first + count) of one kv head of one view (row r: token r / group, head r % group)
-    int64_t view, kv, first, count, keys;  // keys: the key rows its rows read in all, its cost
-  };
-  // The first key a query at position pos sees.
-  int64_t first_key(int64_t pos) const { return window_ ? std::max<int64_t>(0, pos - window_ + 1) : 0; }
-
-  std::vector<View> views_;
-  std::vector<int64_t> row_view_;  // the view of each row
-  std::vector<Item> items_;
-  int64_t H_, H_kv_ = 0, D_ = 0, window_ = 0;
-  float scale_ = 0;
-  bool wide_ = false;  // AVX-512 attention (float_path_avx512, D % 64 == 0)
-  bool amx_ = false;   // bfloat16 attention on AMX tiles (bf16_attention)
-  struct Pack {        // 32 keys and values of one kv head of one view
-    int64_t view, kv, block;
-  };
-  struct Packed {  // one view's packed keys and values: per kv head `size` of each, from shared_ + at (-1: by its items)
-    int64_t size, at;
-  };
-  std::vector<Pack> packs_;
-  std::vector<Packed> packed_;
-  uint16_t* shared_ = nullptr;
-  static int& live_on_thread();  // AttentionSteps on AMX alive on this thread (at most one: they share shared_)
-};
+// The CacheView of a pair of caches: contiguous float32 [L, H_kv, S, D] (checked).
+CacheView cache_view(const at::Tensor& k, const at::Tensor& v);
 // decode_attention for the rows of several sequences, each over layer `layer` of its own cache (caches checked
 // by the caller: contiguous float32 [L, H_kv, S, D], one H_kv and D).
 at::Tensor segment_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos, at::Tensor sin,

@@ -7,10 +7,9 @@
 // k + 1 rows. Here: two passes over each row in the calling thread, 16 floats per step, with torch's
 // answer: the first index of the largest value, and the first NaN where a row holds one (torch orders NaN
 // above every number).
-#include "kernels.h"
+#include "kernel_ops.h"
 #include "simd_lanes.h"
 
-#include <ATen/ops/empty.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -54,17 +53,8 @@ int64_t argmax_row(const float* row, int64_t V) {
 
 }  // namespace
 
-// logits [R, V] float32 -> int64 [R]: torch.argmax(logits, -1), the same indices.
-at::Tensor argmax_rows(at::Tensor logits) {
-  TORCH_CHECK(logits.dtype() == at::kFloat && logits.dim() == 2 && logits.device().is_cpu() && logits.size(1) > 0,
-              "float32 CPU logits [R, V] expected");
-  logits = logits.contiguous();
-  const int64_t R = logits.size(0), V = logits.size(1);
-  auto out = at::empty({R}, logits.options().dtype(at::kLong));
-  const float* p = logits.data_ptr<float>();
-  int64_t* o = out.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r) o[r] = argmax_row(p + r * V, V);
-  return out;
+void argmax_into(const float* logits, int64_t R, int64_t V, int64_t* out) {
+  for (int64_t r = 0; r < R; ++r) out[r] = argmax_row(logits + r * V, V);
 }
 
 // ---- sampling (quasar.decoding.sampling): the filtered weights of a row and one draw from them ----------------------
@@ -85,25 +75,16 @@ struct LaneSum {
   }
 };
 
-void check_rows(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.dtype() == at::kFloat && t.dim() == 2 && t.is_contiguous() && t.device().is_cpu(),
-              "contiguous float32 CPU ", what, " [R, V] expected");
-}
-
 }  // namespace
 
 // out[r, v] = exp((logits[r, v] - max_v logits[r]) * inv_t), float32, each product rounded as torch's
 // (logits - top).mul_(inv_t); returns each row's sum (float64): quasar.decoding.sampling's weights before its filters.
-std::vector<double> sampling_weights(at::Tensor logits, at::Tensor out, double inv_t) {
-  check_rows(logits, "logits");
-  check_rows(out, "weights");
-  TORCH_CHECK(out.sizes() == logits.sizes(), "weights of the logits' shape expected");
-  const int64_t R = logits.size(0), V = logits.size(1);
+std::vector<double> sampling_weights_into(const float* logits, float* out, int64_t R, int64_t V, double inv_t) {
   const float scale = static_cast<float>(inv_t);
   std::vector<double> sums(R);
   for (int64_t r = 0; r < R; ++r) {
-    const float* row = logits.data_ptr<float>() + r * V;
-    float* w = out.data_ptr<float>() + r * V;
+    const float* row = logits + r * V;
+    float* w = out + r * V;
     __m256 top_lanes = _mm256_set1_ps(-INFINITY);
     int64_t v = 0;
     for (; v + 8 <= V; v += 8) top_lanes = _mm256_max_ps(top_lanes, _mm256_loadu_ps(row + v));
@@ -133,18 +114,13 @@ std::vector<double> sampling_weights(at::Tensor logits, at::Tensor out, double i
 }
 
 // weights[r, v] = 0 where logits[r, v] < keep_from[r] (the filters' lowest kept logit); returns the rows' new sums.
-std::vector<double> keep_weights(at::Tensor logits, at::Tensor weights, at::Tensor keep_from) {
-  check_rows(logits, "logits");
-  check_rows(weights, "weights");
-  TORCH_CHECK(weights.sizes() == logits.sizes() && keep_from.dtype() == at::kFloat &&
-              keep_from.numel() == logits.size(0), "weights of the logits' shape and one float32 threshold per row expected");
-  keep_from = keep_from.contiguous();
-  const int64_t R = logits.size(0), V = logits.size(1);
+std::vector<double> keep_weights_into(const float* logits, float* weights, const float* keep_from, int64_t R,
+                                      int64_t V) {
   std::vector<double> sums(R);
   for (int64_t r = 0; r < R; ++r) {
-    const float* row = logits.data_ptr<float>() + r * V;
-    float* w = weights.data_ptr<float>() + r * V;
-    const float from = keep_from.data_ptr<float>()[r];
+    const float* row = logits + r * V;
+    float* w = weights + r * V;
+    const float from = keep_from[r];
     const __m256 from8 = _mm256_set1_ps(from);
     LaneSum acc;  // the sums in sampling_weights' order
     int64_t v = 0;
@@ -314,32 +290,22 @@ float cut_row(const float* logits, const float* weights, int64_t V, float floor,
 // row of logits [R, V], given its weights exp((logits - max) * inv_t) (sampling_weights) -> float32 [R, 1]; -inf
 // where neither filter is on. In descending logit order a token is kept while fewer than k tokens / less than
 // top_p of the mass lie ahead of it; tokens tying with the last one kept are kept too. Sums in float64.
-at::Tensor filter_cuts(at::Tensor logits, at::Tensor weights, int64_t top_k, double top_p) {
-  check_rows(logits, "logits");
-  check_rows(weights, "weights");
-  TORCH_CHECK(weights.sizes() == logits.sizes(), "weights of the logits' shape expected");
-  TORCH_CHECK(top_k >= 0 && top_p > 0 && top_p <= 1, "top_k >= 0 and top_p in (0, 1] expected");
-  const int64_t R = logits.size(0), V = logits.size(1);
-  auto out = at::empty({R, 1}, logits.options());
+void filter_cuts_into(const float* logits, const float* weights, int64_t R, int64_t V, int64_t top_k, double top_p,
+                      float* out) {
   for (int64_t r = 0; r < R; ++r) {
-    const float *row = logits.data_ptr<float>() + r * V, *w = weights.data_ptr<float>() + r * V;
+    const float *row = logits + r * V, *w = weights + r * V;
     float floor = -INFINITY;
     if (top_k > 0 && top_k < V) floor = cut_row(row, w, V, floor, false, static_cast<double>(top_k));
     if (top_p < 1) floor = cut_row(row, w, V, floor, true, top_p);
-    out.data_ptr<float>()[r] = floor;
+    out[r] = floor;
   }
-  return out;
 }
 
 // One index from weights [V] (>= 0) at the uniform number u in [0, 1): the first v whose running float64 sum
 // passes u * total, as torch.searchsorted(torch.cumsum(weights, 0, dtype=float64), u * total, right=True) (the
 // total summed in lanes); the last nonzero weight's index where rounding carries u * total past the running sum's
 // end; -1 when every weight is 0.
-int64_t draw_index(at::Tensor weights, double u) {
-  TORCH_CHECK(weights.dtype() == at::kFloat && weights.dim() == 1 && weights.is_contiguous() && weights.device().is_cpu(),
-              "contiguous float32 CPU weights [V] expected");
-  const float* w = weights.data_ptr<float>();
-  const int64_t V = weights.size(0);
+int64_t draw_index_at(const float* w, int64_t V, double u) {
   LaneSum acc;
   int64_t last = -1, v = 0;
   for (; v + 8 <= V; v += 8) {

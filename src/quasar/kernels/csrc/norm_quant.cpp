@@ -1,27 +1,18 @@
 // RMSNorm and the per-token int8 quantization of the W8A8 linears' inputs, row by row on AVX2 (the same bytes as
 // quasar.quant.int8.quantize_tokens), for the W8A8 front end (w8a8_linear.cpp) and packed_w8a8_step.cpp.
-#include "kernels.h"
+#include "kernel_ops.h"
 #include "blocking.h"
 #include "simd_lanes.h"
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 
-// RMSNorm of each row: y = weight * (x * (1 / sqrt(mean(x^2) + eps))), float32, the sum of squares in a
+// RMSNorm of each row of x [M, K]: y = weight * (x * (1 / sqrt(mean(x^2) + eps))), float32, the sum of squares in a
 // fixed order (8 lanes, then the lanes), so a row's result depends on that row only.
-at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
-  TORCH_CHECK(x.dtype() == at::kFloat && weight.dtype() == at::kFloat, "float32 x and weight expected");
-  TORCH_CHECK(x.dim() == 2 && weight.numel() == x.size(1) && x.size(1) % 8 == 0, "x [M, K], weight [K], K % 8 == 0");
-  x = x.contiguous();
-  weight = weight.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  auto y = kernel_result(x.sizes(), x.options());
-  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+void rms_norm_rows(const float* x, const float* weight, int64_t M, int64_t K, double eps, float* y) {
   over_rows(M, K, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) norm_row(xp + m * K, wp, K, eps, yp + m * K);
+    for (int64_t m = m0; m < m1; ++m) norm_row(x + m * K, weight, K, eps, y + m * K);
   });
-  return y;
 }
 
 // y [K] = weight * (x * (1 / sqrt(mean(x^2) + eps))), the sum of squares on 8 lanes, then across them; y may be x.

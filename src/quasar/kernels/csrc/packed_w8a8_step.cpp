@@ -188,7 +188,7 @@ at::Tensor run_region(const RegionPlan& plan, at::Tensor x, const at::Tensor& co
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "contiguous rope rows expected");
   const int64_t M = x.size(0), hidden = plan.hidden, I = plan.I;
   const RegionLayer& first = plan.layers[0];
-  const int64_t D = segments[0].cache_k.size(3), H = first.q.N / D, H_kv = first.k.N / D;
+  const int64_t D = segments[0].cache.D, H = first.q.N / D, H_kv = first.k.N / D;
   TORCH_CHECK(H * D == first.q.N && H_kv * D == first.k.N && x.size(1) == hidden &&
               (plan.qk_norm_dim == 0 || plan.qk_norm_dim == D), "bad head shapes");
   const int threads = at::get_num_threads();

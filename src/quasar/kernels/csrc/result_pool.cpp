@@ -5,10 +5,7 @@
 // write, a zeroed page at a time, a real share of a prefill (docs/kernels.md). Here a dead result's block of 1 MB or more is kept and handed to the
 // next result of the same byte size; the blocks least recently given back are freed once more than kKept bytes
 // wait. Nothing else changes: a result is written whole by its kernel before anyone reads it.
-#include "kernels.h"
-
-#include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
+#include "kernel_ops.h"
 
 #include <cstdlib>
 #include <list>
@@ -33,7 +30,13 @@ Blocks& blocks() {
   return *b;
 }
 
-void* take(size_t bytes) {
+void free_all(std::list<std::pair<size_t, void*>>& blocks) {
+  for (auto& [size, p] : blocks) std::free(p);
+}
+
+}  // namespace
+
+void* take_block(size_t bytes) {
   Blocks& b = blocks();
   {
     std::lock_guard<std::mutex> guard(b.lock);
@@ -46,12 +49,8 @@ void* take(size_t bytes) {
       }
   }
   void* block = std::aligned_alloc(kAlign, bytes);
-  TORCH_CHECK(block, "out of memory: a kernel result of ", bytes, " bytes");
+  KERNEL_CHECK(block, "out of memory: a kernel result of ", bytes, " bytes");
   return block;
-}
-
-void free_all(std::list<std::pair<size_t, void*>>& blocks) {
-  for (auto& [size, p] : blocks) std::free(p);
 }
 
 void give_back(void* block, size_t bytes) {
@@ -69,17 +68,7 @@ void give_back(void* block, size_t bytes) {
   free_all(freed);
 }
 
-}  // namespace
-
-at::Tensor kernel_result(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  int64_t count = 1;
-  for (int64_t s : sizes) count *= s;
-  const size_t size = static_cast<size_t>(count) * options.dtype().itemsize();
-  if (size < kSmallest || options.device().type() != c10::DeviceType::CPU) return at::empty(sizes, options);
-  const size_t bytes = (size + kAlign - 1) / kAlign * kAlign;
-  void* block = take(bytes);
-  return at::from_blob(block, sizes, [bytes](void* p) { give_back(p, bytes); }, options);
-}
+size_t pooled_size(size_t size) { return size < kSmallest ? 0 : (size + kAlign - 1) / kAlign * kAlign; }
 
 int64_t release_results() {
   Blocks& b = blocks();
