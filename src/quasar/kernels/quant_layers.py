@@ -5,6 +5,7 @@ once at load. Each form says which layers it takes (`takes`); quant/ itself neve
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -98,22 +99,48 @@ def per_block(t: torch.Tensor) -> torch.Tensor:
     return t.view(N // 16, 16, nb).transpose(1, 2).contiguous().view(torch.uint8)
 
 
+# Channels packed at a time: the packing's temporaries (several times the quants' bytes) stay a few MB even for a
+# 152k-row lm_head, whose whole quants take 233 MB a byte each.
+PACK_CHANNELS = 2048
+
+
+def packed_by_channels(pack: Callable[[slice], tuple[torch.Tensor, torch.Tensor]], N: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack(rows) over the channels in ranges of PACK_CHANNELS (multiples of 16), written into one (panels, block
+    scales) pair [N/16, ...]: the same tensors as one pack(slice(None))."""
+    out: tuple[torch.Tensor, torch.Tensor] | None = None
+    for n0 in range(0, N, PACK_CHANNELS):
+        n1 = min(N, n0 + PACK_CHANNELS)
+        panels, scales = pack(slice(n0, n1))
+        if out is None:
+            out = panels.new_empty(N // 16, *panels.shape[1:]), scales.new_empty(N // 16, *scales.shape[1:])
+        out[0][n0 // 16 : n1 // 16] = panels
+        out[1][n0 // 16 : n1 // 16] = scales
+    assert out is not None
+    return out
+
+
 def pack_w4_panels(layer: W4A8Linear) -> tuple[torch.Tensor, torch.Tensor]:
     """A W4A8Linear's blocks as csrc/w4a8_panel.cpp reads them: (panels [N/16, K/32, 256] uint8 (nibble_panels; [..,
     320] for 5-bit quants, whose 16 channels x 4 more bytes hold the fifth bit of input 8t + 4h + j of a channel in
     bit 2t + h of its byte j), block scales [N/16, K/B, 64 + B] uint8: d[16] and dmin[16] as float16, then sc[16] and
     m[16] for each group of the block)."""
-    N, K, B = layer.out_features, layer.in_features, layer.block
-    P, G, nb = N // 16, K // GROUP, K // B
-    q = layer.quants()
-    panels = nibble_panels(q)
-    if layer.bits == 5:
-        shifts = torch.arange(8, dtype=torch.uint8).view(4, 2, 1)  # bit 2t + h
-        fifth = ((q.view(P, 16, G, 4, 2, 4) >> 4) << shifts).sum((3, 4), dtype=torch.uint8)  # [P, 16, G, 4]: the OR
-        panels = torch.cat([panels, fifth.permute(0, 2, 1, 3).reshape(P, G, 64)], -1)
-    groups = torch.stack([layer.sc.view(P, 16, nb, B // GROUP), layer.m.view(P, 16, nb, B // GROUP)], dim=-1)
-    groups = groups.permute(0, 2, 3, 4, 1).reshape(P, nb, 2 * B // GROUP * 16)  # [P, nb, per group: sc[16], m[16]]
-    return panels.contiguous(), torch.cat([per_block(layer.d), per_block(layer.dmin), groups], dim=-1).contiguous()
+    K, B = layer.in_features, layer.block
+    G, nb = K // GROUP, K // B
+
+    def pack(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        q = layer.quants(rows)
+        P = q.shape[0] // 16
+        panels = nibble_panels(q)
+        if layer.bits == 5:
+            shifts = torch.arange(8, dtype=torch.uint8).view(4, 2, 1)  # bit 2t + h
+            fifth = ((q.view(P, 16, G, 4, 2, 4) >> 4) << shifts).sum((3, 4), dtype=torch.uint8)  # [P, 16, G, 4]: the OR
+            panels = torch.cat([panels, fifth.permute(0, 2, 1, 3).reshape(P, G, 64)], -1)
+        groups = torch.stack([layer.sc[rows].view(P, 16, nb, B // GROUP), layer.m[rows].view(P, 16, nb, B // GROUP)],
+                             dim=-1)
+        groups = groups.permute(0, 2, 3, 4, 1).reshape(P, nb, 2 * B // GROUP * 16)  # [P, nb, per group: sc[16], m[16]]
+        return panels, torch.cat([per_block(layer.d[rows]), per_block(layer.dmin[rows]), groups], dim=-1)
+
+    return packed_by_channels(pack, layer.out_features)
 
 
 def pack_w6_panels(layer: W6A8Linear) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,14 +149,19 @@ def pack_w6_panels(layer: W6A8Linear) -> tuple[torch.Tensor, torch.Tensor]:
     inputs, byte j of a channel holding those of inputs 16u + j, 16u + 4 + j, 16u + 8 + j and 16u + 12 + j (bits 0-1,
     2-3, 4-5, 6-7); block scales [N/16, K/256, 288] uint8: d[16] as float16, then sc[16] for each of its 16
     sub-blocks)."""
-    N, K = layer.out_features, layer.in_features
-    P, G, nb = N // 16, K // GROUP, K // W6A8Linear.BLOCK
-    high = (layer.qweight >> 4).view(P, 16, G, 2, 4, 4)  # [.., sub-block, quarter (inputs 4i .. 4i + 3), byte]
-    high = high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)
-    high = high.permute(0, 2, 3, 1, 4).reshape(P, G, 128)
-    sc = layer.sc.view(P, 16, nb, 16).permute(0, 2, 3, 1).reshape(P, nb, 256).view(torch.uint8)
-    return (torch.cat([nibble_panels(layer.qweight), high], -1).contiguous(),
-            torch.cat([per_block(layer.d), sc], -1).contiguous())
+    K = layer.in_features
+    G, nb = K // GROUP, K // W6A8Linear.BLOCK
+
+    def pack(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        q = layer.qweight[rows]
+        P = q.shape[0] // 16
+        high = (q >> 4).view(P, 16, G, 2, 4, 4)  # [.., sub-block, quarter (inputs 4i .. 4i + 3), byte]
+        high = high[..., 0, :] | (high[..., 1, :] << 2) | (high[..., 2, :] << 4) | (high[..., 3, :] << 6)
+        high = high.permute(0, 2, 3, 1, 4).reshape(P, G, 128)
+        sc = layer.sc[rows].view(P, 16, nb, 16).permute(0, 2, 3, 1).reshape(P, nb, 256).view(torch.uint8)
+        return torch.cat([nibble_panels(q), high], -1), torch.cat([per_block(layer.d[rows]), sc], -1)
+
+    return packed_by_channels(pack, layer.out_features)
 
 
 class KernelBlocks(KernelModule):

@@ -178,7 +178,8 @@ class W4A8Linear(nn.Module):
     def from_blocks(cls, blocks, bias: torch.Tensor | None = None) -> W4A8Linear:
         """From FourBitBlocks (q [N, K] in [0, 15])."""
         N, K = blocks.q.shape
-        layer = cls(K, N, bias is not None, blocks.block, blocks.bits)
+        with torch.device("meta"):  # every buffer is set below: no zeros of the weight's size first
+            layer = cls(K, N, bias is not None, blocks.block, blocks.bits)
         q = (blocks.q & 0x0F).view(N, K // 2, 2)
         layer.qweight = (q[..., 0] | (q[..., 1] << 4)).contiguous()
         if blocks.bits == 5:
@@ -196,12 +197,13 @@ class W4A8Linear(nn.Module):
         """Calibrated 4-bit blocks of a float linear (quantize_4bit)."""
         return cls.from_blocks(quantize_4bit(linear.weight, group, importance, search, hessian), linear.bias)
 
-    def quants(self) -> torch.Tensor:
-        """q [N, K] uint8 in [0, 2^bits)."""
-        q = torch.stack([self.qweight & 0x0F, self.qweight >> 4], dim=-1).view(self.out_features, self.in_features)
+    def quants(self, rows: slice = slice(None)) -> torch.Tensor:
+        """q [N, K] uint8 in [0, 2^bits) (of the channels `rows` only: [n, K])."""
+        packed = self.qweight[rows]
+        q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(packed.shape[0], self.in_features)
         if self.qhigh is not None:
-            fifth = (self.qhigh[..., None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [N, K/8, 8]
-            q = q | (fifth.view(self.out_features, self.in_features) << 4)
+            fifth = (self.qhigh[rows, :, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [n, K/8, 8]
+            q = q | (fifth.view(packed.shape[0], self.in_features) << 4)
         return q
 
     def group_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,7 +261,8 @@ class W6A8Linear(nn.Module):
     @classmethod
     def from_blocks(cls, blocks, bias: torch.Tensor | None = None) -> W6A8Linear:
         N, K = blocks.q.shape
-        layer = cls(K, N, bias is not None)
+        with torch.device("meta"):  # every buffer is set below: no zeros of the weight's size first
+            layer = cls(K, N, bias is not None)
         layer.qweight, layer.d, layer.sc = blocks.q.contiguous(), blocks.d.contiguous(), blocks.sc.contiguous()
         if bias is not None:
             layer.bias = bias.detach().float().clone()
