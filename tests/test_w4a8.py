@@ -317,3 +317,33 @@ def test_a_gptq_checkpoint_from_the_cli_decodes_speculative_as_plain(tiny_model_
     plain = Engine(target).generate(ids, params)
     spec = Engine(target, decoder=Speculative(build_drafter("ngram", target), k=4)).generate(ids, params)
     assert spec.token_ids == plain.token_ids and spec.stats.verify_steps < len(plain.token_ids)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K])
+def test_panels_packed_a_few_channels_at_a_time_equal_one_pass(qtype, monkeypatch):
+    """The packing walks the channels in ranges (a large lm_head's temporaries stay small): the ranges' seams change no
+    byte of the panels or the block scales."""
+    from quasar.kernels import quant_layers
+
+    layer = layer_of(qtype, 80, 512, bias=False, seed=3)
+    pack = quant_layers.pack_w6_panels if qtype == T.Q6_K else quant_layers.pack_w4_panels
+    whole = pack(layer)
+    monkeypatch.setattr(quant_layers, "PACK_CHANNELS", 32)  # 80 channels: ranges of 32, 32 and 16
+    ranges = pack(layer)
+    assert all(torch.equal(a, b) for a, b in zip(whole, ranges))
+
+
+def test_blocks_read_with_the_files_pages_released_equal_a_fresh_read():
+    """Each tensor's file pages leave the process once unpacked; the mapping still reads the same bytes after."""
+    from quasar.model.gguf_blocks import linear_blocks, tensor_blocks
+    from quasar.model.loading import default_model_path, open_gguf
+
+    path = default_model_path()
+    read = linear_blocks(path, {"model_type": "llama", "num_attention_heads": 9, "num_key_value_heads": 3})
+    name = "model.layers.0.mlp.down_proj.weight"
+    first = read[name]()
+    again = read[name]()  # its pages were released after the first read: paged in again
+    fresh = tensor_blocks(next(t for t in open_gguf(path).tensors if t.name == "blk.0.ffn_down.weight"))
+    for blocks in (again, fresh):
+        assert all(torch.equal(getattr(first, f), getattr(blocks, f)) for f in ("q", "d", "sc")
+                   if isinstance(getattr(first, f, None), torch.Tensor))

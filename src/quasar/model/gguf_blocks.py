@@ -18,6 +18,7 @@ token embeddings up in blocks of any of these forms.
 from __future__ import annotations
 
 import functools
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -218,14 +219,15 @@ def linear_blocks(path: Path, config: dict[str, Any]) -> dict[str, Callable[[], 
     unpacking the next holds one tensor's unpacked blocks at a time, not the whole model's (on the 1.5B, 1.6 GB of
     quants a byte each); the embedding's blocks are unpacked once, for the table and a tied lm_head alike."""
     out: dict[str, Callable[[], Blocks]] = {}
-    for tensor in open_gguf(path).tensors:
+    reader = open_gguf(path)
+    for tensor in reader.tensors:
         if len(tensor.shape) != 2 or not tensor.name.endswith(".weight") or tensor.tensor_type.name not in BLOCK_TYPES:
             continue
         heads = None
         if config["model_type"] in ("llama", "mistral") and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config["num_attention_heads" if "attn_q" in tensor.name else "num_key_value_heads"]
         name = hf_name(tensor.name, config["model_type"])
-        out[name] = functools.partial(_read_blocks, tensor, heads)
+        out[name] = functools.partial(_read_blocks, tensor, heads, reader)
         if name == "model.embed_tokens.weight":
             out[name] = functools.cache(out[name])
     if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
@@ -233,7 +235,23 @@ def linear_blocks(path: Path, config: dict[str, Any]) -> dict[str, Callable[[], 
     return out
 
 
-def _read_blocks(tensor: Any, heads: int | None) -> Blocks:
-    """A tensor's blocks, its rows in the Hugging Face order (llama.cpp permutes Llama's q and k: heads given)."""
+def _read_blocks(tensor: Any, heads: int | None, reader: Any) -> Blocks:
+    """A tensor's blocks, its rows in the Hugging Face order (llama.cpp permutes Llama's q and k: heads given); the file's
+    pages it read then leave this process's resident memory (release_pages)."""
     blocks = tensor_blocks(tensor)
+    release_pages(reader, tensor.data_offset, tensor.n_bytes)
     return blocks if heads is None else permute_rows(blocks, heads)
+
+
+def release_pages(reader: Any, offset: int, size: int) -> None:
+    """Drop the whole pages of bytes [offset, offset + size) of the reader's file mapping from this process's resident
+    set (MADV_DONTNEED; a read-only mapping of the file: a later read pages them in again from the page cache). Read
+    tensor by tensor, a whole file's pages would otherwise stay resident until the reader goes: on the 1.5B's Q4_K_M,
+    1 GB of the peak over a w4a8 load."""
+    mapping = getattr(getattr(reader.data, "base", None), "_mmap", None)  # np.memmap keeps its mmap.mmap here
+    if not isinstance(mapping, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (offset + size) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
