@@ -129,7 +129,7 @@ def test_a_pool_hands_a_prompt_the_positions_a_kept_cache_shares_with_it(backend
 def test_a_cache_takes_memory_only_for_the_positions_it_uses(tiny_model):
     """A request's cache is sized for all it may generate (the whole context when it gives no max_tokens), but
     only the positions written (and those a step reads) become resident."""
-    from quasar.serve.metrics import resident_bytes
+    from quasar.machine import resident_bytes
 
     model = tiny_model.model
     with torch.inference_mode():

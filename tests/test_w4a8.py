@@ -227,6 +227,24 @@ def test_calibration_sums_input_products_once_per_shared_input(tiny_model):
     assert torch.allclose(calib.squares["lm_head"], rows.square().sum(0))
 
 
+def test_input_products_that_would_not_fit_the_free_memory_are_refused_before_the_forward(tiny_model, monkeypatch):
+    """The x^T x sums' bytes are known before the forward (those of the distinct tensors a calibration keeps); where
+    they exceed the free memory the calibration stops with one line naming the cheaper fit, no forward run."""
+    from quasar.quant import calibration
+
+    windows = [torch.tensor([[1, 5, 9, 20, 3, 7]])]
+    sums = calibration.calibrate(tiny_model.model, windows, hessians=True).hessians
+    distinct = {id(t): t for t in sums.values()}.values()
+    assert calibration.products_bytes(tiny_model.model) == sum(t.numel() * t.element_size() for t in distinct)
+    monkeypatch.setattr(calibration, "available_bytes", lambda: calibration.products_bytes(tiny_model.model) - 1)
+    forwards = []
+    monkeypatch.setattr(tiny_model.model, "forward", lambda *a, **k: forwards.append(a))
+    with pytest.raises(ValueError, match=r"GiB.*use :awq"):
+        calibration.calibrate(tiny_model.model, windows, hessians=True)
+    assert not forwards
+    assert not calibration.calibrate(tiny_model.model, windows).hessians  # without the sums: no check, no refusal
+
+
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_calibrated_checkpoint_round_trip(tiny_model, tmp_path, method):
     """w4a8:g32 on a float model: W4A8 layers (lm_head too), the block recorded, reloaded bit-identically."""

@@ -160,7 +160,7 @@ KV_MEMORY_SHARE = 0.5  # of the memory free once the model is loaded: what the K
 def default_kv_budget(engine: Engine) -> int | None:
     """The KV positions half the free memory holds (at least one bucket; None where free memory is unknown)."""
     from quasar.decoding.engine import CACHE_BUCKET
-    from quasar.serve.metrics import available_bytes
+    from quasar.machine import available_bytes
 
     free = available_bytes()
     if free is None:

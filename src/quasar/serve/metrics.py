@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import re
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from quasar.decoding.stats import GenerationStats
+from quasar.machine import resident_bytes
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -123,35 +121,6 @@ class Metrics:
             ):
                 lines += _family(name, "histogram", doc) + hist.lines(name)
         return "\n".join(lines) + "\n"
-
-
-def resident_bytes() -> int:
-    """This process's resident memory now (Linux /proc; 0 elsewhere)."""
-    try:
-        pages = int(open("/proc/self/statm").read().split()[1])
-    except (OSError, IndexError, ValueError):
-        return 0
-    return pages * os.sysconf("SC_PAGE_SIZE")
-
-
-def available_bytes() -> int | None:
-    """Memory this process could still take: Linux's MemAvailable, less where a cgroup (a container) allows less;
-    None where it cannot be read."""
-    try:
-        meminfo = Path("/proc/meminfo").read_text()
-        free = int(re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.MULTILINE).group(1)) * 1024
-    except (OSError, AttributeError, ValueError):
-        return None
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-            stat = Path("/sys/fs/cgroup/memory.stat").read_text()
-            cache = re.search(r"^inactive_file (\d+)$", stat, re.MULTILINE)  # page cache the kernel can drop
-            free = min(free, int(limit) - used + (int(cache.group(1)) if cache else 0))
-    except (OSError, ValueError):
-        pass
-    return max(0, free)
 
 
 def _label(value: object) -> str:
