@@ -11,9 +11,10 @@ def test_without_a_terminal_progress_passes_every_item_through(capsys):
 def test_a_line_names_the_work_the_count_of_a_resumed_run_and_the_time_left(capsys):
     assert list(lines(["a", "b", "c"], "gsm8k [w8a8]", total=10, initial=4, every_s=0)) == ["a", "b", "c"]
     out = capsys.readouterr().err.splitlines()
-    assert len(out) == 3
+    assert len(out) == 4
     assert out[0].startswith("gsm8k [w8a8]: 5/10 (50%), ")
-    assert out[-1].startswith("gsm8k [w8a8]: 7/10 (70%), ") and out[-1].endswith(" left")
+    assert out[2].startswith("gsm8k [w8a8]: 7/10 (70%), ") and out[2].endswith(" left")
+    assert out[3] == "gsm8k [w8a8]: done, 7 in 0 s"  # a phase that wrote lines says where it ended
 
 
 def test_status_reads_per_second_or_per_minute_and_copes_without_a_total():
@@ -32,4 +33,5 @@ def test_a_polled_call_writes_lines_with_its_count_while_it_blocks(capsys, monke
     with progress_module.polled("compiling", 20, lambda: next(written), unit="files"):
         time.sleep(1.2)  # the poll runs twice a second
     out = capsys.readouterr().err.splitlines()
-    assert out and all(line.startswith("compiling: ") and "/20 (" in line and "files/" in line for line in out)
+    assert len(out) > 1 and all(line.startswith("compiling: ") and "/20 (" in line and "files/" in line for line in out[:-1])
+    assert out[-1].startswith("compiling: done, ") and out[-1].endswith(" files in 1 s")

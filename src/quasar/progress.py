@@ -27,16 +27,25 @@ def progress(items: Iterable[Item], description: str, total: int | None = None, 
 
 def lines(items: Iterable[Item], description: str, total: int | None = None, initial: int = 0,
           every_s: float = LINE_EVERY_S) -> Iterator[Item]:
-    """items, with a line on stderr every `every_s` seconds: the count, the rate and the time left."""
+    """items, with a line on stderr every `every_s` seconds: the count, the rate and the time left; and where it wrote
+    any, a last one when the items are done (how many, in how long), so a log shows where each long phase ended."""
     start = last = time.monotonic()
-    done = 0
+    done, wrote = 0, False
     for item in items:
         yield item
         done += 1
         now = time.monotonic()
         if now - last >= every_s:
-            last = now
+            last, wrote = now, True
             print(f"{description}: {status(initial + done, total, done / (now - start))}", file=sys.stderr, flush=True)
+    if wrote:
+        finished(description, initial + done, time.monotonic() - start)
+
+
+def finished(description: str, count: int, seconds: float, unit: str = "") -> None:
+    """The closing line of a phase that wrote progress lines: 'description: done, 250 in 41 s'."""
+    unit = f" {unit}" if unit else ""
+    print(f"{description}: done, {count}{unit} in {seconds:.0f} s", file=sys.stderr, flush=True)
 
 
 def status(count: int, total: int | None, per_s: float, unit: str = "") -> str:
@@ -62,14 +71,17 @@ def polled(description: str, total: int, count: Callable[[], int], unit: str = "
 
     def tick() -> None:
         start = last = time.monotonic()
+        wrote = False
         while not done.wait(0.5):
             n = min(count(), total)
             bar.n = n
             bar.refresh()
             now = time.monotonic()
             if not terminal and now - last >= LINE_EVERY_S:
-                last = now
+                last, wrote = now, True
                 print(f"{description}: {status(n, total, n / (now - start), unit)}", file=sys.stderr, flush=True)
+        if wrote:
+            finished(description, min(count(), total), time.monotonic() - start, unit)
 
     ticker = threading.Thread(target=tick, daemon=True)
     ticker.start()
