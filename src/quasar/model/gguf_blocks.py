@@ -185,7 +185,16 @@ def byte_blocks(data: np.ndarray, rows: int, qtype: Any, name: str) -> ByteBlock
     return ByteBlocks(torch.from_numpy(values.astype(np.int8).reshape(rows, -1)), torch.from_numpy(d), name)
 
 
-BLOCK_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q8_0", "Q5_0")  # the GGML types with a block form here
+# The GGML types with a block form here, by name: (raw blocks, rows, the type) -> blocks.
+UNPACKERS: dict[str, Callable[[np.ndarray, int, Any], Blocks]] = {
+    "Q4_K": lambda data, rows, qtype: k_quant(data, rows, False),
+    "Q5_K": lambda data, rows, qtype: k_quant(data, rows, True),
+    "Q6_K": lambda data, rows, qtype: q6_k(data, rows),
+    "Q4_0": lambda data, rows, qtype: q4_legacy(data, rows, False),
+    "Q4_1": lambda data, rows, qtype: q4_legacy(data, rows, True),
+    "Q8_0": lambda data, rows, qtype: byte_blocks(data, rows, qtype, "Q8_0"),
+    "Q5_0": lambda data, rows, qtype: byte_blocks(data, rows, qtype, "Q5_0"),
+}
 
 
 def tensor_blocks(tensor: Any) -> Blocks | None:
@@ -195,16 +204,8 @@ def tensor_blocks(tensor: Any) -> Blocks | None:
 
 def unpack(data: np.ndarray, qtype: Any, rows: int) -> Blocks | None:
     """The raw blocks of a tensor of `rows` rows of GGML type qtype (gguf.GGMLQuantizationType) as blocks, or None."""
-    name = qtype.name
-    if name in ("Q4_K", "Q5_K"):
-        return k_quant(data, rows, name == "Q5_K")
-    if name == "Q6_K":
-        return q6_k(data, rows)
-    if name in ("Q4_0", "Q4_1"):
-        return q4_legacy(data, rows, name == "Q4_1")
-    if name in ("Q8_0", "Q5_0"):
-        return byte_blocks(data, rows, qtype, name)
-    return None
+    unpacker = UNPACKERS.get(qtype.name)
+    return unpacker(data, rows, qtype) if unpacker else None
 
 
 def permute_rows(blocks: Blocks, heads: int) -> Blocks:
@@ -221,7 +222,7 @@ def linear_blocks(path: Path, config: dict[str, Any]) -> dict[str, Callable[[], 
     out: dict[str, Callable[[], Blocks]] = {}
     reader = open_gguf(path)
     for tensor in reader.tensors:
-        if len(tensor.shape) != 2 or not tensor.name.endswith(".weight") or tensor.tensor_type.name not in BLOCK_TYPES:
+        if len(tensor.shape) != 2 or not tensor.name.endswith(".weight") or tensor.tensor_type.name not in UNPACKERS:
             continue
         heads = None
         if config["model_type"] in ("llama", "mistral") and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
