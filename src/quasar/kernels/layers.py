@@ -89,19 +89,17 @@ def pack_channels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def drop_plain_weights_(model: nn.Module) -> int:
-    """Linears that the kernels read packed (`packed`, or their own `drop_plain_()`) give up their plain weight
-    [N, K] for the packed tensor: one copy of each weight in memory. A tied embedding then looks its rows up
-    in the packed table (PanelEmbedding); a weight any other module shares keeps its plain copy. Only for a
-    model nobody reads in the plain layout afterwards (a loaded verifier); returns how many."""
+    """Float linears that the kernels read packed (`packed`) give up their plain weight [N, K] for the packed
+    tensor: one copy of each weight in memory. A tied embedding then looks its rows up in the packed table
+    (PanelEmbedding); a weight any other module shares keeps its plain copy. Only for a model nobody reads in the
+    plain layout afterwards (a loaded verifier); returns how many. The quantized linears drop their own plain copy
+    (`drop_plain_()`, called by plan.prepare_ as each is packed)."""
     readers: dict[int, list[nn.Module]] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):
             readers.setdefault(param.data_ptr(), []).append(module)
     dropped = 0
     for module in model.modules():
-        if hasattr(module, "drop_plain_"):  # W8A8 layers keep their packed weight and scale themselves
-            dropped += module.drop_plain_()
-            continue
         packed = getattr(module, "packed", None)
         if packed is None or module.weight.shape == packed.shape:
             continue

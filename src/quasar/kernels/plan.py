@@ -66,8 +66,8 @@ def prepare_(model: Transformer, fuse: bool = True,
     for module, form in forms.items():
         if type(module) is not form:
             form.adopt(module, kernel)
-            if owned and hasattr(module, "drop_plain_"):  # at once: a 4-bit model's plain blocks (a byte a weight)
-                module.drop_plain_()  # and all its panels would otherwise be held side by side
+        if owned and hasattr(module, "drop_plain_"):  # as each is packed: a 4-bit model's plain blocks (a byte a
+            module.drop_plain_()  # weight) and all its panels would otherwise be held side by side
     if owned:
         drop_plain_weights_(model)
     stack = model.model.layers

@@ -54,7 +54,7 @@ class KernelInt8Linear(KernelModule, Int8Linear):
 
     def drop_plain_(self) -> bool:
         """Keep only the packed copy (the weight and scale buffers become it): for a model nobody reads in the
-        plain layout afterwards (kernels/layers.drop_plain_weights_); whether there was a second copy."""
+        plain layout afterwards (plan.prepare_ with owned); whether there was a second copy."""
         if self.kernel_weight[0] is self.weight:
             return False
         self.weight, self.weight_scale = self.kernel_weight
