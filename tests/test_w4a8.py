@@ -365,3 +365,18 @@ def test_blocks_read_with_the_files_pages_released_equal_a_fresh_read():
     for blocks in (again, fresh):
         assert all(torch.equal(getattr(first, f), getattr(blocks, f)) for f in ("q", "d", "sc")
                    if isinstance(getattr(first, f, None), torch.Tensor))
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+def test_a_forwards_bytes_count_the_packed_blocks(qtype):
+    """The memory wall of a w4a8 verifier: the panels and block scales its kernels read, not the plain blocks beside them."""
+    from quasar.tools.bench.bandwidth import bytes_per_forward
+
+    layer = plan.on_kernel(layer_of(qtype, 64, 512, bias=True, seed=1))
+    packed = sum(t.numel() * t.element_size() for t in layer.kernel_weight)
+    assert bytes_per_forward(torch.nn.Sequential(layer)) == packed + 64 * 4  # and the float32 bias
+    assert layer.drop_plain_()
+    assert bytes_per_forward(torch.nn.Sequential(layer)) == packed + 64 * 4
+    bits = (4.62, 4.63) if qtype == T.Q4_K else (6.56, 6.57)  # a weight, scales included (docs/kernels.md)
+    assert bits[0] <= 8 * packed / (64 * 512) <= bits[1]

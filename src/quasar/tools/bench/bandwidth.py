@@ -47,15 +47,24 @@ def cache_sweep(nbytes: int = PROBE_BYTES) -> Callable[[], None]:
 
 
 def bytes_per_forward(model: torch.nn.Module) -> int:
-    """Bytes of weights a decode forward reads: every parameter and buffer once (shared ones once),
-    except an untied input embedding, of which it reads only the rows of the input tokens."""
+    """Bytes of weights a decode forward reads: every parameter and buffer once (shared ones once), except an
+    untied input embedding, of which it reads only the rows of the input tokens. A linear whose kernel keeps a
+    packed copy (`kernel_weight`: a GGUF-block linear's panels and block scales, a W8A8 linear's panels) reads
+    that copy and its bias, not its plain weights."""
     table = model.model.embed_tokens if hasattr(model, "model") else None
     embedding = getattr(table, "weight", None)
     tied = embedding is not None and getattr(getattr(model, "lm_head", None), "weight", None) is embedding
     lookups = set() if table is None or tied else {id(t) for t in list(table.parameters()) + list(table.buffers())}
+    read = []
+    for module in model.modules():
+        packed = getattr(module, "kernel_weight", None)
+        if isinstance(packed, tuple):
+            read += [*packed, getattr(module, "bias", None)]
+        else:
+            read += list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
     seen, total = set(), 0
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        if tensor.data_ptr() in seen or id(tensor) in lookups:
+    for tensor in read:
+        if tensor is None or tensor.data_ptr() in seen or id(tensor) in lookups:
             continue
         seen.add(tensor.data_ptr())
         total += tensor.numel() * tensor.element_size()
