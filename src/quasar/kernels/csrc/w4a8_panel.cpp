@@ -55,12 +55,14 @@ void maddubs_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, co
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_si256();
     const uint8_t* group = wp + (p0 * groups + g) * kGroupBytes<Five>;
-    prefetch_weights<P>(group);
     __m256i fifth[H];
-    if constexpr (Five)
+    if constexpr (Five) {
+      prefetch_weights<P>(group + kFifthBits);
       for (int h = 0; h < H; ++h) fifth[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kFifthBits + 32 * h));
+    }
     for (int t = 0; t < 4; ++t) {
       __m256i lo[H], hi[H];
+      prefetch_weights<P>(group + 64 * t);
 #pragma GCC unroll 2
       for (int h = 0; h < H; ++h) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 64 * t + 32 * h));
@@ -85,6 +87,7 @@ void maddubs_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, co
     }
     const uint8_t* block = sp + (p0 * blocks + g / per) * block_bytes;
     const uint8_t* scales = block + kBlockHead + kGroup * (g % per);
+    prefetch_weights<P>(scales);
 #pragma GCC unroll 2
     for (int h = 0; h < H; ++h) {
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * h)));
@@ -135,6 +138,7 @@ void dpbusd_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, con
       for (int c = 0; c < C; ++c) {
         const uint8_t* group = wp + ((p0 + c) * groups + g) * kGroupBytes<Five>;
         prefetch_weights<P>(group + 64 * t);
+        if (Five && t == 0) prefetch_weights<P>(group + kFifthBits);
         const __m512i v = _mm512_loadu_si512(group + 64 * t);
         lo[c] = _mm512_and_si512(v, low);
         hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -156,6 +160,7 @@ void dpbusd_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, con
     for (int c = 0; c < C; ++c) {
       const uint8_t* block = sp + ((p0 + c) * blocks + g / per) * block_bytes;
       const uint8_t* scales = block + kBlockHead + kGroup * (g % per);
+      prefetch_weights<P>(scales);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
       const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)));
       const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(

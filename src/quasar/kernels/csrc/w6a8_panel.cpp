@@ -41,7 +41,6 @@ void maddubs_tile(const BlockCall& call, int64_t m0, int64_t p0, int64_t k0, int
       facc[r][h] = k0 ? _mm256_loadu_ps(call.y + (m0 + r) * N + 16 * p0 + 8 * h) : _mm256_setzero_ps();
   for (int64_t g = k0 / kGroup; g < k1 / kGroup; ++g) {
     const uint8_t* group = call.wp + (p0 * groups + g) * kGroupBytes;
-    prefetch_weights<P>(group);
     const uint8_t* block = call.sp + (p0 * blocks + g * kGroup / kBlock) * kBlockBytes;
     __m256 part[R][H];
     for (int u = 0; u < 2; ++u) {  // the group's two sub-blocks
@@ -50,12 +49,14 @@ void maddubs_tile(const BlockCall& call, int64_t m0, int64_t p0, int64_t k0, int
       for (int r = 0; r < R; ++r)
         for (int h = 0; h < H; ++h) acc[r][h] = _mm256_setzero_si256();
       __m256i high[H];
+      prefetch_weights<P>(group + kHighBits + 64 * u);
 #pragma GCC unroll 2
       for (int h = 0; h < H; ++h)
         high[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + kHighBits + 64 * u + 32 * h));
       for (int s = 0; s < 2; ++s) {
         const int t = 2 * u + s;
         __m256i lo[H], hi[H];
+        prefetch_weights<P>(group + 64 * t);
 #pragma GCC unroll 2
         for (int h = 0; h < H; ++h) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 64 * t + 32 * h));
@@ -77,6 +78,7 @@ void maddubs_tile(const BlockCall& call, int64_t m0, int64_t p0, int64_t k0, int
         }
       }
       const int64_t sub = (g * kGroup % kBlock) / 16 + u;
+      if (u == 0) prefetch_weights<P>(block + 32 + 16 * sub);
 #pragma GCC unroll 2
       for (int h = 0; h < H; ++h) {
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * h)));
@@ -130,7 +132,8 @@ void dpbusd_tile(const BlockCall& call, int64_t m0, int64_t p0, int64_t k0, int6
 #pragma GCC unroll 4
         for (int c = 0; c < C; ++c) {
           const uint8_t* group = call.wp + ((p0 + c) * groups + g) * kGroupBytes;
-          if (t == 0) prefetch_weights<P>(group);
+          prefetch_weights<P>(group + 64 * t);
+          if (s == 0) prefetch_weights<P>(group + kHighBits + 64 * u);
           const __m512i v = _mm512_loadu_si512(group + 64 * t);
           const __m512i high = _mm512_loadu_si512(group + kHighBits + 64 * u);
           const __m512i bits_lo = s ? _mm512_and_si512(high, two) : _mm512_and_si512(_mm512_slli_epi16(high, 4), two);
@@ -151,6 +154,7 @@ void dpbusd_tile(const BlockCall& call, int64_t m0, int64_t p0, int64_t k0, int6
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
         const uint8_t* block = call.sp + ((p0 + c) * blocks + g * kGroup / kBlock) * kBlockBytes;
+        if (u == 0) prefetch_weights<P>(block + 32 + 16 * sub);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
         const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 + 16 * sub)))));
