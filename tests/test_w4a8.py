@@ -380,3 +380,51 @@ def test_a_forwards_bytes_count_the_packed_blocks(qtype):
     assert bytes_per_forward(torch.nn.Sequential(layer)) == packed + 64 * 4
     bits = (4.62, 4.63) if qtype == T.Q4_K else (6.56, 6.57)  # a weight, scales included (docs/kernels.md)
     assert bits[0] <= 8 * packed / (64 * 512) <= bits[1]
+
+
+def test_inputs_no_multiple_of_256_get_five_bit_blocks():
+    """As llama.cpp's Q4_K_M falls back to 5-bit Q5_0 where K-quants' 256 inputs do not divide K: a fitted w4a8
+    verifier puts those linears in 5-bit blocks, the others in 4-bit ones; a checkpoint that records no such rule
+    (written before it) loads as all 4-bit."""
+    from quasar.quant.recipe import recipe_for
+    from quasar.quant.schemes import SCHEMES, W4A8Config, scheme_config
+    from quasar.spec import VerifierSpec
+
+    cfg = recipe_for(VerifierSpec.parse("w4a8:g32")).scheme_config()
+    scheme = SCHEMES[W4A8Config]
+    gen = torch.Generator().manual_seed(0)
+    for K, bits, block in [(640, 5, 128), (512, 4, 256), (1536, 4, 256), (96, 5, 32)]:
+        linear = torch.nn.Linear(K, 32, bias=False)
+        torch.nn.init.normal_(linear.weight, generator=gen)
+        fitted, empty = scheme.from_float(linear, cfg, None, None), scheme.empty(K, 32, False, cfg)
+        assert (fitted.bits, fitted.block) == (bits, block) == (empty.bits, empty.block)
+        assert set(fitted.state_dict()) == set(empty.state_dict())
+    assert scheme.empty(640, 32, False, scheme_config("w4a8")).bits == 4
+
+
+def test_five_bit_fit_holds_the_weight_within_half_a_step():
+    w = torch.randn(48, 640, generator=torch.Generator().manual_seed(5)) * 0.05
+    blocks = quantize_4bit(w, 32, search=False, bits=5)
+    assert blocks.bits == 5 and blocks.block == 128 and blocks.q.max() == 31 and blocks.sc.max() == 255
+    S = blocks.d.float().repeat_interleave(4, 1) * blocks.sc.float()  # [N, K/32]
+    err = (blocks.dequantize() - w).abs().view(48, -1, 32)
+    assert torch.all(err <= S[..., None] * 0.51 + 1e-3 * w.abs().max())
+    four = quantize_4bit(w, 32, search=False)
+    assert (blocks.dequantize() - w).square().mean() < 0.35 * (four.dequantize() - w).square().mean()
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", ["auto", *PATHS])
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_fitted_five_bit_blocks_of_a_narrow_input_give_the_references_floats(path, method):
+    """K = 640 (Gemma 3 270M's width): 5-bit quants in blocks of 128 inputs, on every path, 1-7 rows."""
+    gen = torch.Generator().manual_seed(11)
+    w, x = torch.randn(48, 640, generator=gen) * 0.05, torch.randn(64, 640, generator=gen)
+    hessian = x.t() @ x if method == "gptq" else None
+    layer = W4A8Linear.from_blocks(quantize_4bit(w, 32, search=False, bits=5, hessian=hessian), torch.randn(48, generator=gen))
+    assert layer.bits == 5 and layer.dequantize().sub(w).abs().max() < 0.05
+    panels, scales = plan.on_kernel(W4A8Linear.from_blocks(quantize_4bit(w, 32, search=False, bits=5, hessian=hessian),
+                                                           layer.bias)).kernel_weight
+    for M in range(1, 8):
+        rows = x[:M] * (M / 3)
+        assert torch.equal(native.kernel().block_linear_on(path, rows, [panels], [scales], [layer.bias])[0], layer(rows))

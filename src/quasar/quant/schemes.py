@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from quasar.quant.int8 import Int8Linear, Int8WeightOnlyLinear, check_group_size
-from quasar.quant.w4a8 import ACTIVATION_AWARE, W4A8Linear, block_size
+from quasar.quant.w4a8 import ACTIVATION_AWARE, W4A8Linear, block_size, fit_bits
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,12 @@ class W8A16Config:
 class W4A8Config:
     """4-bit weights in blocks (a scale and a min per group of inputs, stored as Q4_K stores them) and dynamic int8
     activations per 32 inputs; fitted to the inputs' mean squares ('awq'), by min-max rounding ('rtn'), or with awq's
-    scales and error-compensating rounding of the quants ('gptq')."""
+    scales and error-compensating rounding of the quants ('gptq'). A linear whose inputs are no multiple of 256 takes
+    odd_width_bits-bit quants (w4a8.fit_bits)."""
 
     group_size: int = 32
     method: str = "awq"
+    odd_width_bits: int = 4  # what a checkpoint that records none holds; quant.recipe fits 5
     lm_head: bool = True
     ignore: tuple[str, ...] = ()
     backend: str = "auto"
@@ -81,8 +83,8 @@ register_scheme(W4A8Config, Scheme(
     # the activation-aware fit where the calibration saw the linear's inputs (the lm_head's too); min-max without
     lambda linear, cfg, importance, hessian: W4A8Linear.from_float(
         linear, cfg.group_size, importance, cfg.method in ACTIVATION_AWARE and importance is not None,
-        hessian if cfg.method == "gptq" else None),
-    lambda k, n, bias, cfg: W4A8Linear(k, n, bias, block_size(k)),
+        hessian if cfg.method == "gptq" else None, fit_bits(linear.in_features, cfg.odd_width_bits)),
+    lambda k, n, bias, cfg: W4A8Linear(k, n, bias, block_size(k), fit_bits(k, cfg.odd_width_bits)),
 ))
 
 

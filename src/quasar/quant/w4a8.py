@@ -29,6 +29,7 @@ from quasar.quant.int8 import quantize_tokens
 
 GROUP = 32
 LEVELS = 15  # the largest 4-bit quant
+SUPER_BLOCK = 256  # the inputs of a K-quant super-block (Q4_K): where it does not divide K, fits take 5 bits
 CLIP_RATIOS = torch.linspace(1.0, 0.7, 13).tolist()  # the range searched for each group's scale and min
 ROWS_AT_ONCE = 4096  # rows of a weight fitted together (bounds the fit's temporaries)
 ACTIVATION_AWARE = ("awq", "gptq")  # the fits that weigh each input by its calibration mean square
@@ -42,17 +43,23 @@ def block_size(in_features: int) -> int:
     return next(b for b in (256, 128, 64, 32) if in_features % b == 0)
 
 
-def fit_groups(w: torch.Tensor, importance: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [R, G] (one group a row) -> (scale [R], low [R]): w ~ scale * q + low, q in [0, 15], low <= 0 <= scale * 15 + low,
+def fit_bits(in_features: int, odd_width_bits: int) -> int:
+    """The quant bits of a fitted W4A8 weight of `in_features` inputs: 4 where Q4_K's super-block divides them, else
+    odd_width_bits (5 as llama.cpp's Q4_K_M, which falls back to Q5_0 there; 4 in checkpoints written before)."""
+    return 4 if in_features % SUPER_BLOCK == 0 else odd_width_bits
+
+
+def fit_groups(w: torch.Tensor, importance: torch.Tensor, search: bool, levels: int = LEVELS) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [R, G] (one group a row) -> (scale [R], low [R]): w ~ scale * q + low, q in [0, levels], low <= 0 <= scale * levels + low,
     minimising sum_k importance[k] * (w - w_hat)^2 (importance [R, G]: the inputs' mean square, so that the error
     is the linear's expected output error). search: try the clip ratios and refine scale and low by weighted least
     squares (the activation-aware fit); else min-max round to nearest."""
     hi, lo = w.amax(1).clamp_min(0), w.amin(1).clamp_max(0)  # [R]
     best = None
     for ratio in CLIP_RATIOS if search else [1.0]:
-        scale, low = ((hi - lo) * ratio / LEVELS).clamp_min(1e-12), lo * ratio
+        scale, low = ((hi - lo) * ratio / levels).clamp_min(1e-12), lo * ratio
         for _ in range(2 if search else 0):  # weighted least squares for (scale, low) with q fixed
-            q = ((w - low[:, None]) / scale[:, None]).round_().clamp_(0, LEVELS)
+            q = ((w - low[:, None]) / scale[:, None]).round_().clamp_(0, levels)
             a, aq, aqq = importance.sum(1), (importance * q).sum(1), (importance * q * q).sum(1)
             aw, aqw = (importance * w).sum(1), (importance * q * w).sum(1)
             det = aqq * a - aq * aq
@@ -62,7 +69,7 @@ def fit_groups(w: torch.Tensor, importance: torch.Tensor, search: bool) -> tuple
             positive = new_low > 0  # keep low <= 0 (the min is subtracted): refit the scale alone there
             new_scale = torch.where(positive, aqw / aqq.clamp_min(1e-30), new_scale)
             scale, low = new_scale.clamp_min(1e-12), torch.where(positive, torch.zeros_like(new_low), new_low)
-        q = ((w - low[:, None]) / scale[:, None]).round_().clamp_(0, LEVELS)
+        q = ((w - low[:, None]) / scale[:, None]).round_().clamp_(0, levels)
         err = (importance * (scale[:, None] * q + low[:, None] - w) ** 2).sum(1)
         if best is None:
             best = (err, scale, low)
@@ -83,15 +90,16 @@ def two_level(values: torch.Tensor, per: int) -> tuple[torch.Tensor, torch.Tenso
     return d, byte.to(torch.uint8)
 
 
-def nearest_quants(w: torch.Tensor, S: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
-    """The quants q in [0, 15] (as floats) nearest to w = S q - M, 0 where S is 0 (w, S, M broadcast together)."""
-    return torch.where(S > 0, ((w + M) / S.clamp_min(1e-30)).round(), torch.zeros_like(w)).clamp_(0, LEVELS)
+def nearest_quants(w: torch.Tensor, S: torch.Tensor, M: torch.Tensor, levels: int = LEVELS) -> torch.Tensor:
+    """The quants q in [0, levels] (as floats) nearest to w = S q - M, 0 where S is 0 (w, S, M broadcast together)."""
+    return torch.where(S > 0, ((w + M) / S.clamp_min(1e-30)).round(), torch.zeros_like(w)).clamp_(0, levels)
 
 
-def compensated_quants(weight: torch.Tensor, hessian: torch.Tensor, S: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+def compensated_quants(weight: torch.Tensor, hessian: torch.Tensor, S: torch.Tensor, M: torch.Tensor,
+                       levels: int = LEVELS) -> torch.Tensor:
     """GPTQ's rounding (Frantar et al., 2023, arXiv 2210.17323) with fixed group scales: weight [N, K], hessian [K, K]
     (the sum of x^T x over the calibration inputs), S and M [N, K/32] the stored scale and min of each group -> q [N, K]
-    in [0, 15]. The inputs are rounded in order, and each one's rounding error is moved onto the inputs not yet
+    in [0, levels]. The inputs are rounded in order, and each one's rounding error is moved onto the inputs not yet
     rounded as their correlation with it says, so that the linear's output on inputs like the calibration's changes
     least."""
     N, K = weight.shape
@@ -108,7 +116,7 @@ def compensated_quants(weight: torch.Tensor, hessian: torch.Tensor, S: torch.Ten
         block, errors, U1 = W[:, c0:c1].clone(), torch.empty(N, c1 - c0), U[c0:c1, c0:c1]
         for i in range(c1 - c0):
             s, lo, w = S[:, (c0 + i) // GROUP], M[:, (c0 + i) // GROUP], block[:, i]
-            qi = nearest_quants(w, s, lo)
+            qi = nearest_quants(w, s, lo, levels)
             q[:, c0 + i] = qi.to(torch.uint8)
             errors[:, i] = (w - (s * qi - lo)) / U1[i, i]
             block[:, i:].addr_(errors[:, i], U1[i, i:], alpha=-1)
@@ -117,8 +125,9 @@ def compensated_quants(weight: torch.Tensor, hessian: torch.Tensor, S: torch.Ten
 
 
 def quantize_4bit(weight: torch.Tensor, group: int = GROUP, importance: torch.Tensor | None = None,
-                  search: bool = True, hessian: torch.Tensor | None = None):
-    """weight [N, K] float -> FourBitBlocks (quasar.model.gguf_blocks): a scale and a min per `group` inputs (a multiple
+                  search: bool = True, hessian: torch.Tensor | None = None, bits: int = 4):
+    """weight [N, K] float -> FourBitBlocks (quasar.model.gguf_blocks) of `bits`-bit quants (4, or 5 as Q5_K holds
+    them): a scale and a min per `group` inputs (a multiple
     of 32 dividing K), stored as Q4_K stores them (bytes sc and m per 32 inputs times float16 d and dmin per block of
     block_size(K) inputs), the quants refitted to the stored scales. importance [K]: the inputs' mean square
     (calibration), None for all alike. hessian [K, K]: the sum of the calibration inputs' x^T x, to round the quants
@@ -126,6 +135,9 @@ def quantize_4bit(weight: torch.Tensor, group: int = GROUP, importance: torch.Te
     from quasar.model.gguf_blocks import FourBitBlocks
 
     N, K = weight.shape
+    if bits not in (4, 5):
+        raise ValueError(f"W4A8 blocks hold 4- or 5-bit quants, not {bits}-bit ones")
+    levels = 2**bits - 1
     if group % GROUP or K % group:
         raise ValueError(f"a W4A8 group of {group} inputs must be a multiple of 32 dividing K = {K}")
     weight = weight.detach().float()
@@ -135,7 +147,7 @@ def quantize_4bit(weight: torch.Tensor, group: int = GROUP, importance: torch.Te
         rows = weight[r0 : r0 + ROWS_AT_ONCE]
         R = rows.shape[0]
         s, lo = fit_groups(rows.reshape(-1, group), imp.view(1, K // group, group).expand(R, -1, -1).reshape(-1, group),
-                           search)
+                           search, levels)
         scale[r0 : r0 + R], low[r0 : r0 + R] = s.view(R, -1), lo.view(R, -1)
     B, repeat = block_size(K), group // GROUP
     d, sc = two_level(scale.repeat_interleave(repeat, 1), B // GROUP)
@@ -143,9 +155,9 @@ def quantize_4bit(weight: torch.Tensor, group: int = GROUP, importance: torch.Te
     S = d.float().repeat_interleave(B // GROUP, 1) * sc.float()  # [N, K/32] as stored
     M = dmin.float().repeat_interleave(B // GROUP, 1) * m.float()
     if hessian is not None:
-        return FourBitBlocks(compensated_quants(weight, hessian, S, M), d, dmin, sc, m, B, f"w4a8:g{group}")
-    q = nearest_quants(weight.view(N, K // GROUP, GROUP), S[..., None], M[..., None])
-    return FourBitBlocks(q.to(torch.uint8).view(N, K), d, dmin, sc, m, B, f"w4a8:g{group}")
+        return FourBitBlocks(compensated_quants(weight, hessian, S, M, levels), d, dmin, sc, m, B, f"w4a8:g{group}", bits)
+    q = nearest_quants(weight.view(N, K // GROUP, GROUP), S[..., None], M[..., None], levels)
+    return FourBitBlocks(q.to(torch.uint8).view(N, K), d, dmin, sc, m, B, f"w4a8:g{group}", bits)
 
 
 class W4A8Linear(nn.Module):
@@ -193,9 +205,9 @@ class W4A8Linear(nn.Module):
 
     @classmethod
     def from_float(cls, linear: nn.Linear, group: int = GROUP, importance: torch.Tensor | None = None,
-                   search: bool = True, hessian: torch.Tensor | None = None) -> W4A8Linear:
-        """Calibrated 4-bit blocks of a float linear (quantize_4bit)."""
-        return cls.from_blocks(quantize_4bit(linear.weight, group, importance, search, hessian), linear.bias)
+                   search: bool = True, hessian: torch.Tensor | None = None, bits: int = 4) -> W4A8Linear:
+        """Calibrated 4- or 5-bit blocks of a float linear (quantize_4bit)."""
+        return cls.from_blocks(quantize_4bit(linear.weight, group, importance, search, hessian, bits), linear.bias)
 
     def quants(self, rows: slice = slice(None)) -> torch.Tensor:
         """q [N, K] uint8 in [0, 2^bits) (of the channels `rows` only: [n, K])."""
