@@ -15,7 +15,7 @@ from conftest import needs_kernels
 from quasar.kernels import native, plan
 from quasar.kernels.quant_layers import KernelW4A8Linear, KernelW6A8Linear
 from quasar.model.gguf_blocks import ByteBlocks, FourBitBlocks, SixBitBlocks, unpack
-from quasar.quant.int8 import quantize_tokens
+from quasar.quant.int8 import Int8Linear, quantize_tokens
 from quasar.quant.w4a8 import W4A8Linear, W6A8Linear, block_size, quantize_4bit
 
 BLOCK_BYTES = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q5_K: (256, 176), T.Q6_K: (256, 210)}
@@ -247,7 +247,7 @@ def test_input_products_that_would_not_fit_the_free_memory_are_refused_before_th
 
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_calibrated_checkpoint_round_trip(tiny_model, tmp_path, method):
-    """w4a8:g32 on a float model: W4A8 layers (lm_head too), the block recorded, reloaded bit-identically."""
+    """w4a8:g32 on a float model: W4A8 layers, the block recorded, reloaded bit-identically."""
     import copy
 
     from quasar.quant.calibration import CalibrationSpec
@@ -261,7 +261,8 @@ def test_calibrated_checkpoint_round_trip(tiny_model, tmp_path, method):
     block = quantize_model(loaded, recipe_for(spec, CalibrationSpec(samples=2, seq_len=32)))
     assert block["scheme"] == "w4a8" and block["method"] == method and block["calibration"] is not None
     assert checkpoint_spec(block) == VerifierSpec("w4a8", 32, method=method)
-    assert isinstance(loaded.model.model.layers[0].mlp.down_proj, W4A8Linear) and isinstance(loaded.model.lm_head, W4A8Linear)
+    assert isinstance(loaded.model.model.layers[0].mlp.down_proj, W4A8Linear) and block["llama_cpp_fallbacks"]
+    assert isinstance(loaded.model.lm_head, Int8Linear)  # 64 inputs: llama.cpp's Q8_0 fallback for the output layer
     ids = torch.tensor([[1, 5, 9, 20, 3]])
     with torch.inference_mode():
         want = loaded.model(ids, loaded.model.new_cache(8))
@@ -382,10 +383,10 @@ def test_a_forwards_bytes_count_the_packed_blocks(qtype):
     assert bits[0] <= 8 * packed / (64 * 512) <= bits[1]
 
 
-def test_inputs_no_multiple_of_256_get_five_bit_blocks():
-    """As llama.cpp's Q4_K_M falls back to 5-bit Q5_0 where K-quants' 256 inputs do not divide K: a fitted w4a8
-    verifier puts those linears in 5-bit blocks, the others in 4-bit ones; a checkpoint that records no such rule
-    (written before it) loads as all 4-bit."""
+def test_inputs_no_multiple_of_256_get_llama_cpps_fallback_bits():
+    """As llama.cpp's Q4_K_M falls back where K-quants' 256 inputs do not divide K (Q5_0 for the layers, Q8_0 for the
+    output layer): a fitted w4a8 verifier puts those linears in 5-bit blocks and such an lm_head in int8 per 32 inputs,
+    the others in 4-bit blocks; a checkpoint that records no fallbacks (written before them) loads as all 4-bit."""
     from quasar.quant.recipe import recipe_for
     from quasar.quant.schemes import SCHEMES, W4A8Config, scheme_config
     from quasar.spec import VerifierSpec
@@ -393,13 +394,20 @@ def test_inputs_no_multiple_of_256_get_five_bit_blocks():
     cfg = recipe_for(VerifierSpec.parse("w4a8:g32")).scheme_config()
     scheme = SCHEMES[W4A8Config]
     gen = torch.Generator().manual_seed(0)
-    for K, bits, block in [(640, 5, 128), (512, 4, 256), (1536, 4, 256), (96, 5, 32)]:
+    for name, K, bits, block in [("model.layers.0.mlp.up_proj", 640, 5, 128), ("model.layers.0.mlp.up_proj", 512, 4, 256),
+                                 ("lm_head", 1536, 4, 256), ("model.layers.1.self_attn.q_proj", 96, 5, 32)]:
         linear = torch.nn.Linear(K, 32, bias=False)
         torch.nn.init.normal_(linear.weight, generator=gen)
-        fitted, empty = scheme.from_float(linear, cfg, None, None), scheme.empty(K, 32, False, cfg)
+        fitted, empty = scheme.from_float(linear, cfg, None, None, name), scheme.empty(K, 32, False, cfg, name)
         assert (fitted.bits, fitted.block) == (bits, block) == (empty.bits, empty.block)
         assert set(fitted.state_dict()) == set(empty.state_dict())
-    assert scheme.empty(640, 32, False, scheme_config("w4a8")).bits == 4
+    head = torch.nn.Linear(640, 32, bias=False)
+    fitted, empty = scheme.from_float(head, cfg, None, None, "lm_head"), scheme.empty(640, 32, False, cfg, "lm_head")
+    assert isinstance(fitted, Int8Linear) and fitted.group_size == 32 and set(fitted.state_dict()) == set(empty.state_dict())
+    assert isinstance(empty, Int8Linear) and empty.group_size == 32
+    old = scheme_config("w4a8")
+    assert scheme.empty(640, 32, False, old, "model.layers.0.mlp.up_proj").bits == 4
+    assert isinstance(scheme.empty(640, 32, False, old, "lm_head"), W4A8Linear)
 
 
 def test_five_bit_fit_holds_the_weight_within_half_a_step():
@@ -428,3 +436,16 @@ def test_fitted_five_bit_blocks_of_a_narrow_input_give_the_references_floats(pat
     for M in range(1, 8):
         rows = x[:M] * (M / 3)
         assert torch.equal(native.kernel().block_linear_on(path, rows, [panels], [scales], [layer.bias])[0], layer(rows))
+
+
+@pytest.mark.parametrize("search", [False, True])
+def test_weights_on_a_four_bit_grid_keep_it_in_five_bits(search):
+    """A dequantized Q4_1 file (the default model's float weights) lies on a 4-bit grid per 32 inputs: the 5-bit fit
+    tries the grid of half its steps (30 steps, not 31) and holds those weights as closely as the 4-bit fit does."""
+    gen = torch.Generator().manual_seed(4)
+    step = torch.rand(32, 20, 1, generator=gen) * 0.01 + 0.001  # [N, groups, 1]: 20 groups of 32 inputs
+    q = torch.randint(0, 16, (32, 20, 32), generator=gen)
+    q[..., 0], q[..., 1] = 0, 15  # each group spans its grid, zero inside it (as a Q4_1 group of a real weight)
+    w = (step * (q - torch.randint(1, 15, (32, 20, 1), generator=gen))).view(32, 640)
+    err = {bits: (quantize_4bit(w, 32, search=search, bits=bits).dequantize() - w).square().mean() for bits in (4, 5)}
+    assert err[5] <= 1.5 * err[4]

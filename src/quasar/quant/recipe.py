@@ -27,7 +27,6 @@ DEFAULT_W8A8_GROUP = 32
 SCHEME_FORMS = ("w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16], w8a16 or w4a8[:gN][:awq|:rtn|:gptq] "
                 "(e.g. w8a8, w8a8:g32, w8a8:pc:0.5, w8a8:lmbf16, w4a8:g32)")
 DEFAULT_W4A8_GROUP = 32
-W4A8_ODD_WIDTH_BITS = 5  # a fitted w4a8 linear's quant bits where 256 does not divide its inputs (llama.cpp: Q5_0)
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,7 @@ class QuantRecipe:
     def scheme_config(self) -> Any:
         options = {"group_size": self.group_size} if self.scheme in ("w8a8", "w4a8") else {}
         if self.scheme == "w4a8":
-            options.update(method=self.method, odd_width_bits=W4A8_ODD_WIDTH_BITS)
+            options.update(method=self.method, llama_cpp_fallbacks=True)
         return scheme_config(self.scheme, lm_head=self.lm_head, backend=self.backend, ignore=self.ignore, **options)
 
     def settings(self) -> dict[str, Any]:
@@ -92,7 +91,7 @@ class QuantRecipe:
             "group_size": self.group_size if self.scheme in ("w8a8", "w4a8") else None,
             "alpha": self.alpha if smoothing else None,
             "calibration": asdict(self.calib) if self.calibrated else None,
-            **({"method": self.method, "odd_width_bits": W4A8_ODD_WIDTH_BITS} if self.scheme == "w4a8" else {}),
+            **({"method": self.method, "llama_cpp_fallbacks": True} if self.scheme == "w4a8" else {}),
             "lm_head": self.lm_head,
             "output_groups": self.output_groups if smoothing else None,
             **({"ignore": list(self.ignore)} if self.ignore else {}),

@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from quasar.quant.int8 import Int8Linear, Int8WeightOnlyLinear, check_group_size
-from quasar.quant.w4a8 import ACTIVATION_AWARE, W4A8Linear, block_size, fit_bits
+from quasar.quant.w4a8 import ACTIVATION_AWARE, GROUP, SUPER_BLOCK, W4A8Linear, block_size, fit_bits
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,13 @@ class W8A16Config:
 class W4A8Config:
     """4-bit weights in blocks (a scale and a min per group of inputs, stored as Q4_K stores them) and dynamic int8
     activations per 32 inputs; fitted to the inputs' mean squares ('awq'), by min-max rounding ('rtn'), or with awq's
-    scales and error-compensating rounding of the quants ('gptq'). A linear whose inputs are no multiple of 256 takes
-    odd_width_bits-bit quants (w4a8.fit_bits)."""
+    scales and error-compensating rounding of the quants ('gptq'). llama_cpp_fallbacks: where 256 (a K-quant
+    super-block) does not divide a linear's inputs, the bits llama.cpp's Q4_K_M falls back to there: 5-bit blocks
+    for the layers (its Q5_0), int8 per 32 inputs for the lm_head (its Q8_0)."""
 
     group_size: int = 32
     method: str = "awq"
-    odd_width_bits: int = 4  # what a checkpoint that records none holds; quant.recipe fits 5
+    llama_cpp_fallbacks: bool = False  # what a checkpoint that records none holds; quant.recipe fits with them
     lm_head: bool = True
     ignore: tuple[str, ...] = ()
     backend: str = "auto"
@@ -55,8 +56,9 @@ class W4A8Config:
 class Scheme:
     name: str
     # (linear, config, its inputs' mean square [K] or None, their summed x^T x [K, K] or None) -> quantized layer
-    from_float: Callable[[nn.Linear, Any, Any, Any], nn.Module]
-    empty: Callable[[int, int, bool, Any], nn.Module]  # (in, out, bias, config) -> layer to load into
+    # (linear, config, its inputs' mean square [K] or None, their summed x^T x [K, K] or None, its name) -> layer
+    from_float: Callable[[nn.Linear, Any, Any, Any, str], nn.Module]
+    empty: Callable[[int, int, bool, Any, str], nn.Module]  # (in, out, bias, config, name) -> layer to load into
 
 
 SCHEMES: dict[type, Scheme] = {}
@@ -71,21 +73,34 @@ def register_scheme(config_type: type, scheme: Scheme) -> None:
 register_scheme(W8A8Config, Scheme(
     "w8a8",
     lambda linear, cfg, *_: Int8Linear.from_float(linear, cfg.backend, cfg.group_size),
-    lambda k, n, bias, cfg: Int8Linear(k, n, bias, cfg.backend, cfg.group_size),
+    lambda k, n, bias, cfg, _: Int8Linear(k, n, bias, cfg.backend, cfg.group_size),
 ))
 register_scheme(W8A16Config, Scheme(
     "w8a16",
     lambda linear, cfg, *_: Int8WeightOnlyLinear.from_float(linear),
-    lambda k, n, bias, cfg: Int8WeightOnlyLinear(k, n, bias),
+    lambda k, n, bias, cfg, _: Int8WeightOnlyLinear(k, n, bias),
 ))
-register_scheme(W4A8Config, Scheme(
-    "w4a8",
-    # the activation-aware fit where the calibration saw the linear's inputs (the lm_head's too); min-max without
-    lambda linear, cfg, importance, hessian: W4A8Linear.from_float(
-        linear, cfg.group_size, importance, cfg.method in ACTIVATION_AWARE and importance is not None,
-        hessian if cfg.method == "gptq" else None, fit_bits(linear.in_features, cfg.odd_width_bits)),
-    lambda k, n, bias, cfg: W4A8Linear(k, n, bias, block_size(k), fit_bits(k, cfg.odd_width_bits)),
-))
+def int8_head(cfg: W4A8Config, name: str, in_features: int) -> bool:
+    """Whether a w4a8 scheme keeps this linear in int8 per 32 inputs: the lm_head, under llama.cpp's fallbacks, where
+    256 does not divide its inputs."""
+    return cfg.llama_cpp_fallbacks and name == "lm_head" and in_features % SUPER_BLOCK != 0
+
+
+def fit_w4a8(linear: nn.Linear, cfg: W4A8Config, importance: Any, hessian: Any, name: str) -> nn.Module:
+    """The activation-aware fit where the calibration saw the linear's inputs (the lm_head's too); min-max without."""
+    if int8_head(cfg, name, linear.in_features):
+        return Int8Linear.from_float(linear, cfg.backend, GROUP)
+    return W4A8Linear.from_float(linear, cfg.group_size, importance, cfg.method in ACTIVATION_AWARE and importance is not None,
+                                 hessian if cfg.method == "gptq" else None, fit_bits(linear.in_features, cfg.llama_cpp_fallbacks))
+
+
+def empty_w4a8(k: int, n: int, bias: bool, cfg: W4A8Config, name: str) -> nn.Module:
+    if int8_head(cfg, name, k):
+        return Int8Linear(k, n, bias, cfg.backend, GROUP)
+    return W4A8Linear(k, n, bias, block_size(k), fit_bits(k, cfg.llama_cpp_fallbacks))
+
+
+register_scheme(W4A8Config, Scheme("w4a8", fit_w4a8, empty_w4a8))
 
 
 def scheme_config(name: str, **options: Any) -> Any:
@@ -137,7 +152,7 @@ def quantize_(model: nn.Module, config: Any, mean_squares: dict[str, Any] | None
     for name in progress(names, f"quantizing to {scheme.name}"):
         linear = model.get_submodule(name)
         swap_module_(model, name, scheme.from_float(linear, config, (mean_squares or {}).get(name),
-                                                    (hessians or {}).get(name)))
+                                                    (hessians or {}).get(name), name))
     return names
 
 
@@ -148,5 +163,6 @@ def prepare_empty_(model: nn.Module, config: Any) -> list[str]:
     check_targets(model, config, names)
     for name in names:
         linear = model.get_submodule(name)
-        swap_module_(model, name, scheme.empty(linear.in_features, linear.out_features, linear.bias is not None, config))
+        swap_module_(model, name, scheme.empty(linear.in_features, linear.out_features, linear.bias is not None, config,
+                                               name))
     return names

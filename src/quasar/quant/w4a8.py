@@ -43,21 +43,23 @@ def block_size(in_features: int) -> int:
     return next(b for b in (256, 128, 64, 32) if in_features % b == 0)
 
 
-def fit_bits(in_features: int, odd_width_bits: int) -> int:
-    """The quant bits of a fitted W4A8 weight of `in_features` inputs: 4 where Q4_K's super-block divides them, else
-    odd_width_bits (5 as llama.cpp's Q4_K_M, which falls back to Q5_0 there; 4 in checkpoints written before)."""
-    return 4 if in_features % SUPER_BLOCK == 0 else odd_width_bits
+def fit_bits(in_features: int, fallbacks: bool) -> int:
+    """The quant bits of a fitted W4A8 weight of `in_features` inputs: 4, or with llama.cpp's fallbacks 5 where Q4_K's
+    super-block does not divide them (its Q4_K_M takes Q5_0 there)."""
+    return 5 if fallbacks and in_features % SUPER_BLOCK else 4
 
 
 def fit_groups(w: torch.Tensor, importance: torch.Tensor, search: bool, levels: int = LEVELS) -> tuple[torch.Tensor, torch.Tensor]:
     """w [R, G] (one group a row) -> (scale [R], low [R]): w ~ scale * q + low, q in [0, levels], low <= 0 <= scale * levels + low,
     minimising sum_k importance[k] * (w - w_hat)^2 (importance [R, G]: the inputs' mean square, so that the error
     is the linear's expected output error). search: try the clip ratios and refine scale and low by weighted least
-    squares (the activation-aware fit); else min-max round to nearest."""
+    squares (the activation-aware fit); else min-max round to nearest. 5-bit fits try 30 steps beside 31: a weight
+    already on a 4-bit grid (a dequantized Q4 file) lies on every other point of it, and keeps its values."""
     hi, lo = w.amax(1).clamp_min(0), w.amin(1).clamp_max(0)  # [R]
     best = None
-    for ratio in CLIP_RATIOS if search else [1.0]:
-        scale, low = ((hi - lo) * ratio / levels).clamp_min(1e-12), lo * ratio
+    steps = (levels, levels - 1) if levels == 31 else (levels,)
+    for ratio, n in [(r, n) for r in (CLIP_RATIOS if search else [1.0]) for n in steps]:
+        scale, low = ((hi - lo) * ratio / n).clamp_min(1e-12), lo * ratio
         for _ in range(2 if search else 0):  # weighted least squares for (scale, low) with q fixed
             q = ((w - low[:, None]) / scale[:, None]).round_().clamp_(0, levels)
             a, aq, aqq = importance.sum(1), (importance * q).sum(1), (importance * q * q).sum(1)
