@@ -383,31 +383,36 @@ def test_a_forwards_bytes_count_the_packed_blocks(qtype):
     assert bits[0] <= 8 * packed / (64 * 512) <= bits[1]
 
 
-def test_inputs_no_multiple_of_256_get_llama_cpps_fallback_bits():
-    """As llama.cpp's Q4_K_M falls back where K-quants' 256 inputs do not divide K (Q5_0 for the layers, Q8_0 for the
-    output layer): a fitted w4a8 verifier puts those linears in 5-bit blocks and such an lm_head in int8 per 32 inputs,
-    the others in 4-bit blocks; a checkpoint that records no fallbacks (written before them) loads as all 4-bit."""
+def test_fitted_blocks_take_llama_cpps_bits_where_it_gives_more():
+    """As llama.cpp's Q4_K_M: 5-bit blocks where K-quants' 256 inputs do not divide K (its Q5_0), int8 per 32 inputs
+    where it gives 6 bits or more (an lm_head of such a width: its Q8_0; v_proj and down_proj in its more-bits layers:
+    Q6_K or Q8_0), 4-bit blocks elsewhere; a checkpoint that records no fallbacks (written before them) loads as
+    all 4-bit."""
     from quasar.quant.recipe import recipe_for
-    from quasar.quant.schemes import SCHEMES, W4A8Config, scheme_config
+    from quasar.quant.schemes import SCHEMES, Place, W4A8Config, more_bits, scheme_config
     from quasar.spec import VerifierSpec
 
+    assert [i for i in range(18) if more_bits(i, 18)] == [0, 1, 4, 7, 10, 13, 15, 16, 17]  # Gemma 3 270M's Q8_0 attn_v
     cfg = recipe_for(VerifierSpec.parse("w4a8:g32")).scheme_config()
     scheme = SCHEMES[W4A8Config]
     gen = torch.Generator().manual_seed(0)
-    for name, K, bits, block in [("model.layers.0.mlp.up_proj", 640, 5, 128), ("model.layers.0.mlp.up_proj", 512, 4, 256),
-                                 ("lm_head", 1536, 4, 256), ("model.layers.1.self_attn.q_proj", 96, 5, 32)]:
+    cases = [("model.layers.2.mlp.up_proj", 2, 640, (5, 128)), ("model.layers.2.mlp.up_proj", 2, 512, (4, 256)),
+             ("lm_head", None, 1536, (4, 256)), ("model.layers.3.self_attn.q_proj", 3, 96, (5, 32)),
+             ("model.layers.2.mlp.down_proj", 2, 512, (4, 256)), ("model.layers.2.self_attn.v_proj", 2, 640, (5, 128)),
+             ("model.layers.4.mlp.down_proj", 4, 512, 32), ("model.layers.0.self_attn.v_proj", 0, 640, 32),
+             ("lm_head", None, 640, 32)]
+    for name, layer, K, want in cases:
+        place = Place(name, layer, 18)
         linear = torch.nn.Linear(K, 32, bias=False)
         torch.nn.init.normal_(linear.weight, generator=gen)
-        fitted, empty = scheme.from_float(linear, cfg, None, None, name), scheme.empty(K, 32, False, cfg, name)
-        assert (fitted.bits, fitted.block) == (bits, block) == (empty.bits, empty.block)
-        assert set(fitted.state_dict()) == set(empty.state_dict())
-    head = torch.nn.Linear(640, 32, bias=False)
-    fitted, empty = scheme.from_float(head, cfg, None, None, "lm_head"), scheme.empty(640, 32, False, cfg, "lm_head")
-    assert isinstance(fitted, Int8Linear) and fitted.group_size == 32 and set(fitted.state_dict()) == set(empty.state_dict())
-    assert isinstance(empty, Int8Linear) and empty.group_size == 32
+        fitted, empty = scheme.from_float(linear, cfg, None, None, place), scheme.empty(K, 32, False, cfg, place)
+        got = (fitted.bits, fitted.block) if isinstance(fitted, W4A8Linear) else fitted.group_size
+        assert got == want and type(fitted) is type(empty) and set(fitted.state_dict()) == set(empty.state_dict()), name
+        assert isinstance(fitted, Int8Linear) == isinstance(want, int)
     old = scheme_config("w4a8")
-    assert scheme.empty(640, 32, False, old, "model.layers.0.mlp.up_proj").bits == 4
-    assert isinstance(scheme.empty(640, 32, False, old, "lm_head"), W4A8Linear)
+    for name, layer in [("model.layers.0.self_attn.v_proj", 0), ("lm_head", None)]:
+        empty = scheme.empty(640, 32, False, old, Place(name, layer, 18))
+        assert isinstance(empty, W4A8Linear) and empty.bits == 4
 
 
 def test_five_bit_fit_holds_the_weight_within_half_a_step():

@@ -41,8 +41,8 @@ class W4A8Config:
     """4-bit weights in blocks (a scale and a min per group of inputs, stored as Q4_K stores them) and dynamic int8
     activations per 32 inputs; fitted to the inputs' mean squares ('awq'), by min-max rounding ('rtn'), or with awq's
     scales and error-compensating rounding of the quants ('gptq'). llama_cpp_fallbacks: where 256 (a K-quant
-    super-block) does not divide a linear's inputs, the bits llama.cpp's Q4_K_M falls back to there: 5-bit blocks
-    for the layers (its Q5_0), int8 per 32 inputs for the lm_head (its Q8_0)."""
+    super-block) does not divide a linear's inputs, the bits llama.cpp's Q4_K_M falls back to there (5-bit blocks for
+    its Q5_0), and int8 per 32 inputs where it gives 6 bits or more (int8_in_w4a8)."""
 
     group_size: int = 32
     method: str = "awq"
@@ -56,9 +56,9 @@ class W4A8Config:
 class Scheme:
     name: str
     # (linear, config, its inputs' mean square [K] or None, their summed x^T x [K, K] or None) -> quantized layer
-    # (linear, config, its inputs' mean square [K] or None, their summed x^T x [K, K] or None, its name) -> layer
-    from_float: Callable[[nn.Linear, Any, Any, Any, str], nn.Module]
-    empty: Callable[[int, int, bool, Any, str], nn.Module]  # (in, out, bias, config, name) -> layer to load into
+    # (linear, config, its inputs' mean square [K] or None, their summed x^T x [K, K] or None, its Place) -> layer
+    from_float: Callable[[nn.Linear, Any, Any, Any, Any], nn.Module]
+    empty: Callable[[int, int, bool, Any, Any], nn.Module]  # (in, out, bias, config, Place) -> layer to load into
 
 
 SCHEMES: dict[type, Scheme] = {}
@@ -80,22 +80,48 @@ register_scheme(W8A16Config, Scheme(
     lambda linear, cfg, *_: Int8WeightOnlyLinear.from_float(linear),
     lambda k, n, bias, cfg, _: Int8WeightOnlyLinear(k, n, bias),
 ))
-def int8_head(cfg: W4A8Config, name: str, in_features: int) -> bool:
-    """Whether a w4a8 scheme keeps this linear in int8 per 32 inputs: the lm_head, under llama.cpp's fallbacks, where
-    256 does not divide its inputs."""
-    return cfg.llama_cpp_fallbacks and name == "lm_head" and in_features % SUPER_BLOCK != 0
+@dataclass(frozen=True)
+class Place:
+    """Where a target linear sits: its name, its decoder layer (None for the lm_head) and the model's layer count."""
+
+    name: str
+    layer: int | None
+    layers: int
 
 
-def fit_w4a8(linear: nn.Linear, cfg: W4A8Config, importance: Any, hessian: Any, name: str) -> nn.Module:
+def place_of(model: nn.Module, name: str) -> Place:
+    parts = name.split(".")
+    layer = int(parts[2]) if name.startswith("model.layers.") else None
+    return Place(name, layer, len(model.model.layers) if hasattr(model, "model") else 0)
+
+
+def more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers and every third between, where its Q4_K_M
+    gives attn_v and ffn_down Q6_K (Q8_0 where 256 does not divide their inputs)."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def int8_in_w4a8(cfg: W4A8Config, place: Place, in_features: int) -> bool:
+    """Whether a w4a8 scheme with llama.cpp's fallbacks keeps this linear in int8 per 32 inputs, where llama.cpp's
+    Q4_K_M gives it 6 bits or more: the lm_head where 256 does not divide its inputs (its Q8_0; the other lm_heads stay
+    in 4-bit blocks), and v_proj and down_proj in llama.cpp's more-bits layers (its Q6_K or Q8_0: 6.56 or 8.5 bits)."""
+    if not cfg.llama_cpp_fallbacks:
+        return False
+    if place.layer is None:
+        return in_features % SUPER_BLOCK != 0
+    return place.name.rsplit(".", 1)[-1] in ("v_proj", "down_proj") and more_bits(place.layer, place.layers)
+
+
+def fit_w4a8(linear: nn.Linear, cfg: W4A8Config, importance: Any, hessian: Any, place: Place) -> nn.Module:
     """The activation-aware fit where the calibration saw the linear's inputs (the lm_head's too); min-max without."""
-    if int8_head(cfg, name, linear.in_features):
+    if int8_in_w4a8(cfg, place, linear.in_features):
         return Int8Linear.from_float(linear, cfg.backend, GROUP)
     return W4A8Linear.from_float(linear, cfg.group_size, importance, cfg.method in ACTIVATION_AWARE and importance is not None,
                                  hessian if cfg.method == "gptq" else None, fit_bits(linear.in_features, cfg.llama_cpp_fallbacks))
 
 
-def empty_w4a8(k: int, n: int, bias: bool, cfg: W4A8Config, name: str) -> nn.Module:
-    if int8_head(cfg, name, k):
+def empty_w4a8(k: int, n: int, bias: bool, cfg: W4A8Config, place: Place) -> nn.Module:
+    if int8_in_w4a8(cfg, place, k):
         return Int8Linear(k, n, bias, cfg.backend, GROUP)
     return W4A8Linear(k, n, bias, block_size(k), fit_bits(k, cfg.llama_cpp_fallbacks))
 
@@ -152,7 +178,7 @@ def quantize_(model: nn.Module, config: Any, mean_squares: dict[str, Any] | None
     for name in progress(names, f"quantizing to {scheme.name}"):
         linear = model.get_submodule(name)
         swap_module_(model, name, scheme.from_float(linear, config, (mean_squares or {}).get(name),
-                                                    (hessians or {}).get(name), name))
+                                                    (hessians or {}).get(name), place_of(model, name)))
     return names
 
 
@@ -164,5 +190,5 @@ def prepare_empty_(model: nn.Module, config: Any) -> list[str]:
     for name in names:
         linear = model.get_submodule(name)
         swap_module_(model, name, scheme.empty(linear.in_features, linear.out_features, linear.bias is not None, config,
-                                               name))
+                                               place_of(model, name)))
     return names
