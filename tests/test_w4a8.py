@@ -444,13 +444,22 @@ def test_fitted_five_bit_blocks_of_a_narrow_input_give_the_references_floats(pat
 
 
 @pytest.mark.parametrize("search", [False, True])
-def test_weights_on_a_four_bit_grid_keep_it_in_five_bits(search):
-    """A dequantized Q4_1 file (the default model's float weights) lies on a 4-bit grid per 32 inputs: the 5-bit fit
-    tries the grid of half its steps (30 steps, not 31) and holds those weights as closely as the 4-bit fit does."""
+@pytest.mark.parametrize("grid", ["q4_1", "q5_0"])
+def test_weights_on_a_coarser_grid_keep_it_in_five_bits(search, grid):
+    """A dequantized Q4_1 file (the default model's float weights) lies on a 4-bit grid per 32 inputs, a Q5_0 one
+    (Gemma 3's 640-wide tensors) on a symmetric 5-bit grid its groups need not span: the 5-bit fit tries 24 to 31
+    steps and holds those weights within the stored scales' rounding, as closely as a 4-bit fit holds a 4-bit grid."""
     gen = torch.Generator().manual_seed(4)
     step = torch.rand(32, 20, 1, generator=gen) * 0.01 + 0.001  # [N, groups, 1]: 20 groups of 32 inputs
-    q = torch.randint(0, 16, (32, 20, 32), generator=gen)
-    q[..., 0], q[..., 1] = 0, 15  # each group spans its grid, zero inside it (as a Q4_1 group of a real weight)
-    w = (step * (q - torch.randint(1, 15, (32, 20, 1), generator=gen))).view(32, 640)
-    err = {bits: (quantize_4bit(w, 32, search=search, bits=bits).dequantize() - w).square().mean() for bits in (4, 5)}
-    assert err[5] <= 1.5 * err[4]
+    top = 15 if grid == "q4_1" else 31
+    q = torch.randint(0, top + 1, (32, 20, 32), generator=gen)
+    if grid == "q4_1":  # each group spans its grid, zero inside it (as a Q4_1 group of a real weight)
+        q[..., 0], q[..., 1] = 0, 15
+        w = step * (q - torch.randint(1, 15, (32, 20, 1), generator=gen))
+    else:  # Q5_0: d (q - 16), the largest magnitude at q = 0; the top 0-7 quants unused
+        q = q.clamp(max=31 - torch.randint(0, 8, (32, 20, 1), generator=gen))
+        q[..., 0] = 0
+        w = step * (q - 16)
+    w = w.view(32, 640)
+    five = (quantize_4bit(w, 32, search=search, bits=5).dequantize() - w).square().mean()
+    assert five <= 0.01 * step.square().mean()  # a step's 1/100 in mean square: the stored scales' rounding only
