@@ -444,22 +444,23 @@ def test_fitted_five_bit_blocks_of_a_narrow_input_give_the_references_floats(pat
 
 
 @pytest.mark.parametrize("search", [False, True])
-@pytest.mark.parametrize("grid", ["q4_1", "q5_0"])
-def test_weights_on_a_coarser_grid_keep_it_in_five_bits(search, grid):
-    """A dequantized Q4_1 file (the default model's float weights) lies on a 4-bit grid per 32 inputs, a Q5_0 one
-    (Gemma 3's 640-wide tensors) on a symmetric 5-bit grid its groups need not span: the 5-bit fit tries 24 to 31
-    steps and holds those weights within the stored scales' rounding, as closely as a 4-bit fit holds a 4-bit grid."""
+@pytest.mark.parametrize("grid,bits", [("q4_1", 5), ("q5_0", 5), ("q4_k", 4)])
+def test_weights_on_a_grid_keep_it(search, grid, bits):
+    """A dequantized GGUF file's weights lie on a grid per 32 inputs: Q4_1's 4 bits (the default model's float weights)
+    in 5-bit blocks, Q5_0's symmetric 5 bits (Gemma 3's 640-wide tensors) and Q4_K's 4 bits, whose groups need not
+    reach both ends of their grids, in their own widths: the fit tries spans of fewer steps and holds them within the
+    stored scales' rounding."""
     gen = torch.Generator().manual_seed(4)
     step = torch.rand(32, 20, 1, generator=gen) * 0.01 + 0.001  # [N, groups, 1]: 20 groups of 32 inputs
-    top = 15 if grid == "q4_1" else 31
+    top = 31 if grid == "q5_0" else 15
     q = torch.randint(0, top + 1, (32, 20, 32), generator=gen)
     if grid == "q4_1":  # each group spans its grid, zero inside it (as a Q4_1 group of a real weight)
         q[..., 0], q[..., 1] = 0, 15
         w = step * (q - torch.randint(1, 15, (32, 20, 1), generator=gen))
-    else:  # Q5_0: d (q - 16), the largest magnitude at q = 0; the top 0-7 quants unused
-        q = q.clamp(max=31 - torch.randint(0, 8, (32, 20, 1), generator=gen))
+    else:  # the top quants of a group unused (Q5_0: d (q - 16), its largest magnitude at q = 0; Q4_K: scale q - min)
+        q = q.clamp(max=top - torch.randint(0, (top + 1) // 4, (32, 20, 1), generator=gen))
         q[..., 0] = 0
-        w = step * (q - 16)
+        w = step * (q - (16 if grid == "q5_0" else torch.randint(1, 6, (32, 20, 1), generator=gen)))
     w = w.view(32, 640)
-    five = (quantize_4bit(w, 32, search=search, bits=5).dequantize() - w).square().mean()
-    assert five <= 0.01 * step.square().mean()  # a step's 1/100 in mean square: the stored scales' rounding only
+    err = (quantize_4bit(w, 32, search=search, bits=bits).dequantize() - w).square().mean()
+    assert err <= 0.01 * step.square().mean()  # a step's 1/100 in mean square: the stored scales' rounding only
