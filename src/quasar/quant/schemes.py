@@ -55,7 +55,6 @@ class W4A8Config:
 @dataclass(frozen=True)
 class Scheme:
     name: str
-    # (linear, config, its inputs' mean square [K] or None, their summed x^T x [K, K] or None) -> quantized layer
     # (linear, config, its inputs' mean square [K] or None, their summed x^T x [K, K] or None, its Place) -> layer
     from_float: Callable[[nn.Linear, Any, Any, Any, Any], nn.Module]
     empty: Callable[[int, int, bool, Any, Any], nn.Module]  # (in, out, bias, config, Place) -> layer to load into
@@ -80,6 +79,8 @@ register_scheme(W8A16Config, Scheme(
     lambda linear, cfg, *_: Int8WeightOnlyLinear.from_float(linear),
     lambda k, n, bias, cfg, _: Int8WeightOnlyLinear(k, n, bias),
 ))
+
+
 @dataclass(frozen=True)
 class Place:
     """Where a target linear sits: its name, its decoder layer (None for the lm_head) and the model's layer count."""
@@ -90,8 +91,7 @@ class Place:
 
 
 def place_of(model: nn.Module, name: str) -> Place:
-    parts = name.split(".")
-    layer = int(parts[2]) if name.startswith("model.layers.") else None
+    layer = int(name.split(".")[2]) if name.startswith("model.layers.") else None
     return Place(name, layer, len(model.model.layers) if hasattr(model, "model") else 0)
 
 

@@ -29,7 +29,7 @@ from quasar.quant.int8 import quantize_tokens
 
 GROUP = 32
 LEVELS = 15  # the largest 4-bit quant
-SUPER_BLOCK = 256  # the inputs of a K-quant super-block (Q4_K): where it does not divide K, fits take 5 bits
+SUPER_BLOCK = 256  # the inputs of a K-quant super-block (Q4_K); where it does not divide K, see fit_bits
 CLIP_RATIOS = torch.linspace(1.0, 0.7, 13).tolist()  # the range searched for each group's scale and min
 ROWS_AT_ONCE = 4096  # rows of a weight fitted together (bounds the fit's temporaries)
 ACTIVATION_AWARE = ("awq", "gptq")  # the fits that weigh each input by its calibration mean square
@@ -131,8 +131,7 @@ def compensated_quants(weight: torch.Tensor, hessian: torch.Tensor, S: torch.Ten
 def quantize_4bit(weight: torch.Tensor, group: int = GROUP, importance: torch.Tensor | None = None,
                   search: bool = True, hessian: torch.Tensor | None = None, bits: int = 4):
     """weight [N, K] float -> FourBitBlocks (quasar.model.gguf_blocks) of `bits`-bit quants (4, or 5 as Q5_K holds
-    them): a scale and a min per `group` inputs (a multiple
-    of 32 dividing K), stored as Q4_K stores them (bytes sc and m per 32 inputs times float16 d and dmin per block of
+    them): a scale and a min per `group` inputs (a multiple of 32 dividing K), stored as Q4_K stores them (bytes sc and m per 32 inputs times float16 d and dmin per block of
     block_size(K) inputs), the quants refitted to the stored scales. importance [K]: the inputs' mean square
     (calibration), None for all alike. hessian [K, K]: the sum of the calibration inputs' x^T x, to round the quants
     by compensated_quants instead of each to its nearest."""
