@@ -39,6 +39,13 @@ constexpr int64_t kGroupBytes = Five ? 320 : 256;
 
 // ---- AVX2 (maddubs): a panel's 64 bytes per 8 inputs are two 256-bit registers, channels 0-7 and 8-15 ----------
 
+// Bit `bit` of each byte of v at bit 4 (16-bit shifts: the other bits are garbage, masked by the caller).
+inline __m256i to_bit4(__m256i v, int bit) {
+  if (bit < 4) return _mm256_slli_epi16(v, 4 - bit);
+  if (bit > 4) return _mm256_srli_epi16(v, bit - 4);
+  return v;
+}
+
 template <bool Five, int R, Prefetch P>
 void maddubs_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, const uint8_t* wp, const uint8_t* sp,
                   int64_t B, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t k0, int64_t k1) {
@@ -68,10 +75,10 @@ void maddubs_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, co
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group + 64 * t + 32 * h));
         lo[h] = _mm256_and_si256(v, low);
         hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        if constexpr (Five) {  // bit 2t (+ 1) of each byte to bit 4 (shifts within 16 bits, masked per byte)
-          const __m256i one = _mm256_set1_epi8(1);
-          lo[h] = _mm256_or_si256(lo[h], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(fifth[h], 2 * t), one), 4));
-          hi[h] = _mm256_or_si256(hi[h], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(fifth[h], 2 * t + 1), one), 4));
+        if constexpr (Five) {  // nibble | bit 2t (+ 1) of each byte moved to bit 4 (16-bit shifts, masked per byte)
+          const __m256i bit4 = _mm256_set1_epi8(0x10);
+          lo[h] = _mm256_or_si256(lo[h], _mm256_and_si256(to_bit4(fifth[h], 2 * t), bit4));
+          hi[h] = _mm256_or_si256(hi[h], _mm256_and_si256(to_bit4(fifth[h], 2 * t + 1), bit4));
         }
       }
 #pragma GCC unroll 8
@@ -118,6 +125,13 @@ void maddubs_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, co
 QUASAR_TARGET_PUSH(QUASAR_AVX512_VNNI)
 namespace {
 
+// Bit `bit` of each byte of v at bit 4 (16-bit shifts: the other bits are garbage, masked by the caller).
+inline __m512i to_bit4(__m512i v, int bit) {
+  if (bit < 4) return _mm512_slli_epi16(v, 4 - bit);
+  if (bit > 4) return _mm512_srli_epi16(v, bit - 4);
+  return v;
+}
+
 template <bool Five, int R, int C, Prefetch P>
 void dpbusd_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, const uint8_t* wp, const uint8_t* sp,
                  int64_t B, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t k0, int64_t k1) {
@@ -132,20 +146,28 @@ void dpbusd_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, con
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_si512();
+    __m512i fifth[C];
+    if constexpr (Five) {
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* group = wp + ((p0 + c) * groups + g) * kGroupBytes<Five>;
+        prefetch_weights<P>(group + kFifthBits);
+        fifth[c] = _mm512_loadu_si512(group + kFifthBits);
+      }
+    }
     for (int t = 0; t < 4; ++t) {
       __m512i lo[C], hi[C];
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) {
         const uint8_t* group = wp + ((p0 + c) * groups + g) * kGroupBytes<Five>;
         prefetch_weights<P>(group + 64 * t);
-        if (Five && t == 0) prefetch_weights<P>(group + kFifthBits);
         const __m512i v = _mm512_loadu_si512(group + 64 * t);
         lo[c] = _mm512_and_si512(v, low);
         hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        if constexpr (Five) {  // bit 2t (+ 1) of each byte to bit 4 (shifts within 16 bits, masked per byte)
-          const __m512i fifth = _mm512_loadu_si512(group + kFifthBits), one = _mm512_set1_epi8(1);
-          lo[c] = _mm512_or_si512(lo[c], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(fifth, 2 * t), one), 4));
-          hi[c] = _mm512_or_si512(hi[c], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(fifth, 2 * t + 1), one), 4));
+        if constexpr (Five) {  // nibble | bit 2t (+ 1) of each byte moved to bit 4: 0xF8 = A | (B & C)
+          const __m512i bit4 = _mm512_set1_epi8(0x10);
+          lo[c] = _mm512_ternarylogic_epi32(lo[c], to_bit4(fifth[c], 2 * t), bit4, 0xF8);
+          hi[c] = _mm512_ternarylogic_epi32(hi[c], to_bit4(fifth[c], 2 * t + 1), bit4, 0xF8);
         }
       }
 #pragma GCC unroll 8
