@@ -18,10 +18,12 @@ from quasar.model.gguf_blocks import ByteBlocks, FourBitBlocks, SixBitBlocks, un
 from quasar.quant.int8 import Int8Linear, quantize_tokens
 from quasar.quant.w4a8 import W4A8Linear, W6A8Linear, block_size, quantize_4bit
 
-BLOCK_BYTES = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q4_K: (256, 144), T.Q5_K: (256, 176), T.Q6_K: (256, 210)}
-SCALES_AT = {T.Q4_0: slice(0, 2), T.Q4_1: slice(0, 4), T.Q4_K: slice(0, 4), T.Q5_K: slice(0, 4),
-             T.Q6_K: slice(208, 210)}  # float16
-LARGEST = {T.Q4_0: 15, T.Q4_1: 15, T.Q4_K: 15, T.Q5_K: 31, T.Q6_K: 63}
+BLOCK_BYTES = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q5_0: (32, 22), T.Q5_1: (32, 24), T.Q4_K: (256, 144),
+               T.Q5_K: (256, 176), T.Q6_K: (256, 210)}
+SCALES_AT = {T.Q4_0: slice(0, 2), T.Q4_1: slice(0, 4), T.Q5_0: slice(0, 2), T.Q5_1: slice(0, 4), T.Q4_K: slice(0, 4),
+             T.Q5_K: slice(0, 4), T.Q6_K: slice(208, 210)}  # float16
+LARGEST = {T.Q4_0: 15, T.Q4_1: 15, T.Q5_0: 31, T.Q5_1: 31, T.Q4_K: 15, T.Q5_K: 31, T.Q6_K: 63}
+FOUR_AND_FIVE_BITS = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K]
 PATHS = native.kernel().int8_paths() if native.kernel() is not None else []
 
 
@@ -40,7 +42,7 @@ def layer_class(qtype):
     return W6A8Linear if qtype == T.Q6_K else W4A8Linear
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K])
+@pytest.mark.parametrize("qtype", [*FOUR_AND_FIVE_BITS, T.Q6_K])
 def test_quant_blocks_dequantize_as_gguf_does(qtype):
     raw = random_blocks(qtype, 5, 512, seed=int(qtype))
     blocks = unpack(raw, qtype, 5)
@@ -50,14 +52,25 @@ def test_quant_blocks_dequantize_as_gguf_does(qtype):
     assert torch.equal(layer_class(qtype).from_blocks(blocks).dequantize(), blocks.dequantize())
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0])
-def test_byte_blocks_hold_the_files_values(qtype):
+def test_byte_blocks_hold_the_files_values():
     w = np.random.default_rng(1).normal(0, 0.05, (6, 128)).astype(np.float32)
     w[0, :32] = 0  # a block whose d is 0
-    raw = quantize(w, qtype)
-    blocks = unpack(raw, qtype, 6)
+    raw = quantize(w, T.Q8_0)
+    blocks = unpack(raw, T.Q8_0, 6)
     assert isinstance(blocks, ByteBlocks)
-    assert torch.equal(blocks.dequantize(), torch.from_numpy(dequantize(raw, qtype).reshape(6, 128)))
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(dequantize(raw, T.Q8_0).reshape(6, 128)))
+
+
+def test_legacy_five_bit_blocks_of_a_real_weight_are_read_at_five_bits():
+    """Q5_0 and Q5_1 as gguf quantizes a weight (a block whose d is 0 among them): the file's quants and scales, not int8
+    values."""
+    w = np.random.default_rng(1).normal(0, 0.05, (6, 128)).astype(np.float32)
+    w[0, :32] = 0
+    for qtype in (T.Q5_0, T.Q5_1):
+        raw = quantize(w, qtype)
+        blocks = unpack(raw, qtype, 6)
+        assert isinstance(blocks, FourBitBlocks) and blocks.bits == 5 and blocks.block == 32
+        assert torch.equal(blocks.dequantize(), torch.from_numpy(dequantize(raw, qtype).reshape(6, 128)))
 
 
 def test_types_without_a_block_form_are_left_out():
@@ -70,7 +83,7 @@ def layer_of(qtype, N: int, K: int, bias: bool, seed: int):
     return layer_class(qtype).from_blocks(blocks, b)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K])
+@pytest.mark.parametrize("qtype", [*FOUR_AND_FIVE_BITS, T.Q6_K])
 def test_reference_is_the_dequantized_product_up_to_activation_rounding(qtype):
     """Against float64 on the same int8 inputs: only the float32 rounding of five operations per group differs."""
     layer = layer_of(qtype, 32, 512, True, 3)
@@ -84,11 +97,12 @@ def test_reference_is_the_dequantized_product_up_to_activation_rounding(qtype):
 
 @needs_kernels
 @pytest.mark.parametrize("path", ["auto", *PATHS])
-@pytest.mark.parametrize("qtype,K", [(T.Q4_0, 96), (T.Q4_1, 576), (T.Q4_K, 256), (T.Q4_K, 1536), (T.Q4_K, 2304),
-                                     (T.Q5_K, 256), (T.Q5_K, 2304), (T.Q6_K, 256), (T.Q6_K, 2304)])
+@pytest.mark.parametrize("qtype,K", [(T.Q4_0, 96), (T.Q4_1, 576), (T.Q5_0, 96), (T.Q5_1, 576), (T.Q4_K, 256),
+                                     (T.Q4_K, 1536), (T.Q4_K, 2304), (T.Q5_K, 256), (T.Q5_K, 2304), (T.Q6_K, 256),
+                                     (T.Q6_K, 2304)])
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17])
 def test_every_path_gives_the_references_floats(path, qtype, K, M):
-    """Random blocks cover every quant (0-15, 0-31 on Q5_K, 0-63 on Q6_K), the K-quants' 6-bit sc and m up to 63, Q6_K's signed sc from
+    """Random blocks cover every quant (0-15, 0-31 on Q5_*, 0-63 on Q6_K), the K-quants' 6-bit sc and m up to 63, Q6_K's signed sc from
     -128 to 127, negative mins, tails of row blocks (1-17 rows), panel tiles (N = 48: three panels) and chunks of K
     (2304 = 9 super-blocks)."""
     layer = layer_of(qtype, 48, K, M % 2 == 1, seed=K + M)
@@ -112,7 +126,7 @@ def test_mixed_blocks_of_one_input_share_its_quantization():
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K])
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q5_0, T.Q4_K, T.Q5_K, T.Q6_K])
 def test_kernel_rows_never_depend_on_the_other_rows(qtype):
     layer = plan.on_kernel(layer_of(qtype, 64, 512, True, 7))
     assert isinstance(layer, KernelW6A8Linear if qtype == T.Q6_K else KernelW4A8Linear)
@@ -281,7 +295,7 @@ def test_a_float_model_gets_calibrated_blocks(tiny_model_dir, tmp_path):
     assert any(isinstance(m, W4A8Linear) for m in calibrated.modules())
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_0, T.Q6_K, T.Q8_0])
 def test_an_embedding_looked_up_in_blocks_gives_the_tables_rows(qtype):
     from quasar.model.gguf_blocks import BlockEmbedding
 

@@ -3,13 +3,13 @@ compute with the file's own weights (quasar.verifiers.w4a8) instead of the float
 
 Two forms, each exact (dequantizing it gives gguf's own dequantization of the tensor, float for float):
 
-- FourBitBlocks (Q4_0, Q4_1, Q4_K, and with 5-bit quants Q5_K): quants q in [0, 15] ([0, 31]) and
+- FourBitBlocks (Q4_0, Q4_1, Q4_K, and with 5-bit quants Q5_0, Q5_1, Q5_K): quants q in [0, 15] ([0, 31]) and
   w = d * sc * q - dmin * m, with float16 d and dmin per block of `block` inputs (the K-quants' super-blocks of 256;
-  32 for Q4_0 and Q4_1) and byte sc and m per group of 32 (the K-quants' 6-bit scales and mins; sc = m = 1 for Q4_0,
-  whose dmin is 8 d, and Q4_1, whose dmin is -min).
+  32 for the others) and byte sc and m per group of 32 (the K-quants' 6-bit scales and mins; sc = m = 1 for Q4_0 and
+  Q5_0, whose dmin is 8 d and 16 d, and for Q4_1 and Q5_1, whose dmin is -min).
 - SixBitBlocks (Q6_K): quants q in [0, 63] and w = d * sc * (q - 32), with float16 d per block of 256 inputs and a
   signed byte sc per sub-block of 16.
-- ByteBlocks (Q8_0, Q5_0): int8 values and one float scale per group of 32 (Q5_0's quants less 16).
+- ByteBlocks (Q8_0): int8 values and one float scale per group of 32.
 
 Other tensor types (Q2_K, Q3_K, IQ*, float) have no block form here (`unpack` gives None). BlockEmbedding looks
 token embeddings up in blocks of any of these forms.
@@ -45,7 +45,7 @@ class FourBitBlocks:
     sc: torch.Tensor
     m: torch.Tensor
     block: int
-    source: str  # the GGUF tensor type: Q4_0, Q4_1, Q4_K or Q5_K
+    source: str  # the GGUF tensor type: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q5_K
     bits: int = 4
 
     def dequantize(self) -> torch.Tensor:
@@ -64,7 +64,7 @@ class ByteBlocks:
 
     values: torch.Tensor
     scale: torch.Tensor
-    source: str  # Q8_0 or Q5_0
+    source: str  # Q8_0
 
     def dequantize(self) -> torch.Tensor:
         N, K = self.values.shape
@@ -154,35 +154,41 @@ def q6_k(data: np.ndarray, rows: int) -> SixBitBlocks:
     return SixBitBlocks(torch.from_numpy(q), torch.from_numpy(fp16(blocks[..., 208:210])), torch.from_numpy(sc))
 
 
-def q4_legacy(data: np.ndarray, rows: int, with_min: bool) -> FourBitBlocks:
-    width = 20 if with_min else 18
-    blocks = data.reshape(rows, -1, width)  # [N, K/32, width]: d (and min), 16 bytes of quants
+def legacy(data: np.ndarray, rows: int, five: bool, with_min: bool) -> FourBitBlocks:
+    """Q4_0, Q4_1, Q5_0 and Q5_1: per 32 inputs d (and min), for 5-bit quants 4 bytes of fifth bits (bit j: weight j),
+    then 16 bytes of nibbles. w = d q + min with a min, else d (q - 8) (Q4_0) or d (q - 16) (Q5_0): dmin = 8 d or 16 d,
+    exact (a float16 times a power of two)."""
+    heads = 4 if with_min else 2
+    width = heads + (4 if five else 0) + 16
+    blocks = data.reshape(rows, -1, width)  # [N, K/32, width]
     nb = blocks.shape[1]
     d = fp16(blocks[..., 0:2])
-    if with_min:  # Q4_1: w = d q + min
+    if with_min:
         dmin = -fp16(blocks[..., 2:4])
-    else:  # Q4_0: w = d (q - 8) = d q - 8 d
+    else:
         with np.errstate(over="raise"):
-            dmin = d * np.float16(8)
-    q = halves(blocks[..., width - 16 :]).reshape(rows, nb * 32)
+            dmin = d * np.float16(16 if five else 8)
+    q = halves(blocks[..., width - 16 :])  # [N, nb, 32]
+    if five:
+        q = q | (np.unpackbits(blocks[..., heads : heads + 4], axis=-1, bitorder="little") << 4)
     ones = torch.ones(rows, nb, dtype=torch.uint8)
-    return FourBitBlocks(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(dmin), ones, ones.clone(), 32,
-                         "Q4_1" if with_min else "Q4_0")
+    name = f"Q{5 if five else 4}_{1 if with_min else 0}"
+    return FourBitBlocks(torch.from_numpy(q.reshape(rows, nb * 32)), torch.from_numpy(d), torch.from_numpy(dmin), ones,
+                         ones.clone(), 32, name, 5 if five else 4)
 
 
-def byte_blocks(data: np.ndarray, rows: int, qtype: Any, name: str) -> ByteBlocks:
-    """Q8_0 and Q5_0: the values from gguf's dequantization divided by the block's d (exact: each is d times an
-    integer), checked to be integers."""
+def byte_blocks(data: np.ndarray, rows: int, qtype: Any) -> ByteBlocks:
+    """Q8_0: the values from gguf's dequantization divided by the block's d (exact: each is d times an integer), checked
+    to be integers."""
     from gguf.quants import dequantize
 
-    width = 34 if name == "Q8_0" else 22
-    blocks = data.reshape(rows, -1, width)
+    blocks = data.reshape(rows, -1, 34)
     d = fp16(blocks[..., 0:2]).astype(np.float32)  # [N, K/32]
     w = dequantize(data, qtype).reshape(rows, -1, GROUP)
     values = np.divide(w, d[..., None], out=np.zeros_like(w), where=d[..., None] != 0)
     if not (np.all(values == np.round(values)) and np.abs(values).max(initial=0) <= 127):
-        raise ValueError(f"a {name} tensor whose blocks are not d times int8 values")
-    return ByteBlocks(torch.from_numpy(values.astype(np.int8).reshape(rows, -1)), torch.from_numpy(d), name)
+        raise ValueError("a Q8_0 tensor whose blocks are not d times int8 values")
+    return ByteBlocks(torch.from_numpy(values.astype(np.int8).reshape(rows, -1)), torch.from_numpy(d), "Q8_0")
 
 
 # The GGML types with a block form here, by name: (raw blocks, rows, the type) -> blocks.
@@ -190,10 +196,11 @@ UNPACKERS: dict[str, Callable[[np.ndarray, int, Any], Blocks]] = {
     "Q4_K": lambda data, rows, qtype: k_quant(data, rows, False),
     "Q5_K": lambda data, rows, qtype: k_quant(data, rows, True),
     "Q6_K": lambda data, rows, qtype: q6_k(data, rows),
-    "Q4_0": lambda data, rows, qtype: q4_legacy(data, rows, False),
-    "Q4_1": lambda data, rows, qtype: q4_legacy(data, rows, True),
-    "Q8_0": lambda data, rows, qtype: byte_blocks(data, rows, qtype, "Q8_0"),
-    "Q5_0": lambda data, rows, qtype: byte_blocks(data, rows, qtype, "Q5_0"),
+    "Q4_0": lambda data, rows, qtype: legacy(data, rows, False, False),
+    "Q4_1": lambda data, rows, qtype: legacy(data, rows, False, True),
+    "Q5_0": lambda data, rows, qtype: legacy(data, rows, True, False),
+    "Q5_1": lambda data, rows, qtype: legacy(data, rows, True, True),
+    "Q8_0": byte_blocks,
 }
 
 
