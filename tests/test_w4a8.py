@@ -383,7 +383,7 @@ def test_blocks_read_with_the_files_pages_released_equal_a_fresh_read():
 
 
 @needs_kernels
-@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K])
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_1, T.Q4_K, T.Q6_K])
 def test_a_forwards_bytes_count_the_packed_blocks(qtype):
     """The memory wall of a w4a8 verifier: the panels and block scales its kernels read, not the plain blocks beside them."""
     from quasar.tools.bench.bandwidth import bytes_per_forward
@@ -393,8 +393,25 @@ def test_a_forwards_bytes_count_the_packed_blocks(qtype):
     assert bytes_per_forward(torch.nn.Sequential(layer)) == packed + 64 * 4  # and the float32 bias
     assert layer.drop_plain_()
     assert bytes_per_forward(torch.nn.Sequential(layer)) == packed + 64 * 4
-    bits = (4.62, 4.63) if qtype == T.Q4_K else (6.56, 6.57)  # a weight, scales included (docs/kernels.md)
+    # a weight, scales included (docs/kernels.md): Q4_0 and Q5_1 keep d and dmin alone per 32 inputs
+    bits = {T.Q4_0: (5.0, 5.0), T.Q5_1: (6.0, 6.0), T.Q4_K: (4.62, 4.63), T.Q6_K: (6.56, 6.57)}[qtype]
     assert bits[0] <= 8 * packed / (64 * 512) <= bits[1]
+
+
+@needs_kernels
+@pytest.mark.parametrize("path", ["auto", *PATHS])
+@pytest.mark.parametrize("bits", [4, 5])
+def test_fitted_blocks_of_32_inputs_keep_their_scales_and_mins(path, bits):
+    """A fit where 64 does not divide K has blocks of 32 inputs whose sc and m are not 1: packed with them (unlike a
+    Q4_1 file's), and every path still gives the reference's floats."""
+    linear = torch.nn.Linear(96, 48)
+    torch.nn.init.normal_(linear.weight, std=0.05, generator=torch.Generator().manual_seed(bits))
+    layer = W4A8Linear.from_float(linear, bits=bits)
+    assert layer.block == 32 and bool((layer.sc != 1).any())
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1))
+    panels, scales = plan.on_kernel(W4A8Linear.from_float(linear, bits=bits)).kernel_weight
+    assert scales.shape[-1] == 64 + 32
+    assert torch.equal(native.kernel().block_linear_on(path, x, [panels], [scales], [layer.bias])[0], layer(x))
 
 
 def test_fitted_blocks_take_llama_cpps_bits_where_it_gives_more():

@@ -123,9 +123,11 @@ def pack_w4_panels(layer: W4A8Linear) -> tuple[torch.Tensor, torch.Tensor]:
     """A W4A8Linear's blocks as csrc/w4a8_panel.cpp reads them: (panels [N/16, K/32, 256] uint8 (nibble_panels; [..,
     320] for 5-bit quants, whose 16 channels x 4 more bytes hold the fifth bit of input 8t + 4h + j of a channel in
     bit 2t + h of its byte j), block scales [N/16, K/B, 64 + B] uint8: d[16] and dmin[16] as float16, then sc[16] and
-    m[16] for each group of the block)."""
+    m[16] for each group of the block; [N/16, K/32, 64], d and dmin alone, where B is 32 and every sc and m is 1, as in
+    Q4_0, Q4_1, Q5_0 and Q5_1 files)."""
     K, B = layer.in_features, layer.block
     G, nb = K // GROUP, K // B
+    unit = B == GROUP and bool((layer.sc == 1).all()) and bool((layer.m == 1).all())
 
     def pack(rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         q = layer.quants(rows)
@@ -138,7 +140,8 @@ def pack_w4_panels(layer: W4A8Linear) -> tuple[torch.Tensor, torch.Tensor]:
         groups = torch.stack([layer.sc[rows].view(P, 16, nb, B // GROUP), layer.m[rows].view(P, 16, nb, B // GROUP)],
                              dim=-1)
         groups = groups.permute(0, 2, 3, 4, 1).reshape(P, nb, 2 * B // GROUP * 16)  # [P, nb, per group: sc[16], m[16]]
-        return panels, torch.cat([per_block(layer.d[rows]), per_block(layer.dmin[rows]), groups], dim=-1)
+        heads = [per_block(layer.d[rows]), per_block(layer.dmin[rows])]
+        return panels, torch.cat(heads if unit else [*heads, groups], dim=-1)
 
     return packed_by_channels(pack, layer.out_features)
 

@@ -15,7 +15,8 @@ inline int32_t four_inputs(const int8_t* x) {
 
 // One product of int8 inputs x [M, K] (one scale per 32 inputs: x_scale [M, K/32]; their sums per 32 and per 16
 // inputs: xsum [M, K/32], xsum16 [M, K/16]) with a weight's panels wp and block scales sp (the kernel files have
-// their layouts), into y [M, N]. B: the inputs of one block of scales.
+// their layouts), into y [M, N]. B: the inputs of one block of scales; unit: 4- and 5-bit blocks of 32 whose sc and m
+// are all 1 (Q4_0, Q4_1, Q5_0, Q5_1), packed with d and dmin alone.
 struct BlockCall {
   const int8_t* x;
   const int32_t* xsum;
@@ -24,6 +25,7 @@ struct BlockCall {
   const uint8_t* wp;
   const uint8_t* sp;
   int64_t B;
+  bool unit;
   float* y;
   int64_t M, N, K;
 };

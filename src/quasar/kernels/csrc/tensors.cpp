@@ -157,8 +157,9 @@ namespace {
 constexpr int64_t kGroup = 32;
 
 // A packed weight's kernel, after checking its panels [N/16, K/32, 256, 320 or 384] and block scales (4- and 5-bit:
-// [N/16, K/B, 64 + B] for blocks of B inputs; Q6_K: [N/16, K/256, 288]); B into *B.
-BlockPanels check_blocks(const at::Tensor& w, const at::Tensor& scales, int64_t K, int64_t* B) {
+// [N/16, K/B, 64 + B] for blocks of B inputs, or [N/16, K/32, 64] where every sc and m is 1; Q6_K: [N/16, K/256,
+// 288]); B into *B, whether sc and m are left out into *unit.
+BlockPanels check_blocks(const at::Tensor& w, const at::Tensor& scales, int64_t K, int64_t* B, bool* unit) {
   TORCH_CHECK(w.dtype() == at::kByte && w.dim() == 3 && w.size(1) * kGroup == K &&
                   (w.size(2) == 256 || w.size(2) == 320 || w.size(2) == 384),
               "block panels uint8 [N/16, K/32, 256 (4-bit), 320 (5-bit) or 384 (Q6_K)] expected for K = ", K);
@@ -169,7 +170,8 @@ BlockPanels check_blocks(const at::Tensor& w, const at::Tensor& scales, int64_t 
     *B = 256;
     return w6a8_panels;
   }
-  *B = scales.size(2) - 64;
+  *unit = scales.size(2) == 64;
+  *B = *unit ? kGroup : scales.size(2) - 64;
   TORCH_CHECK(*B > 0 && *B % kGroup == 0 && *B * scales.size(1) == K,
               "4-bit block scales [N/16, K/B, 64 + B] need a block size B that is a multiple of 32 dividing K = ", K);
   return w.size(2) == 320 ? w5a8_panels : w4a8_panels;
@@ -201,14 +203,15 @@ std::vector<at::Tensor> block_linear_on(const std::string& path, at::Tensor x, s
     scales[i] = scales[i].contiguous();
     bias[i] = bias[i].contiguous();
     int64_t B = 0;
-    kernels.push_back(check_blocks(w[i], scales[i], K, &B));
+    bool unit = false;
+    kernels.push_back(check_blocks(w[i], scales[i], K, &B, &unit));
     const int64_t N = w[i].size(0) * 16;
     TORCH_CHECK(bias[i].numel() == 0 || (bias[i].dtype() == at::kFloat && bias[i].numel() == N),
                 "float32 bias [N] or empty expected");
     out.push_back(kernel_result({M, N}, x.options()));
     calls.push_back(BlockCall{q.data_ptr<int8_t>(), xsum.data_ptr<int32_t>(), xsum16.data_ptr<int32_t>(),
                               x_scale.data_ptr<float>(), w[i].data_ptr<uint8_t>(), scales[i].data_ptr<uint8_t>(), B,
-                              out.back().data_ptr<float>(), M, N, K});
+                              unit, out.back().data_ptr<float>(), M, N, K});
     bias_data.push_back(data_or_null(bias[i]));
   }
   run_block_calls(p, calls, kernels, bias_data);

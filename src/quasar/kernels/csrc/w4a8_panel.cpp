@@ -16,7 +16,8 @@
 //                               holding inputs 8t + j (low nibble) and 8t + 4 + j (high nibble); 5-bit quants
 //                               ([N/16][K/32][320]) add 16 channels x 4 bytes of their fifth bits, byte j of channel
 //                               c holding that of input 8t + 4h + j in bit 2t + h
-//   sp [N/16][K/B][64 + B] uint8:    per block, d[16] and dmin[16] as float16, then per group sc[16] and m[16]
+//   sp [N/16][K/B][64 + B] uint8:    per block, d[16] and dmin[16] as float16, then per group sc[16] and m[16];
+//                                    [N/16][K/32][64] (unit) where B = 32 and every sc and m is 1: d and dmin alone
 //
 // AVX-512 VNNI: vpdpbusd takes the quants (unsigned) against 4 inputs broadcast (signed), 4 inputs of 16 channels
 // an instruction. AVX2: maddubs takes the same operands into int16 pairs, summed in int16 over the group for 4-bit
@@ -48,9 +49,9 @@ inline __m256i to_bit4(__m256i v, int bit) {
 
 template <bool Five, int R, Prefetch P>
 void maddubs_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, const uint8_t* wp, const uint8_t* sp,
-                  int64_t B, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t k0, int64_t k1) {
+                  int64_t B, bool unit, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t k0, int64_t k1) {
   constexpr int H = 2;
-  const int64_t groups = K / kGroup, per = B / kGroup, blocks = K / B, block_bytes = kBlockHead + B;
+  const int64_t groups = K / kGroup, per = B / kGroup, blocks = K / B, block_bytes = kBlockHead + (unit ? 0 : B);
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 facc[R][H];
 #pragma GCC unroll 8
@@ -94,15 +95,18 @@ void maddubs_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, co
     }
     const uint8_t* block = sp + (p0 * blocks + g / per) * block_bytes;
     const uint8_t* scales = block + kBlockHead + kGroup * (g % per);
-    prefetch_weights<P>(scales);
+    prefetch_weights<P>(unit ? block : scales);
 #pragma GCC unroll 2
     for (int h = 0; h < H; ++h) {
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 16 * h)));
       const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 + 16 * h)));
-      const __m256 s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 8 * h)))));
-      const __m256 mn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 16 + 8 * h)))));
+      __m256 s = d, mn = dmin;  // unit: d * 1 and dmin * 1, the same floats
+      if (!unit) {
+        s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                 _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 8 * h)))));
+        mn = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                     _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scales + 16 + 8 * h)))));
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m256 xs = _mm256_set1_ps(x_scale[(m0 + r) * groups + g]);
@@ -134,8 +138,8 @@ inline __m512i to_bit4(__m512i v, int bit) {
 
 template <bool Five, int R, int C, Prefetch P>
 void dpbusd_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, const uint8_t* wp, const uint8_t* sp,
-                 int64_t B, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t k0, int64_t k1) {
-  const int64_t groups = K / kGroup, per = B / kGroup, blocks = K / B, block_bytes = kBlockHead + B;
+                 int64_t B, bool unit, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t k0, int64_t k1) {
+  const int64_t groups = K / kGroup, per = B / kGroup, blocks = K / B, block_bytes = kBlockHead + (unit ? 0 : B);
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 facc[R][C];
 #pragma GCC unroll 16
@@ -182,13 +186,16 @@ void dpbusd_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, con
     for (int c = 0; c < C; ++c) {
       const uint8_t* block = sp + ((p0 + c) * blocks + g / per) * block_bytes;
       const uint8_t* scales = block + kBlockHead + kGroup * (g % per);
-      prefetch_weights<P>(scales);
+      prefetch_weights<P>(unit ? block : scales);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
       const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 32)));
-      const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)))));
-      const __m512 mn = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                                _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16)))));
+      __m512 s = d, mn = dmin;  // unit: d * 1 and dmin * 1, the same floats
+      if (!unit) {
+        s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales)))));
+        mn = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + 16)))));
+      }
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512 xs = _mm512_set1_ps(x_scale[(m0 + r) * groups + g]);
@@ -209,7 +216,7 @@ void dpbusd_panels(const BlockCall& call, int64_t p0, int64_t p1) {
   with_prefetch(prefetch_policy(), [&](auto policy) {
     const auto tile = [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
       dpbusd_tile<Five, decltype(rows)::value, decltype(panels)::value, decltype(policy)::value>(
-          call.x, call.xsum, call.x_scale, call.wp, call.sp, call.B, call.y, m, p, call.N, call.K, k0, k1);
+          call.x, call.xsum, call.x_scale, call.wp, call.sp, call.B, call.unit, call.y, m, p, call.N, call.K, k0, k1);
     };
     if (call.M <= 2)  // decode: more panels side by side for more independent chains
       panel_tiles<2, 4>(call.M, p0, p1, call.K, 8, call.B, tile);
@@ -238,7 +245,7 @@ void panels(Int8Path path, const BlockCall& call, int64_t p0, int64_t p1) {
   with_prefetch(prefetch_policy(call.M, true), [&](auto policy) {
     const auto tile = [&](auto rows, auto, int64_t m, int64_t p, int64_t k0, int64_t k1) {
       maddubs_tile<Five, decltype(rows)::value, decltype(policy)::value>(
-          call.x, call.xsum, call.x_scale, call.wp, call.sp, call.B, call.y, m, p, call.N, call.K, k0, k1);
+          call.x, call.xsum, call.x_scale, call.wp, call.sp, call.B, call.unit, call.y, m, p, call.N, call.K, k0, k1);
     };
     panel_tiles<2, 1>(call.M, p0, p1, call.K, 8, call.B, tile);  // 2 rows: 8 accumulators, 4 weight registers
   });
