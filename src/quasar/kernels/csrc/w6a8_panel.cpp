@@ -119,6 +119,7 @@ void dpbusd_tile(const BlockCall& call, int64_t m0, int64_t p0, int64_t k0, int6
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c)
       facc[r][c] = k0 ? _mm512_loadu_ps(call.y + (m0 + r) * N + 16 * (p0 + c)) : _mm512_setzero_ps();
+  __m512 d[C];
   for (int64_t g = k0 / kGroup; g < k1 / kGroup; ++g) {
     __m512 part[R][C];
     for (int u = 0; u < 2; ++u) {  // the group's two sub-blocks
@@ -136,11 +137,11 @@ void dpbusd_tile(const BlockCall& call, int64_t m0, int64_t p0, int64_t k0, int6
           if (s == 0) prefetch_weights<P>(group + kHighBits + 64 * u);
           const __m512i v = _mm512_loadu_si512(group + 64 * t);
           const __m512i high = _mm512_loadu_si512(group + kHighBits + 64 * u);
-          const __m512i bits_lo = s ? _mm512_and_si512(high, two) : _mm512_and_si512(_mm512_slli_epi16(high, 4), two);
-          const __m512i bits_hi = s ? _mm512_and_si512(_mm512_srli_epi16(high, 2), two)
-                                    : _mm512_and_si512(_mm512_slli_epi16(high, 2), two);
-          lo[c] = _mm512_or_si512(_mm512_and_si512(v, low), bits_lo);
-          hi[c] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), bits_hi);
+          // the nibble | its 2 high bits moved to bits 4-5 (16-bit shifts, masked per byte): 0xF8 = A | (B & C)
+          const __m512i bits_lo = s ? high : _mm512_slli_epi16(high, 4);
+          const __m512i bits_hi = s ? _mm512_srli_epi16(high, 2) : _mm512_slli_epi16(high, 2);
+          lo[c] = _mm512_ternarylogic_epi32(_mm512_and_si512(v, low), bits_lo, two, 0xF8);
+          hi[c] = _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), bits_hi, two, 0xF8);
         }
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
@@ -155,8 +156,9 @@ void dpbusd_tile(const BlockCall& call, int64_t m0, int64_t p0, int64_t k0, int6
       for (int c = 0; c < C; ++c) {
         const uint8_t* block = call.sp + ((p0 + c) * blocks + g * kGroup / kBlock) * kBlockBytes;
         if (u == 0) prefetch_weights<P>(block + 32 + 16 * sub);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
-        const __m512 scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        if (u == 0 && (g == k0 / kGroup || sub == 0))  // a new block: its d
+          d[c] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block)));
+        const __m512 scale = _mm512_mul_ps(d[c], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 32 + 16 * sub)))));
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
