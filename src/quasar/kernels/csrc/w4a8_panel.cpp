@@ -48,9 +48,15 @@ inline __m256i to_bit4(__m256i v, int bit) {
 }
 
 template <bool Five, int R, Prefetch P>
-void maddubs_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, const uint8_t* wp, const uint8_t* sp,
-                  int64_t B, bool unit, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t k0, int64_t k1) {
+void maddubs_tile(const BlockCall& call, int64_t m0, int64_t p0, int64_t k0, int64_t k1) {
   constexpr int H = 2;
+  const int8_t* x = call.x;
+  const int32_t* xsum = call.xsum;
+  const float* x_scale = call.x_scale;
+  const uint8_t *wp = call.wp, *sp = call.sp;
+  float* y = call.y;
+  const int64_t B = call.B, N = call.N, K = call.K;
+  const bool unit = call.unit;
   const int64_t groups = K / kGroup, per = B / kGroup, blocks = K / B, block_bytes = kBlockHead + (unit ? 0 : B);
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 facc[R][H];
@@ -137,8 +143,14 @@ inline __m512i to_bit4(__m512i v, int bit) {
 }
 
 template <bool Five, int R, int C, Prefetch P>
-void dpbusd_tile(const int8_t* x, const int32_t* xsum, const float* x_scale, const uint8_t* wp, const uint8_t* sp,
-                 int64_t B, bool unit, float* y, int64_t m0, int64_t p0, int64_t N, int64_t K, int64_t k0, int64_t k1) {
+void dpbusd_tile(const BlockCall& call, int64_t m0, int64_t p0, int64_t k0, int64_t k1) {
+  const int8_t* x = call.x;
+  const int32_t* xsum = call.xsum;
+  const float* x_scale = call.x_scale;
+  const uint8_t *wp = call.wp, *sp = call.sp;
+  float* y = call.y;
+  const int64_t B = call.B, N = call.N, K = call.K;
+  const bool unit = call.unit;
   const int64_t groups = K / kGroup, per = B / kGroup, blocks = K / B, block_bytes = kBlockHead + (unit ? 0 : B);
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 facc[R][C];
@@ -215,8 +227,7 @@ template <bool Five>
 void dpbusd_panels(const BlockCall& call, int64_t p0, int64_t p1) {
   with_prefetch(prefetch_policy(), [&](auto policy) {
     const auto tile = [&](auto rows, auto panels, int64_t m, int64_t p, int64_t k0, int64_t k1) {
-      dpbusd_tile<Five, decltype(rows)::value, decltype(panels)::value, decltype(policy)::value>(
-          call.x, call.xsum, call.x_scale, call.wp, call.sp, call.B, call.unit, call.y, m, p, call.N, call.K, k0, k1);
+      dpbusd_tile<Five, decltype(rows)::value, decltype(panels)::value, decltype(policy)::value>(call, m, p, k0, k1);
     };
     if (call.M <= 2)  // decode: more panels side by side for more independent chains
       panel_tiles<2, 4>(call.M, p0, p1, call.K, 8, call.B, tile);
@@ -244,8 +255,7 @@ void panels(Int8Path path, const BlockCall& call, int64_t p0, int64_t p1) {
   if (path == Int8Path::Dpbusd) return dpbusd_panels<Five>(call, p0, p1);
   with_prefetch(prefetch_policy(call.M, true), [&](auto policy) {
     const auto tile = [&](auto rows, auto, int64_t m, int64_t p, int64_t k0, int64_t k1) {
-      maddubs_tile<Five, decltype(rows)::value, decltype(policy)::value>(
-          call.x, call.xsum, call.x_scale, call.wp, call.sp, call.B, call.unit, call.y, m, p, call.N, call.K, k0, k1);
+      maddubs_tile<Five, decltype(rows)::value, decltype(policy)::value>(call, m, p, k0, k1);
     };
     panel_tiles<2, 1>(call.M, p0, p1, call.K, 8, call.B, tile);  // 2 rows: 8 accumulators, 4 weight registers
   });
