@@ -62,8 +62,8 @@ def test_byte_blocks_hold_the_files_values():
 
 
 def test_legacy_five_bit_blocks_of_a_real_weight_are_read_at_five_bits():
-    """Q5_0 and Q5_1 as gguf quantizes a weight (a block whose d is 0 among them): the file's quants and scales, not int8
-    values."""
+    """Q5_0 and Q5_1 as gguf quantizes a weight (a block whose d is 0 among them): the file's quants and scales, not
+    int8 values."""
     w = np.random.default_rng(1).normal(0, 0.05, (6, 128)).astype(np.float32)
     w[0, :32] = 0
     for qtype in (T.Q5_0, T.Q5_1):
@@ -102,8 +102,8 @@ def test_reference_is_the_dequantized_product_up_to_activation_rounding(qtype):
                                      (T.Q6_K, 2304)])
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17])
 def test_every_path_gives_the_references_floats(path, qtype, K, M):
-    """Random blocks cover every quant (0-15, 0-31 on Q5_*, 0-63 on Q6_K), the K-quants' 6-bit sc and m up to 63, Q6_K's signed sc from
-    -128 to 127, negative mins, tails of row blocks (1-17 rows), panel tiles (N = 48: three panels) and chunks of K
+    """Random blocks cover every quant (0-15, 0-31 on Q5_*, 0-63 on Q6_K), the K-quants' 6-bit sc and m up to 63,
+    Q6_K's signed sc from -128 to 127, negative mins, tails of row blocks (1-17 rows), panel tiles (N = 48: three panels) and chunks of K
     (2304 = 9 super-blocks)."""
     layer = layer_of(qtype, 48, K, M % 2 == 1, seed=K + M)
     gen = torch.Generator().manual_seed(M)

@@ -116,8 +116,9 @@ def fit_w4a8(linear: nn.Linear, cfg: W4A8Config, importance: Any, hessian: Any, 
     """The activation-aware fit where the calibration saw the linear's inputs (the lm_head's too); min-max without."""
     if int8_in_w4a8(cfg, place, linear.in_features):
         return Int8Linear.from_float(linear, cfg.backend, GROUP)
-    return W4A8Linear.from_float(linear, cfg.group_size, importance, cfg.method in ACTIVATION_AWARE and importance is not None,
-                                 hessian if cfg.method == "gptq" else None, fit_bits(linear.in_features, cfg.llama_cpp_fallbacks))
+    search = cfg.method in ACTIVATION_AWARE and importance is not None
+    return W4A8Linear.from_float(linear, cfg.group_size, importance, search, hessian if cfg.method == "gptq" else None,
+                                 fit_bits(linear.in_features, cfg.llama_cpp_fallbacks))
 
 
 def empty_w4a8(k: int, n: int, bias: bool, cfg: W4A8Config, place: Place) -> nn.Module:

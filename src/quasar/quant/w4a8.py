@@ -49,10 +49,11 @@ def fit_bits(in_features: int, fallbacks: bool) -> int:
     return 5 if fallbacks and in_features % SUPER_BLOCK else 4
 
 
-def fit_groups(w: torch.Tensor, importance: torch.Tensor, search: bool, levels: int = LEVELS) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [R, G] (one group a row) -> (scale [R], low [R]): w ~ scale * q + low, q in [0, levels], low <= 0 <= scale * levels + low,
-    minimising sum_k importance[k] * (w - w_hat)^2 (importance [R, G]: the inputs' mean square, so that the error
-    is the linear's expected output error). search: try the clip ratios and refine scale and low by weighted least
+def fit_groups(w: torch.Tensor, importance: torch.Tensor, search: bool,
+               levels: int = LEVELS) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [R, G] (one group a row) -> (scale [R], low [R]): w ~ scale * q + low, q in [0, levels],
+    low <= 0 <= scale * levels + low, minimising sum_k importance[k] * (w - w_hat)^2 (importance [R, G]: the inputs'
+    mean square, so that the error is the linear's expected output error). search: try the clip ratios and refine scale and low by weighted least
     squares (the activation-aware fit); else min-max round to nearest. Each span is tried in `levels` steps and in a
     few less, down to three quarters of them (4 bits: 15 to 12; 5 bits: 31 to 24): a weight already on a grid (a
     dequantized Q4_1, Q4_K or Q5_0 file, whose groups need not reach both ends of theirs) lies on the points of one
@@ -131,8 +132,9 @@ def compensated_quants(weight: torch.Tensor, hessian: torch.Tensor, S: torch.Ten
 def quantize_4bit(weight: torch.Tensor, group: int = GROUP, importance: torch.Tensor | None = None,
                   search: bool = True, hessian: torch.Tensor | None = None, bits: int = 4):
     """weight [N, K] float -> FourBitBlocks (quasar.model.gguf_blocks) of `bits`-bit quants (4, or 5 as Q5_K holds
-    them): a scale and a min per `group` inputs (a multiple of 32 dividing K), stored as Q4_K stores them (bytes sc and m per 32 inputs times float16 d and dmin per block of
-    block_size(K) inputs), the quants refitted to the stored scales. importance [K]: the inputs' mean square
+    them): a scale and a min per `group` inputs (a multiple of 32 dividing K), stored as Q4_K stores them (bytes sc
+    and m per 32 inputs times float16 d and dmin per block of block_size(K) inputs), the quants refitted to the stored
+    scales. importance [K]: the inputs' mean square
     (calibration), None for all alike. hessian [K, K]: the sum of the calibration inputs' x^T x, to round the quants
     by compensated_quants instead of each to its nearest."""
     from quasar.model.gguf_blocks import FourBitBlocks
@@ -158,7 +160,8 @@ def quantize_4bit(weight: torch.Tensor, group: int = GROUP, importance: torch.Te
     S = d.float().repeat_interleave(B // GROUP, 1) * sc.float()  # [N, K/32] as stored
     M = dmin.float().repeat_interleave(B // GROUP, 1) * m.float()
     if hessian is not None:
-        return FourBitBlocks(compensated_quants(weight, hessian, S, M, levels), d, dmin, sc, m, B, f"w4a8:g{group}", bits)
+        q = compensated_quants(weight, hessian, S, M, levels)
+        return FourBitBlocks(q, d, dmin, sc, m, B, f"w4a8:g{group}", bits)
     q = nearest_quants(weight.view(N, K // GROUP, GROUP), S[..., None], M[..., None], levels)
     return FourBitBlocks(q.to(torch.uint8).view(N, K), d, dmin, sc, m, B, f"w4a8:g{group}", bits)
 

@@ -4,9 +4,9 @@ as the w8a8 checkpoints are (verifiers/quantized.py, quant/w4a8.quantize_4bit).
 
 Every linear whose tensor is Q4_0, Q4_1, Q4_K, Q5_0, Q5_1 or Q5_K becomes a W4A8Linear holding the file's 4- or 5-bit
 quants, scales and mins (quant/w4a8.py); Q6_K ones a W6A8Linear holding its 6-bit quants and scales; Q8_0 ones
-group-wise W8A8 linears holding the file's int8 values and block scales (Int8Linear, G = 32). Those weights are exactly the file's:
-against the float model (the file dequantized) the only difference is activation rounding, one int8 scale per 32
-inputs. Linears of other types (Q2_K, Q3_K, IQ*, float) are quantized to W8A8 per group of 32 from their dequantized
+group-wise W8A8 linears holding the file's int8 values and block scales (Int8Linear, G = 32). Those weights are exactly
+the file's: against the float model (the file dequantized) the only difference is activation rounding, one int8 scale
+per 32 inputs. Linears of other types (Q2_K, Q3_K, IQ*, float) are quantized to W8A8 per group of 32 from their dequantized
 weights, and the load says how many.
 The token embeddings are looked up in the file's own blocks too (gguf_blocks.BlockEmbedding) where their type has a
 block form; norms stay float32 as in the float model.
