@@ -50,13 +50,7 @@ inline __m256i to_bit4(__m256i v, int bit) {
 template <bool Five, int R, Prefetch P>
 void maddubs_tile(const BlockCall& call, int64_t m0, int64_t p0, int64_t k0, int64_t k1) {
   constexpr int H = 2;
-  const int8_t* x = call.x;
-  const int32_t* xsum = call.xsum;
-  const float* x_scale = call.x_scale;
-  const uint8_t *wp = call.wp, *sp = call.sp;
-  float* y = call.y;
-  const int64_t B = call.B, N = call.N, K = call.K;
-  const bool unit = call.unit;
+  const auto [x, xsum, xsum16, x_scale, wp, sp, B, unit, y, M, N, K] = call;  // by value: no aliasing
   const int64_t groups = K / kGroup, per = B / kGroup, blocks = K / B, block_bytes = kBlockHead + (unit ? 0 : B);
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 facc[R][H];
@@ -144,13 +138,7 @@ inline __m512i to_bit4(__m512i v, int bit) {
 
 template <bool Five, int R, int C, Prefetch P>
 void dpbusd_tile(const BlockCall& call, int64_t m0, int64_t p0, int64_t k0, int64_t k1) {
-  const int8_t* x = call.x;
-  const int32_t* xsum = call.xsum;
-  const float* x_scale = call.x_scale;
-  const uint8_t *wp = call.wp, *sp = call.sp;
-  float* y = call.y;
-  const int64_t B = call.B, N = call.N, K = call.K;
-  const bool unit = call.unit;
+  const auto [x, xsum, xsum16, x_scale, wp, sp, B, unit, y, M, N, K] = call;  // by value: no aliasing
   const int64_t groups = K / kGroup, per = B / kGroup, blocks = K / B, block_bytes = kBlockHead + (unit ? 0 : B);
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 facc[R][C];
