@@ -10,7 +10,7 @@ from conftest import needs_kernels
 
 from quasar.kernels import native, plan
 from quasar.kernels.quant_layers import KernelInt8Linear, pack_int8_panels
-from quasar.quant.int8 import Int8Linear, quantize_groups
+from quasar.quant.int8 import Int8Linear, dequantize, quantize_groups
 
 pytestmark = needs_kernels
 PATHS = native.kernel().int8_paths() if native.kernel() is not None else []
@@ -216,3 +216,51 @@ def test_every_prefetch_policy_gives_the_same_results(group_size):
     with pytest.raises(RuntimeError, match="choose auto, l1 or l2"):
         kernel.use_prefetch("l3")
     assert kernel.prefetch() == before
+
+
+def two_pass(linear: torch.nn.Linear, G: int) -> Int8Linear:
+    layer = Int8Linear.from_float(linear, group_size=G)
+    layer.activation_passes = 2
+    return layer
+
+
+@pytest.mark.parametrize("G", [0, 32])
+@pytest.mark.parametrize("M", [1, 6, 17])
+def test_two_activation_passes_see_the_inputs_at_about_fifteen_bits(G, M):
+    """activation_passes=2 quantizes the activations' rounding residual again: against the exact product of the layer's
+    int8 weights with the unrounded inputs, its error is a small fraction of one pass's (about 1/254), on the torch path
+    and on the kernel alike, the kernel within float rounding of the torch path."""
+    torch.manual_seed(M + G)
+    linear = torch.nn.Linear(576, 200)
+    one, two = Int8Linear.from_float(linear, group_size=G), two_pass(linear, G)
+    x = torch.randn(M, 576) * 3
+    x[0, :32] = 0  # an all-zero group in both passes: scale 1, no NaN
+    exact = x.double() @ dequantize(two.weight, two.weight_scale).double().T + linear.bias.double()
+    error = {name: (layer(x).double() - exact).abs().max().item() for name, layer in (("one", one), ("two", two))}
+    assert error["two"] < error["one"] / 50
+    fused = plan.on_kernel(two_pass(linear, G))
+    assert fused.kernel_args()[0].name == "W8A8_RESIDUAL" and "activation_passes=2" in repr(fused)
+    y = fused(x)
+    assert torch.allclose(y, two(x), rtol=1e-5, atol=1e-5)
+    assert (y.double() - exact).abs().max().item() < error["one"] / 50
+    assert_rows_alone(fused, x, y, prefixes=True)
+
+
+@pytest.mark.parametrize("M", [1, 3, 7])
+def test_two_activation_passes_on_panels_are_the_sum_of_two_panel_products(M, K=576, G=32):
+    """The kernel's residual is the torch reference's (x - q1 * s1, each step rounded to float32) and both passes take
+    the panels' arithmetic: y = panels(q1) + panels(q2) bit for bit, on an AVX2 CPU as on a VNNI one."""
+    kernel = native.kernel()
+    path = kernel.int8_path()
+    if path not in ("dpbusd", "maddubs"):
+        pytest.skip(f"no packed panels on the {path} path")
+    gen = torch.Generator().manual_seed(M)
+    w = torch.randint(-128, 128, (48, K), generator=gen, dtype=torch.int8)
+    w_scale = torch.rand(48, K // G, generator=gen) / 100 + 1e-4
+    bias = torch.randn(48, generator=gen)
+    x = torch.randn(M, K, generator=gen) * 3
+    q1, s1 = quantize_groups(x, G)
+    q2, s2 = quantize_groups(x - dequantize(q1, s1), G)
+    packed = pack_int8_panels(w, w_scale, unsigned=path == "dpbusd")
+    y = kernel.w8a8_residual_linear(x, *packed, bias)
+    assert torch.equal(y, panel_sums(q1, s1, w, w_scale) + panel_sums(q2, s2, w, w_scale) + bias)

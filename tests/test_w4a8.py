@@ -135,6 +135,23 @@ def test_kernel_rows_never_depend_on_the_other_rows(qtype):
 
 
 @needs_kernels
+def test_the_files_q8_0_head_takes_its_activations_in_two_passes():
+    """The default model's lm_head is its Q8_0 token table: the file's own weights, so the activations' rounding is its
+    error, and two int8 passes cut it to a small fraction of one pass's against the float model's head."""
+    from quasar.model.loading import load
+    from quasar.verifiers.registry import load_verifier
+
+    head = load_verifier("default", "w4a8").model.lm_head
+    assert head.activation_passes == 2
+    h = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
+    exact = load("default", "fp32").model.lm_head(h).double()
+    two = (head(h).double() - exact).abs().max().item()
+    head.activation_passes = 1
+    one = (head(h).double() - exact).abs().max().item()
+    assert two < one / 20
+
+
+@needs_kernels
 def test_kernel_refuses_malformed_weights():
     kernel = native.kernel()
     x = torch.zeros(1, 256)

@@ -30,6 +30,7 @@ class LinearKind(IntEnum):
     PACKED_FP32 = 3  # float32 activations, packed float32 or widened bfloat16 weight (fp32_linear)
     W4A8 = 4  # 4-bit GGUF blocks packed in panels, int8 activations per 32 inputs (block_linear)
     W6A8 = 5  # Q6_K blocks packed in panels, int8 activations per 32 inputs (block_linear)
+    W8A8_RESIDUAL = 6  # W8A8 with the activations in two int8 passes, about 15 bits (w8a8_residual_linear)
 
 
 def check_linear_kinds(kernel: Any) -> None:

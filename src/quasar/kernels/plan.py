@@ -91,7 +91,7 @@ def kernel_paths(kernel: Any, modules: dict[nn.Module, type], bf16_attention: bo
     AMX; float32 attention everywhere else)."""
     linear_forms = set(KERNEL_FORMS.values())
     kinds = {module.kernel_args()[0] for module, form in modules.items() if form in linear_forms}
-    int8 = {LinearKind.W8A8, LinearKind.W4A8, LinearKind.W6A8}
+    int8 = {LinearKind.W8A8, LinearKind.W8A8_RESIDUAL, LinearKind.W4A8, LinearKind.W6A8}
     floats = [kernel.float_path_for(LinearKind.BF16 in kinds)] if kinds - int8 else []
     paths = ([kernel.int8_path()] if kinds & int8 else []) + floats + (["bf16-attention"] if bf16_attention else [])
     return "kernels:" + "+".join(paths)

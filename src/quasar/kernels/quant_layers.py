@@ -62,12 +62,15 @@ class KernelInt8Linear(KernelModule, Int8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()  # [M, K]
-        y = self.kernel.w8a8_linear(rows, *self.kernel_weight, NONE if self.bias is None else self.bias)  # [M, N]
+        product = self.kernel.w8a8_residual_linear if self.activation_passes == 2 else self.kernel.w8a8_linear
+        y = product(rows, *self.kernel_weight, NONE if self.bias is None else self.bias)  # [M, N]
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def kernel_args(self) -> tuple[LinearKind, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(kind, weight, scale, bias) for quasar's fused decoder-layer kernel: W8A8."""
-        return LinearKind.W8A8, *self.kernel_weight, NONE if self.bias is None else self.bias
+        """(kind, weight, scale, bias) for quasar's fused decoder-layer kernel: W8A8 (W8A8_RESIDUAL with two
+        activation passes)."""
+        kind = LinearKind.W8A8_RESIDUAL if self.activation_passes == 2 else LinearKind.W8A8
+        return kind, *self.kernel_weight, NONE if self.bias is None else self.bias
 
     @staticmethod
     def forward_many(layers: list[KernelInt8Linear], x: torch.Tensor) -> list[torch.Tensor]:

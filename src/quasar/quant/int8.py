@@ -134,14 +134,25 @@ INT_MM: dict[str, IntMM] = {
 
 class Int8Linear(nn.Module):
     """W8A8 linear: dynamic int8 activations x int8 weights, int32 accumulation; scales per token and output
-    channel (group_size 0) or per group of `group_size` inputs of each (see the module docstring)."""
+    channel (group_size 0) or per group of `group_size` inputs of each (see the module docstring).
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, backend: str = "auto", group_size: int = 0) -> None:
+    activation_passes 2: the activations' int8 rounding residual is quantized again and multiplied too,
+    y = W (s1 q1) + W (s2 q2) with s2 about s1 / 254, so the products see about 15 bits of each input for twice
+    the int8 work over the same weight bytes (a head whose 8-bit weights are a file's own, where activation
+    rounding is the larger error)."""
+
+    activation_passes: int = 1
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, backend: str = "auto", group_size: int = 0,
+                 activation_passes: int = 1) -> None:
         super().__init__()
         if backend not in INT_MM:
             raise ValueError(f"unknown int8 backend {backend!r}; choose from {', '.join(INT_MM)}")
+        if activation_passes not in (1, 2):
+            raise ValueError(f"activation_passes must be 1 or 2, got {activation_passes}")
         check_group_size(group_size, in_features)
         self.in_features, self.out_features, self.backend, self.group_size = in_features, out_features, backend, group_size
+        self.activation_passes = activation_passes
         scale_shape = (out_features, in_features // group_size) if group_size else (out_features,)
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8))  # [N, K]
         self.register_buffer("weight_scale", torch.ones(scale_shape))  # [N] or [N, K/G] float32
@@ -157,20 +168,27 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> [..., N] in x's dtype."""
-        rows = x.reshape(-1, self.in_features)  # [M, K]
+        rows = x.reshape(-1, self.in_features).float()  # [M, K]
         x_int8, x_scale = quantize_tokens(rows, self.group_size)
-        if self.group_size:
-            y = grouped_product(x_int8, x_scale, self.weight, self.weight_scale, INT_MM[self.backend])
-        else:
-            acc = INT_MM[self.backend](x_int8, self.weight)  # [M, N] int32
-            y = acc.float() * x_scale * self.weight_scale
+        y = self.product(x_int8, x_scale)
+        if self.activation_passes == 2:  # the rounding residual, quantized again
+            r_int8, r_scale = quantize_tokens(rows - dequantize(x_int8, x_scale), self.group_size)
+            y = y + self.product(r_int8, r_scale)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def product(self, x_int8: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """The rescaled product of quantized rows with the weight, before the bias -> [M, N] float32."""
+        if self.group_size:
+            return grouped_product(x_int8, x_scale, self.weight, self.weight_scale, INT_MM[self.backend])
+        acc = INT_MM[self.backend](x_int8, self.weight)  # [M, N] int32
+        return acc.float() * x_scale * self.weight_scale
+
     def extra_repr(self) -> str:
         groups = f", group_size={self.group_size}" if self.group_size else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, backend={self.backend}{groups}"
+        passes = ", activation_passes=2" if self.activation_passes == 2 else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, backend={self.backend}{groups}{passes}"
 
 
 class Int8WeightOnlyLinear(nn.Module):

@@ -6,7 +6,9 @@ Every linear whose tensor is Q4_0, Q4_1, Q4_K, Q5_0, Q5_1 or Q5_K becomes a W4A8
 quants, scales and mins (quant/w4a8.py); Q6_K ones a W6A8Linear holding its 6-bit quants and scales; Q8_0 ones
 group-wise W8A8 linears holding the file's int8 values and block scales (Int8Linear, G = 32). Those weights are exactly
 the file's: against the float model (the file dequantized) the only difference is activation rounding, one int8 scale
-per 32 inputs. Linears of other types (Q2_K, Q3_K, IQ*, float) are quantized to W8A8 per group of 32 from their dequantized
+per 32 inputs. A Q8_0 lm_head takes its activations in two int8 passes (Int8Linear.activation_passes, about 15 bits):
+its weights' error is far below an 8-bit activation's, and the logits are what a verifier is judged by (the default
+model: top-1 against the float model 0.974 with one pass, 0.979 with two; docs/quantization.md). Linears of other types (Q2_K, Q3_K, IQ*, float) are quantized to W8A8 per group of 32 from their dequantized
 weights, and the load says how many.
 The token embeddings are looked up in the file's own blocks too (gguf_blocks.BlockEmbedding) where their type has a
 block form; norms stay float32 as in the float model.
@@ -65,6 +67,8 @@ def load_file_blocks(model: str | Path) -> LoadedModel:
     for name in names:  # each tensor's blocks unpacked, made a layer and dropped before the next
         read = blocks.get(f"{name}.weight")
         layer, source = block_linear(loaded.model.get_submodule(name), read() if read else None)
+        if name == "lm_head" and source == "Q8_0":
+            layer.activation_passes = 2  # the file's 8-bit head: its activations' rounding would be the larger error
         swap_module_(loaded.model, name, layer)
         sources[source] += 1
     if "model.embed_tokens.weight" in blocks:  # looked up in the blocks: the float table was never read

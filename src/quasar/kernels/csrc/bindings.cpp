@@ -11,6 +11,8 @@ using NoGil = pybind11::call_guard<pybind11::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_linear", &w8a8_linear, "per-token int8 quantization, exact int32 GEMM, rescale and bias", NoGil());
+  m.def("w8a8_residual_linear", &w8a8_residual_linear, "w8a8_linear with the activations in two int8 passes (the "
+        "second on the first's rounding residual)", NoGil());
   m.def("w8a8_linear_many", &w8a8_linear_many, "several W8A8 linears of one input, quantized once", NoGil());
   m.def("block_linear", &block_linear, "int8 activations per 32 inputs times GGUF blocks (4-bit, Q6_K) packed in "
         "panels, exact int32 group sums, scales, mins and bias", NoGil());
@@ -59,7 +61,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("BF16", LinearKind::BF16)
       .value("PACKED_FP32", LinearKind::PACKED_FP32)
       .value("W4A8", LinearKind::W4A8)
-      .value("W6A8", LinearKind::W6A8);
+      .value("W6A8", LinearKind::W6A8)
+      .value("W8A8_RESIDUAL", LinearKind::W8A8_RESIDUAL);
   pybind11::class_<LinearWeights>(m, "LinearWeights", "one linear: its kind, weight, scale and bias (empty: none)")
       .def(pybind11::init<LinearKind, at::Tensor, at::Tensor, at::Tensor>(), pybind11::arg("kind"),
            pybind11::arg("weight"), pybind11::arg("scale"), pybind11::arg("bias"))

@@ -34,6 +34,7 @@ constexpr LinearFn kLinears[kLinearKinds] = {
     [](const at::Tensor& x, const LinearWeights& w) { return fp32_linear(x, w.weight, w.bias); },
     [](const at::Tensor& x, const LinearWeights& w) { return block_linear(x, w.weight, w.scale, w.bias); },
     [](const at::Tensor& x, const LinearWeights& w) { return block_linear(x, w.weight, w.scale, w.bias); },
+    [](const at::Tensor& x, const LinearWeights& w) { return w8a8_residual_linear(x, w.weight, w.scale, w.bias); },
 };
 
 at::Tensor linear(const at::Tensor& x, const LinearWeights& w) { return kLinears[static_cast<int>(w.kind)](x, w); }

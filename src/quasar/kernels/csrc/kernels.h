@@ -19,6 +19,8 @@ at::Tensor kernel_result(at::IntArrayRef sizes, const at::TensorOptions& options
 at::Tensor w8a8_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor bias);
 std::vector<at::Tensor> w8a8_linear_many(at::Tensor x, std::vector<at::Tensor> w,
                                             std::vector<at::Tensor> w_scale, std::vector<at::Tensor> bias);
+// w8a8_linear with the activations in two int8 passes, the second on the first's rounding residual (tensors.cpp).
+at::Tensor w8a8_residual_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor bias);
 // The linears of GGUF blocks (block_linear.cpp; W4A8 and W6A8): x [M, K] float32 quantized per 32 inputs, times
 // 4-bit or Q6_K weights packed in panels [N/16, K/32, 256 or 384] uint8 with their block scales (uint8), plus bias [N]
 // (or empty). _many quantizes x once for several weights; _on runs a named int8 path ("auto", one of int8_paths(), or

@@ -17,8 +17,9 @@ enum class LinearKind : int64_t {
   PACKED_FP32 = 3,        // float32 activations times a packed float32 or widened bfloat16 weight (fp32_linear)
   W4A8 = 4,               // 4-bit GGUF blocks packed in panels, int8 activations per 32 inputs (block_linear)
   W6A8 = 5,               // Q6_K blocks packed in panels, int8 activations per 32 inputs (block_linear)
+  W8A8_RESIDUAL = 6,      // W8A8 with the activations in two int8 passes, about 15 bits (w8a8_residual_linear)
 };
-constexpr int kLinearKinds = 6;
+constexpr int kLinearKinds = 7;
 
 // One linear: its kind, weight, scale and bias (scale and bias empty where it has none).
 struct LinearWeights {

@@ -3,6 +3,8 @@
 // sizes. The one kernel-side file besides the layer files that includes ATen.
 #include "kernels.h"
 
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 
@@ -106,17 +108,20 @@ at::Tensor int8_group_mm(at::Tensor q, at::Tensor x_scale, at::Tensor w, at::Ten
   return y;
 }
 
-// Several W8A8 linears of the same input (q/k/v, gate/up): x is quantized once, one parallel region sums
-// and rescales all of them. Each result is bitwise the torch reference of its linear:
-// y [M, N] = acc * x_scale[m] * w_scale[n] (+ bias[n]).
-std::vector<at::Tensor> w8a8_linear_many(at::Tensor x, std::vector<at::Tensor> w,
-                                            std::vector<at::Tensor> w_scale, std::vector<at::Tensor> bias) {
-  TORCH_CHECK(w.size() == w_scale.size() && w.size() == bias.size() && !w.empty(), "one scale and one bias per weight");
-  TORCH_CHECK(x.dim() == 2, "x [M, K] expected");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
+namespace {
+
+// The int8 jobs of W8A8 weights (plain [N, K] or packed [N/16, K/4, 16, 4]) over an input of M rows and K inputs, with
+// their results: out[i] [M, N] float32 (acc[i]: the int32 sums of a per-channel weight).
+struct Int8Jobs {
   std::vector<Int8Job> jobs;
   std::vector<at::Tensor> acc, out;
+  int64_t G = 0;  // the group size all the weights share (0: per channel)
+};
+
+Int8Jobs int8_jobs(int64_t M, int64_t K, std::vector<at::Tensor>& w, std::vector<at::Tensor>& w_scale,
+                   std::vector<at::Tensor>& bias, const at::TensorOptions& options) {
+  TORCH_CHECK(w.size() == w_scale.size() && w.size() == bias.size() && !w.empty(), "one scale and one bias per weight");
+  Int8Jobs made;
   for (size_t i = 0; i < w.size(); ++i) {
     w[i] = w[i].contiguous();
     const bool packed = w[i].dim() == 4;  // [N/16][K/4][16][4] uint8 w + 128 or int8 w, w_scale [N/16][K/G][16]
@@ -131,23 +136,71 @@ std::vector<at::Tensor> w8a8_linear_many(at::Tensor x, std::vector<at::Tensor> w
     const int64_t G = packed ? K / w_scale[i].size(1) : group_size(w_scale[i], N, K);
     TORCH_CHECK(!packed || (w_scale[i].dtype() == at::kFloat && G * w_scale[i].size(1) == K && G % 32 == 0),
                 "packed w_scale [N/16, K/G, 16] needs a group size G that is a multiple of 32 dividing K");
-    TORCH_CHECK(jobs.empty() || jobs[0].G == G, "the linears of one input must share their group size");
+    TORCH_CHECK(made.jobs.empty() || made.G == G, "the linears of one input must share their group size");
     TORCH_CHECK(bias[i].numel() == 0 || (bias[i].dtype() == at::kFloat && bias[i].numel() == N),
                 "float32 bias [N] or empty expected");
-    acc.push_back(G ? at::Tensor() : kernel_result({M, N}, x.options().dtype(at::kInt)));
-    out.push_back(kernel_result({M, N}, x.options()));
-    jobs.push_back(Int8Job{static_cast<const int8_t*>(w[i].data_ptr()), N, G ? nullptr : acc.back().data_ptr<int32_t>(),
-                           out.back().data_ptr<float>(), w_scale[i].data_ptr<float>(), data_or_null(bias[i]), G,
-                           !packed ? Int8Panels::None : w[i].dtype() == at::kByte ? Int8Panels::Unsigned : Int8Panels::Signed});
+    made.G = G;
+    made.acc.push_back(G ? at::Tensor() : kernel_result({M, N}, options.dtype(at::kInt)));
+    made.out.push_back(kernel_result({M, N}, options));
+    made.jobs.push_back(Int8Job{static_cast<const int8_t*>(w[i].data_ptr()), N,
+                                G ? nullptr : made.acc.back().data_ptr<int32_t>(), made.out.back().data_ptr<float>(),
+                                w_scale[i].data_ptr<float>(), data_or_null(bias[i]), G,
+                                !packed ? Int8Panels::None
+                                        : w[i].dtype() == at::kByte ? Int8Panels::Unsigned : Int8Panels::Signed});
   }
-  auto [q, x_scale] = quantize(x, jobs[0].G ? jobs[0].G : K);
-  run_int8_jobs(linear_path(), q.data_ptr<int8_t>(), x_scale.data_ptr<float>(), jobs, M, K);
-  return out;
+  return made;
+}
+
+}  // namespace
+
+// Several W8A8 linears of the same input (q/k/v, gate/up): x is quantized once, one parallel region sums
+// and rescales all of them. Each result is bitwise the torch reference of its linear:
+// y [M, N] = acc * x_scale[m] * w_scale[n] (+ bias[n]).
+std::vector<at::Tensor> w8a8_linear_many(at::Tensor x, std::vector<at::Tensor> w,
+                                            std::vector<at::Tensor> w_scale, std::vector<at::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2, "x [M, K] expected");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  Int8Jobs made = int8_jobs(M, K, w, w_scale, bias, x.options());
+  auto [q, x_scale] = quantize(x, made.G ? made.G : K);
+  run_int8_jobs(linear_path(), q.data_ptr<int8_t>(), x_scale.data_ptr<float>(), made.jobs, M, K);
+  return made.out;
 }
 
 // The whole W8A8 linear: x [M, K] float32, w [N, K] int8, w_scale [N] float32, bias [N] float32 or empty.
 at::Tensor w8a8_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor bias) {
   return w8a8_linear_many(x, {w}, {w_scale}, {bias})[0];
+}
+
+// A W8A8 linear whose activations take two int8 passes: x = x_scale1 * q1 + r, and the rounding residual r quantized
+// again (x_scale2 * q2, within half a step of x_scale2 ~ x_scale1 / 254), so the products see about 15 bits of each
+// input instead of 8. Both passes run through the int8 jobs as one input of 2M rows (row m and row M + m);
+// y = y1 + y2 (+ bias), each step rounded to float32 as quasar.quant.int8.Int8Linear's torch reference.
+at::Tensor w8a8_residual_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, at::Tensor bias) {
+  TORCH_CHECK(x.dim() == 2, "x [M, K] expected");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<at::Tensor> ws{w}, scales{w_scale}, none{at::empty({0}, x.options())};
+  Int8Jobs made = int8_jobs(2 * M, K, ws, scales, none, x.options());
+  const int64_t G = made.G ? made.G : K;
+  auto [q1, s1] = quantize(x, G);
+  auto residual = kernel_result({M, K}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = q1.data_ptr<int8_t>();
+  const float* sp = s1.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  over_rows(M, K, [&](int64_t m0, int64_t m1) {
+    for (int64_t i = m0 * K; i < m1 * K; ++i) rp[i] = xp[i] - static_cast<float>(qp[i]) * sp[i / G];
+  });
+  auto [q2, s2] = quantize(residual, G);
+  auto q = at::cat({q1, q2}), x_scale = at::cat({s1, s2});
+  run_int8_jobs(linear_path(), q.data_ptr<int8_t>(), x_scale.data_ptr<float>(), made.jobs, 2 * M, K);
+  auto y = made.out[0].narrow(0, 0, M) + made.out[0].narrow(0, M, M);
+  if (bias.numel()) {
+    TORCH_CHECK(bias.dtype() == at::kFloat && bias.numel() == y.size(1), "float32 bias [N] or empty expected");
+    y += bias;
+  }
+  return y;
 }
 
 // ---- GGUF-block linears (block_linear.cpp) -------------------------------------------------------------------------
