@@ -141,8 +141,6 @@ class Int8Linear(nn.Module):
     the int8 work over the same weight bytes (a head whose 8-bit weights are a file's own, where activation
     rounding is the larger error)."""
 
-    activation_passes: int = 1
-
     def __init__(self, in_features: int, out_features: int, bias: bool, backend: str = "auto", group_size: int = 0,
                  activation_passes: int = 1) -> None:
         super().__init__()
@@ -188,7 +186,8 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         groups = f", group_size={self.group_size}" if self.group_size else ""
         passes = ", activation_passes=2" if self.activation_passes == 2 else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, backend={self.backend}{groups}{passes}"
+        shape = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{shape}, backend={self.backend}{groups}{passes}"
 
 
 class Int8WeightOnlyLinear(nn.Module):

@@ -4,7 +4,6 @@
 #include "kernels.h"
 
 #include <ATen/TensorOperators.h>
-#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 
@@ -183,18 +182,19 @@ at::Tensor w8a8_residual_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, 
   std::vector<at::Tensor> ws{w}, scales{w_scale}, none{at::empty({0}, x.options())};
   Int8Jobs made = int8_jobs(2 * M, K, ws, scales, none, x.options());
   const int64_t G = made.G ? made.G : K;
-  auto [q1, s1] = quantize(x, G);
+  TORCH_CHECK(x.dtype() == at::kFloat && K % 16 == 0 && G % 16 == 0, "float32 x [M, K], K % 16 == 0");
+  auto q = kernel_result({2 * M, K}, x.options().dtype(at::kChar));  // pass 1 in rows [0, M), pass 2 in [M, 2M)
+  auto x_scale = kernel_result({2 * M, K / G}, x.options());
   auto residual = kernel_result({M, K}, x.options());
   const float* xp = x.data_ptr<float>();
-  const int8_t* qp = q1.data_ptr<int8_t>();
-  const float* sp = s1.data_ptr<float>();
-  float* rp = residual.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float *sp = x_scale.data_ptr<float>(), *rp = residual.data_ptr<float>();
   over_rows(M, K, [&](int64_t m0, int64_t m1) {
+    quantize_rows(xp + m0 * K, m1 - m0, K, G, qp + m0 * K, sp + m0 * (K / G));
     for (int64_t i = m0 * K; i < m1 * K; ++i) rp[i] = xp[i] - static_cast<float>(qp[i]) * sp[i / G];
+    quantize_rows(rp + m0 * K, m1 - m0, K, G, qp + (M + m0) * K, sp + (M + m0) * (K / G));
   });
-  auto [q2, s2] = quantize(residual, G);
-  auto q = at::cat({q1, q2}), x_scale = at::cat({s1, s2});
-  run_int8_jobs(linear_path(), q.data_ptr<int8_t>(), x_scale.data_ptr<float>(), made.jobs, 2 * M, K);
+  run_int8_jobs(linear_path(), qp, sp, made.jobs, 2 * M, K);
   auto y = made.out[0].narrow(0, 0, M) + made.out[0].narrow(0, M, M);
   if (bias.numel()) {
     TORCH_CHECK(bias.dtype() == at::kFloat && bias.numel() == y.size(1), "float32 bias [N] or empty expected");
