@@ -103,8 +103,8 @@ def test_reference_is_the_dequantized_product_up_to_activation_rounding(qtype):
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 9, 17])
 def test_every_path_gives_the_references_floats(path, qtype, K, M):
     """Random blocks cover every quant (0-15, 0-31 on Q5_*, 0-63 on Q6_K), the K-quants' 6-bit sc and m up to 63,
-    Q6_K's signed sc from -128 to 127, negative mins, tails of row blocks (1-17 rows), panel tiles (N = 48: three panels) and chunks of K
-    (2304 = 9 super-blocks)."""
+    Q6_K's signed sc from -128 to 127, negative mins, tails of row blocks (1-17 rows), panel tiles (N = 48: three
+    panels) and chunks of K (2304 = 9 super-blocks)."""
     layer = layer_of(qtype, 48, K, M % 2 == 1, seed=K + M)
     gen = torch.Generator().manual_seed(M)
     x = torch.randn(M, K, generator=gen) * torch.rand(M, 1, generator=gen) * 4

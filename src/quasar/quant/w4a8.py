@@ -53,11 +53,11 @@ def fit_groups(w: torch.Tensor, importance: torch.Tensor, search: bool,
                levels: int = LEVELS) -> tuple[torch.Tensor, torch.Tensor]:
     """w [R, G] (one group a row) -> (scale [R], low [R]): w ~ scale * q + low, q in [0, levels],
     low <= 0 <= scale * levels + low, minimising sum_k importance[k] * (w - w_hat)^2 (importance [R, G]: the inputs'
-    mean square, so that the error is the linear's expected output error). search: try the clip ratios and refine scale and low by weighted least
-    squares (the activation-aware fit); else min-max round to nearest. Each span is tried in `levels` steps and in a
-    few less, down to three quarters of them (4 bits: 15 to 12; 5 bits: 31 to 24): a weight already on a grid (a
-    dequantized Q4_1, Q4_K or Q5_0 file, whose groups need not reach both ends of theirs) lies on the points of one
-    of them, and keeps its values."""
+    mean square, so that the error is the linear's expected output error). search: try the clip ratios and refine
+    scale and low by weighted least squares (the activation-aware fit); else min-max round to nearest. Each span is
+    tried in `levels` steps and in a few less, down to three quarters of them (4 bits: 15 to 12; 5 bits: 31 to 24):
+    a weight already on a grid (a dequantized Q4_1, Q4_K or Q5_0 file, whose groups need not reach both ends of
+    theirs) lies on the points of one of them, and keeps its values."""
     hi, lo = w.amax(1).clamp_min(0), w.amin(1).clamp_max(0)  # [R]
     best = None
     steps = range(levels, 3 * levels // 4, -1)

@@ -8,8 +8,9 @@ group-wise W8A8 linears holding the file's int8 values and block scales (Int8Lin
 the file's: against the float model (the file dequantized) the only difference is activation rounding, one int8 scale
 per 32 inputs. A Q8_0 lm_head takes its activations in two int8 passes (Int8Linear.activation_passes, about 15 bits):
 its weights' error is far below an 8-bit activation's, and the logits are what a verifier is judged by (the default
-model: top-1 against the float model 0.974 with one pass, 0.979 with two; docs/quantization.md). Linears of other types (Q2_K, Q3_K, IQ*, float) are quantized to W8A8 per group of 32 from their dequantized
-weights, and the load says how many.
+model: top-1 against the float model 0.974 with one pass, 0.979 with two; docs/quantization.md). Linears of other
+types (Q2_K, Q3_K, IQ*, float) are quantized to W8A8 per group of 32 from their dequantized weights, and the load says
+how many.
 The token embeddings are looked up in the file's own blocks too (gguf_blocks.BlockEmbedding) where their type has a
 block form; norms stay float32 as in the float model.
 """
