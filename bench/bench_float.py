@@ -14,8 +14,9 @@ report medians: prefill tokens/s, decode and verify milliseconds. Engines:
   verifier side by side, e.g. quasar:bf16@avx512bf16,quasar:bf16@avx512;
 - transformers:fp32, transformers:bf16 (its own Llama/Qwen2 code on the same weights, dequantized from the GGUF
   as quasar does, DynamicCache);
-- llama.cpp:f16, llama.cpp:bf16, llama.cpp:q8_0 (llama-cpp-python on GGUF copies of the same weights, all
-  threads; not in the test extras: `pip install llama-cpp-python`).
+- llama.cpp:f16, llama.cpp:bf16, llama.cpp:q8_0, llama.cpp:q4_k_m (llama-cpp-python on GGUF copies of the same
+  weights, all threads; not in the test extras: `pip install llama-cpp-python`), and llama.cpp:file on the model's
+  own GGUF (the Q4_K_M or Q4_1 file users run: beside quasar:w4a8, which reads that file's blocks).
 
 On a 1.5B model the float engines do not all fit in 24 GB at once: run them in groups with --engines.
 """
@@ -109,12 +110,13 @@ class LlamaCpp:
     def __init__(self, model: str, precision: str, max_len: int) -> None:
         import llama_cpp
 
-        from quasar.tools.bench.gguf_export import exported_gguf
+        from quasar.tools.bench.gguf_export import llama_cpp_gguf
 
         threads = torch.get_num_threads()
-        self.llm = llama_cpp.Llama(str(exported_gguf(model, precision)), n_ctx=max_len, n_batch=max_len, n_ubatch=512,
+        path = llama_cpp_gguf(model, precision)
+        self.llm = llama_cpp.Llama(str(path), n_ctx=max_len, n_batch=max_len, n_ubatch=512,
                                    n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False)
-        self.path = f"llama.cpp {llama_cpp.__version__} {precision.upper()}"
+        self.path = f"llama.cpp {llama_cpp.__version__} {path.name if precision == 'file' else precision.upper()}"
 
     def prefill(self, ids: list[int]) -> None:
         self.llm.reset()
@@ -139,7 +141,7 @@ def build(name: str, args: argparse.Namespace, max_len: int):
         return Transformers(args.model, precision)
     if engine == "llama.cpp":
         return LlamaCpp(args.model, precision, max_len)
-    raise ValueError(f"unknown engine {name!r}: quasar:V, transformers:fp32|bf16 or llama.cpp:f16|bf16|q8_0")
+    raise ValueError(f"unknown engine {name!r}: quasar:V, transformers:fp32|bf16 or llama.cpp:f16|bf16|q8_0|q4_k_m|file")
 
 
 def main() -> None:

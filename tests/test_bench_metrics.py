@@ -9,6 +9,7 @@ from quasar.tools.bench.metrics import (
     divergences,
     first_difference,
     mean_accepted_tokens,
+    prompt_share,
     reference_method,
     speedup,
     summarize,
@@ -33,6 +34,22 @@ def test_speedup_is_total_tokens_over_total_time_on_shared_questions():
     assert speedup(fast, base) == pytest.approx(2.5)
     assert speedup(base, base) == pytest.approx(1.0)
     assert speedup(fast, []) is None
+
+
+def test_prompt_share_is_prompt_seconds_over_wall_seconds_where_every_turn_reports_them():
+    def timed(qid, walls, prefills):
+        r = record("ar:w4a8", qid, 10, 1.0)
+        r["choices"][0]["wall_time"] = list(walls)
+        r["choices"][0]["stats"] = [{"prefill_s": p, "decode_s": w - p} for w, p in zip(walls, prefills)]
+        return r
+
+    assert prompt_share([timed("q1", [4.0, 2.0], [1.0, 0.5]), timed("q2", [2.0], [1.5])]) == pytest.approx(3.0 / 8.0)
+    assert prompt_share([timed("q1", [4.0], [1.0]), record("llamacpp:ar:file", "q2", 10, 1.0)]) is None  # no prefill_s
+    missing_turn = timed("q1", [4.0, 2.0], [1.0, 0.5])
+    missing_turn["choices"][0]["stats"].pop()
+    assert prompt_share([missing_turn]) is None
+    assert prompt_share([]) is None
+    assert summarize([timed("q1", [4.0], [1.0])])[0]["prompt_share"] == pytest.approx(0.25)
 
 
 def test_mean_accepted_tokens_and_acceptance_rate():

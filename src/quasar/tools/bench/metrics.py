@@ -6,7 +6,8 @@ A record is one method's answer to one question at one temperature:
 with one entry per turn in every list except `accept_lengths` (flat over turns, as in Spec-Bench).
 
 Definitions (docs/metrics.md): mean accepted tokens = tokens emitted per verify step (plain decoding 1.0);
-acceptance rate = accepted draft tokens / proposed draft tokens; speedup = tokens/s of a method over
+acceptance rate = accepted draft tokens / proposed draft tokens; prompt share = seconds spent on the prompts /
+wall seconds (tokens/s counts prompt processing); speedup = tokens/s of a method over
 tokens/s of its baseline on the same prompts (total tokens / total wall time, as Spec-Bench).
 """
 
@@ -57,6 +58,20 @@ def acceptance_rate(records: Iterable[Record]) -> float | None:
     return accepted / proposed if proposed else None
 
 
+def prompt_share(records: Iterable[Record]) -> float | None:
+    """The share of the wall time spent processing prompts (a turn's prefill before its first new token); None
+    when a record's turns do not all report it (transformers' generate reports its wall time alone: a prefill of
+    0 s is one not measured)."""
+    prompt = wall = 0.0
+    for r in records:
+        stats = choice(r).get("stats") or ()
+        if len(stats) != len(choice(r)["wall_time"]) or any(not s.get("prefill_s") for s in stats):
+            return None
+        prompt += sum(s["prefill_s"] for s in stats)
+        wall += sum(choice(r)["wall_time"])
+    return prompt / wall if wall > 0 else None
+
+
 def speedup(records: list[Record], baseline: list[Record]) -> float | None:
     """tokens/s of `records` over tokens/s of `baseline`, both restricted to the questions they share."""
     shared = {r["question_id"] for r in records} & {r["question_id"] for r in baseline}
@@ -84,6 +99,7 @@ def summarize(records: list[Record], baselines: tuple[str, ...] = BASELINES) -> 
             "method": method, "temperature": temperature, "category": category, "prompts": len(rs),
             "new_tokens": tokens, "wall_time": seconds, "tokens_per_s": tokens_per_s(rs),
             "mean_accepted_tokens": mean_accepted_tokens(rs), "acceptance_rate": acceptance_rate(rs),
+            "prompt_share": prompt_share(rs),
         }
         for base in baselines:
             reference = groups.get((base, temperature, category))

@@ -170,15 +170,18 @@ class LlamaCppMethod:
         if params.seed is not None:
             self.llm.set_seed(params.seed)
         start = time.perf_counter()
+        first = None  # when the first new token came: the prompt's evaluation before it
         tokens = self.llm.generate(ids, temp=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                    min_p=params.min_p, reset=True)  # llama.cpp's own default min_p is 0.05
         for token in tokens:
+            first = first or time.perf_counter()
             new.append(token)
             if (token in eos and not params.ignore_eos) or len(new) >= params.max_new_tokens:
                 break
-        wall = time.perf_counter() - start
-        stats = GenerationStats(prompt_tokens=len(ids), new_tokens=len(new), decode_s=wall,
-                                finish_reason=finish_reason(new, eos, params))
+        end = time.perf_counter()
+        first = first or end
+        stats = GenerationStats(prompt_tokens=len(ids), new_tokens=len(new), prefill_s=first - start,
+                                decode_s=end - first, finish_reason=finish_reason(new, eos, params))
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         return RequestOutput(list(messages), ids, text=text, token_ids=new, stats=stats)
 

@@ -21,6 +21,7 @@ COLUMNS = (  # (row key, header, format)
     ("tokens_per_s", "tok/s", "{:.1f}"),
     ("mean_accepted_tokens", "MAT", "{:.2f}"),
     ("acceptance_rate", "accept", "{:.1%}"),
+    ("prompt_share", "prompt", "{:.0%}"),  # of the wall time, spent on the prompts
     *((f"speedup_vs_{b}", f"x {b}", "{:.2f}x") for b in BASELINES),
 )
 
