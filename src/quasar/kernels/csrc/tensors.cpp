@@ -35,11 +35,17 @@ void check_int8_weight(const at::Tensor& w, int64_t K) {
   TORCH_CHECK(w.dtype() == at::kChar && w.dim() == 2 && w.size(1) == K, "int8 w [N, K] expected");
 }
 
+// What quantize_rows takes: float32 x [M, K], K a multiple of 16, groups of G inputs (a multiple of 16 dividing K).
+void check_quantizable(const at::Tensor& x, int64_t G) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) % 16 == 0, "float32 x [M, K], K % 16 == 0");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(G % 16 == 0 && K % G == 0, "group size ", G, " must be a multiple of 16 dividing K = ", K);
+}
+
 // x [M, K] float32 -> (int8 q [M, K], float32 x_scale [M, K / G]), as quantize_tokens (G = K: per row).
 std::pair<at::Tensor, at::Tensor> quantize(const at::Tensor& x, int64_t G) {
-  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2 && x.size(1) % 16 == 0, "float32 x [M, K], K % 16 == 0");
+  check_quantizable(x, G);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(G % 16 == 0 && K % G == 0, "group size ", G, " must be a multiple of 16 dividing K = ", K);
   auto q = kernel_result({M, K}, x.options().dtype(at::kChar));
   auto scale = kernel_result({M, K / G}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -182,7 +188,7 @@ at::Tensor w8a8_residual_linear(at::Tensor x, at::Tensor w, at::Tensor w_scale, 
   std::vector<at::Tensor> ws{w}, scales{w_scale}, none{at::empty({0}, x.options())};
   Int8Jobs made = int8_jobs(2 * M, K, ws, scales, none, x.options());
   const int64_t G = made.G ? made.G : K;
-  TORCH_CHECK(x.dtype() == at::kFloat && K % 16 == 0 && G % 16 == 0, "float32 x [M, K], K % 16 == 0");
+  check_quantizable(x, G);
   auto q = kernel_result({2 * M, K}, x.options().dtype(at::kChar));  // pass 1 in rows [0, M), pass 2 in [M, 2M)
   auto x_scale = kernel_result({2 * M, K / G}, x.options());
   auto residual = kernel_result({M, K}, x.options());
