@@ -92,10 +92,13 @@ def cannot_build() -> str | None:
 
 
 def build_dir(sources: list[Path] | None = None) -> Path:
-    """Where the kernels for these sources, flags and torch version are built: one directory per digest."""
+    """Where the kernels for these sources, flags and torch version are built: one directory per digest. The
+    sources' paths count too: torch's build file names them, and two checkouts of the same sources sharing one
+    directory would each find it stale and rebuild it whole, in turn."""
     sources = SOURCES if sources is None else sources
     headers = sorted(p for d in {s.parent for s in sources} for p in d.glob("*.h"))
     inputs = b"".join(p.read_bytes() for p in sorted(sources) + headers)
+    inputs += "\0".join(str(p.resolve()) for p in sorted(sources)).encode()
     inputs += " ".join(CFLAGS + LDFLAGS + [torch.__version__]).encode()
     return cache_root() / "kernels" / f"cpu-{hashlib.sha256(inputs).hexdigest()[:16]}"
 
