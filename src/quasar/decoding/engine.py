@@ -165,10 +165,10 @@ class Engine:
     def tokenizer(self) -> Any:
         return self.target.tokenizer
 
-    def encode(self, prompt: str | Messages, chat: bool | None = None) -> list[int]:
+    def encode(self, prompt: str | Messages, chat: bool | None = None, special: bool = False) -> list[int]:
         """Text or chat messages -> prompt token ids (`quasar.decoding.prompt.encode`: chat=None uses the chat
-        template when there is one)."""
-        return encode(self.tokenizer, prompt, chat)
+        template when there is one; special: control tokens written in the text count as control tokens)."""
+        return encode(self.tokenizer, prompt, chat, special)
 
     def fresh_cache(self, needed: int) -> KVCache:
         """An empty cache of `needed` positions rounded up to a multiple of CACHE_BUCKET, for one forward outside

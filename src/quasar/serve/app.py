@@ -107,11 +107,12 @@ class Guard:
 
 def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_queue: int = 64, max_batch: int = 16,
                max_rows: int = 64, kv_budget: int | None = None, own_thread: bool = True,
-               max_body: int = 4_000_000, read_timeout: float = 30.0) -> FastAPI:
+               max_body: int = 4_000_000, read_timeout: float = 30.0, allow_special_tokens: bool = False) -> FastAPI:
     """The app over `engine`: up to `max_batch` requests share each forward (at most `max_rows` rows, KV caches
     within `kv_budget` positions), `max_queue` more wait (quasar.serve.scheduler). With own_thread=False the
     caller runs `app.state.scheduler.work()` (quasar serve does, on the thread that loaded the model). Prompts
-    are encoded with a copy of the tokenizer, outside the engine's lock: a long one never stalls generation."""
+    are encoded with a copy of the tokenizer, outside the engine's lock: a long one never stalls generation. A control
+    token's text in a prompt or a message is plain text unless `allow_special_tokens` (quasar.decoding.prompt)."""
     metrics = Metrics()
 
     def finished(job: Job, completion: RequestOutput, cancelled: bool) -> None:
@@ -160,7 +161,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
                 "max_model_len": engine.max_context}
         return {"object": "list", "data": [card]}
 
-    prompts = PromptEncoder(engine.tokenizer, engine.max_context)
+    prompts = PromptEncoder(engine.tokenizer, engine.max_context, allow_special_tokens)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -273,8 +274,8 @@ class PromptEncoder:
     two threads at once; this one is never used by the worker), one prompt at a time, on a helper thread. A text
     too long for the context window by its length alone is refused before any tokenization."""
 
-    def __init__(self, tokenizer: Any, max_context: int) -> None:
-        self.tokenizer = copy.deepcopy(tokenizer)
+    def __init__(self, tokenizer: Any, max_context: int, special: bool = False) -> None:
+        self.tokenizer, self.special = copy.deepcopy(tokenizer), special
         self.lock = threading.Lock()
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self.max_chars = max_context * longest  # no text longer than this fits, whatever its tokens
@@ -287,7 +288,7 @@ class PromptEncoder:
 
         def locked() -> list[int]:
             with self.lock:
-                return encode(self.tokenizer, prompt, chat)
+                return encode(self.tokenizer, prompt, chat, self.special)
 
         try:
             return await asyncio.to_thread(locked)

@@ -30,6 +30,8 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
@@ -49,9 +51,10 @@ IGNORED = ("user", "metadata", "store", "service_tier")  # bookkeeping fields wi
 
 
 class _Sampling(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions; any other field is refused (parse)."""
+    """Fields shared by /v1/completions and /v1/chat/completions; any other field is refused (parse). Types are
+    strict, as the OpenAI API's: "10" is no max_tokens and "yes" no stream (a 400 names the field)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -101,7 +104,7 @@ class CompletionRequest(_Sampling):
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]]
