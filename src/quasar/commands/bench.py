@@ -39,9 +39,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="quick: 1 prompt per category; spec: 80 per category where the data has them "
                         "(Spec-Bench's shape); full: everything (default: %(default)s)")
     parser.add_argument("--model", default="default", help="'default', a .gguf file or a model directory")
-    parser.add_argument("--methods", type=csv, default=",".join(BenchOptions.methods),
-                        help="comma-separated: ar:V, DRAFTER+V (ngram+bf16, model:PATH+w8a8, ...), hf:ar, hf:pld, "
-                        "llamacpp:ar, llamacpp:pld[:f16|:file] (llama.cpp on a Q8_0 copy, an F16 copy or the model's own GGUF) (default: %(default)s)")
+    parser.add_argument("--methods", type=csv,
+                        help="comma-separated: ar:V, DRAFTER+V (ngram+gguf, ngram+bf16, model:PATH+w8a8, ...), hf:ar, "
+                        "hf:pld, llamacpp:ar, llamacpp:pld[:f16|:file] (llama.cpp on a Q8_0 copy, an F16 copy or the "
+                        "model's own GGUF) (default: on a quantized GGUF such as the default model, ar:gguf,ngram+gguf "
+                        "(its own blocks: no float copy, no calibration); on a float model, "
+                        "ar:bf16,ngram+bf16,ar:w8a8,ngram+w8a8)")
     parser.add_argument("--temperatures", type=temperatures, default="0", help="comma-separated (default: %(default)s)")
     parser.add_argument("--max-new-tokens", type=positive_int, help="token budget per turn (default: 32 quick, 256 otherwise)")
     parser.add_argument("--limit", type=positive_int, help="prompts per category (default: the suite's)")

@@ -21,6 +21,7 @@ from quasar.spec import EngineSpec
 
 Record = dict[str, Any]
 BASELINES = ("ar:bf16", "ngram+bf16")  # the plain float baseline and the paper's baseline
+PLAIN_SPEEDUP = "speedup_vs_plain"  # a speculative method against plain decoding with its own verifier
 ALL = "all"
 
 
@@ -104,6 +105,8 @@ def summarize(records: list[Record], baselines: tuple[str, ...] = BASELINES) -> 
         for base in baselines:
             reference = groups.get((base, temperature, category))
             row[f"speedup_vs_{base}"] = speedup(rs, reference) if reference else None
+        plain = groups.get((reference_method(method), temperature, category))
+        row[PLAIN_SPEEDUP] = speedup(rs, plain) if plain else None  # DRAFTER+V against ar:V
         rows.append(row)
     order = {c: i for i, c in enumerate(dict.fromkeys(r["category"] for r in records))}
     order[ALL] = len(order)

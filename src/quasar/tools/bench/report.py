@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from quasar.tools.bench.metrics import BASELINES
+from quasar.tools.bench.metrics import BASELINES, PLAIN_SPEEDUP
 from quasar.files import atomic_write_text
 
 COLUMNS = (  # (row key, header, format)
@@ -23,6 +23,7 @@ COLUMNS = (  # (row key, header, format)
     ("acceptance_rate", "accept", "{:.1%}"),
     ("prompt_share", "prompt", "{:.0%}"),  # of the wall time, spent on the prompts
     *((f"speedup_vs_{b}", f"x {b}", "{:.2f}x") for b in BASELINES),
+    (PLAIN_SPEEDUP, "x plain", "{:.2f}x"),  # DRAFTER+V against ar:V, the same verifier decoding plainly
 )
 
 

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 
 from quasar.kernels import native
+from quasar.model.source import ModelSource
 from quasar.tools.bench import bandwidth, plots
 from quasar.tools.bench.base import Method, MethodOptions, Pool
 from quasar.tools.bench.methods import build_methods
-from quasar.tools.bench.metrics import BASELINES, Record, divergences, summarize
+from quasar.tools.bench.metrics import BASELINES, PLAIN_SPEEDUP, Record, divergences, summarize
 from quasar.tools.bench.report import write_summary
 from quasar.tools.bench.runner import RunConfig, RunResult, run
 from quasar.tools.bench.suites import BenchItem, load_suite
@@ -34,7 +35,7 @@ OUTPUTS = ("answers.jsonl", "summary.json", "summary.md", *PLOTS)  # what a run 
 @dataclass(frozen=True)
 class BenchOptions:
     suite: str = "quick"
-    methods: tuple[str, ...] = ("ar:bf16", "ngram+bf16", "ar:w8a8", "ngram+w8a8")
+    methods: tuple[str, ...] | None = None  # None: default_methods(the model)
     out: str = "bench-out"
     per_category: int | None = None  # None: the suite's size
     categories: tuple[str, ...] | None = None
@@ -43,6 +44,15 @@ class BenchOptions:
     memory_wall: bool = True  # the bandwidth probe and verify-forward curves
     plots: bool = True
     overwrite: bool = False  # replace an earlier run in `out`
+
+
+def default_methods(source: ModelSource) -> tuple[str, ...]:
+    """What `quasar bench` compares when --methods is not given: on a quantized GGUF, plain and n-gram decoding on
+    the file's own blocks (nothing needs a float copy or a calibration); on a float model, plain and n-gram decoding
+    with the bf16 and the W8A8 verifier."""
+    if source.quantized_file:
+        return ("ar:gguf", "ngram+gguf")
+    return ("ar:bf16", "ngram+bf16", "ar:w8a8", "ngram+w8a8")
 
 
 def memory_wall(pool: Pool) -> dict[str, Any]:
@@ -58,13 +68,16 @@ def memory_wall(pool: Pool) -> dict[str, Any]:
 
 def draw(out: Path, rows: list[dict[str, Any]], records: list[Record], wall: dict[str, Any] | None) -> list[str]:
     baseline = next((b for b in BASELINES if any(r["method"] == b for r in rows)), None)
+    if baseline is None and any(r[PLAIN_SPEEDUP] is not None for r in rows):
+        baseline = PLAIN_SPEEDUP.removeprefix("speedup_vs_")  # each speculative method against its own ar:V
     accept, by_category, by_temperature, verify = (out / name for name in PLOTS)
     made = [plots.accept_length_distribution(records, accept)]
     if baseline:
         made.append(plots.speedup_by_category(rows, baseline, by_category))
         made.append(plots.speedup_vs_temperature(rows, baseline, by_temperature))
     else:
-        log.warning("no baseline method (%s) in the run: no speedup plots", " or ".join(BASELINES))
+        log.warning("no baseline method (%s, or a method's plain decoding) in the run: no speedup plots",
+                    " or ".join(BASELINES))
     if wall and wall["curves"]:
         made.append(plots.verify_forward(wall["curves"], wall["bandwidth_bytes_per_s"], verify))
     return [p.name for p in made]
@@ -109,7 +122,7 @@ def bench(options: BenchOptions) -> tuple[RunResult, dict[str, Any]]:
     check_out(out, options.overwrite)
     items = load_suite(options.suite, options.per_category, options.categories)
     pool = Pool(options.model)
-    methods = build_methods(list(options.methods), pool)
+    methods = build_methods(list(options.methods or default_methods(pool.source)), pool)
     log.info("%d prompts x %d methods x %d temperatures", len(items), len(methods), len(options.run.temperatures))
     result, summary = RunResult(), {}
 
