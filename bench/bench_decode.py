@@ -24,9 +24,10 @@ RUNS = (("quasar", "fp32"), ("quasar", "bf16"), ("quasar", "w8a8"), ("transforme
 def quasar_decoder(dtype: str):
     from quasar.decoding.engine import Engine
     from quasar.decoding.sampling import SamplingParams
+    from quasar.builder import model_source
     from quasar.verifiers.registry import load_verifier
 
-    engine = Engine(load_verifier("default", dtype))
+    engine = Engine(load_verifier(model_source("default"), dtype))
     ids = engine.encode(PROMPT)
 
     def run(n: int) -> float:
@@ -39,9 +40,10 @@ def quasar_decoder(dtype: str):
 def hf_decoder(dtype: str):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from quasar.builder import model_source
     from quasar.model.loading import float_directory
 
-    directory = float_directory("default")  # plain float safetensors: transformers 5 keeps GGUF weights packed
+    directory = float_directory(model_source("default"))  # plain float safetensors: transformers 5 keeps GGUF weights packed
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch_dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(directory))

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 
 import torch
 
+from quasar.builder import model_source
 from quasar.kernels import native
 
 DEFAULT_ENGINES = "quasar:fp32,quasar:bf16,quasar:w8a8,transformers:fp32,transformers:bf16,llama.cpp:f16,llama.cpp:bf16"
@@ -153,6 +154,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
+    args.model = model_source(args.model)  # resolved once: 'default', an installed name or a path
     if args.prompt_len < 1 or args.rounds < 1:
         parser.error("--prompt-len and --rounds must be >= 1")
     max_len = -(-(args.prompt_len + VERIFY + 1) // 256) * 256
@@ -185,7 +187,7 @@ def main() -> None:
               f"{row['verify_ms'] / row['decode_ms']:.2f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "prompt_len": args.prompt_len, "rows": rows}, f, indent=1)
+            json.dump({"model": args.model.name, "prompt_len": args.prompt_len, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ import sys
 
 CHILD = """
 import json, resource, sys, torch
+from quasar.builder import model_source
 from quasar.verifiers.registry import load_verifier
-model = load_verifier(sys.argv[1], sys.argv[2]).model
+model = load_verifier(model_source(sys.argv[1]), sys.argv[2]).model
 cache = model.new_cache(256)
 with torch.inference_mode():
     model(torch.tensor([[1, 2, 3, 4]]), cache)

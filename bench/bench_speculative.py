@@ -20,13 +20,14 @@ from quasar.decoding.engine import Engine
 from quasar.decoding.sampling import SamplingParams
 from quasar.decoding.speculative import Speculative
 from quasar.spec import parse_k
+from quasar.builder import model_source
 from quasar.verifiers.registry import load_verifier
 
 KINDS = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities", "humaneval", "gsm8k")
 
 
 def engines(pruned: int, k: int | str) -> dict[str, Engine]:
-    targets = {v: load_verifier("default", v) for v in ("bf16", "w8a8", f"pruned:{pruned}")}
+    targets = {v: load_verifier(model_source("default"), v) for v in ("bf16", "w8a8", f"pruned:{pruned}")}
 
     def spec(verifier: str) -> Engine:
         return Engine(targets[verifier], decoder=Speculative(build_drafter("ngram", targets[verifier]), k))

@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from quasar.builder import model_source
 from quasar.kernels import native
 from quasar.tools.bench.bandwidth import bytes_per_forward, cache_sweep, read_bandwidth
 from quasar.decoding.engine import CACHE_BUCKET
@@ -132,6 +133,7 @@ def main() -> None:
                         "sweep before each (part of the weights may come from the last-level cache)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
+    args.model = model_source(args.model)  # resolved once: 'default', an installed name or a path
     kernel = native.kernel()
     int8_path = kernel.use_int8_path(args.int8_path) if kernel else "torch"
     also = [v for v in args.also.split(",") if v]

@@ -38,8 +38,8 @@ import torch
 from quasar.builder import Verifiers, build_engine
 from quasar.spec import EngineSpec, parse_levels
 from quasar.tools.bench.suites import load_suite
-from quasar.files import sha256_file
-from quasar.model.loading import gguf_directory, resolve
+from quasar.builder import model_source
+from quasar.model.loading import gguf_directory
 from quasar.model.config import CAUSAL_LM_CLASSES
 from quasar.decoding.sampling import SamplingParams
 
@@ -91,8 +91,8 @@ def export_w8a8(model: str, out: Path) -> Path:
 def float_directory(model: str, work: Path) -> Path:
     """The Hugging Face directory of the float model (a GGUF's cached conversion). Conversions cached by
     older quasar versions lack config.json's "architectures", which vLLM needs: those get a linked copy."""
-    path = resolve(model)
-    directory = gguf_directory(path, sha256_file(path)) if path.is_file() else path
+    source = model_source(model)
+    directory = gguf_directory(source) if source.format == "gguf" else source.path
     config = json.loads((directory / "config.json").read_text())
     if config.get("architectures"):
         return directory

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import default_source
 
 from quasar.model.loading import LoadedModel, load
 
@@ -58,7 +59,7 @@ def tiny_hf_model(model_type: str, seed: int = 0, **overrides):
 @pytest.fixture(scope="session")
 def default_model() -> LoadedModel:
     """The real embedded default model, fp32 (converted and cached on first use)."""
-    return load("default", "fp32")
+    return load(default_source(), "fp32")
 
 
 @pytest.fixture(scope="session")

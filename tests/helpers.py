@@ -20,6 +20,13 @@ from quasar.model.loading import LoadedModel
 from quasar.spec import AUTO, EngineSpec, VerifierSpec
 
 
+def default_source():  # -> ModelSource
+    """The embedded default model's source, as `--model default` names it."""
+    from quasar.builder import model_source
+
+    return model_source("default")
+
+
 def engine_for(name: str, model: str = "default", k: int | str = AUTO, guard: float | None = None) -> Engine:
     """The engine an EngineSpec name gives ('ngram+w8a8', 'ar:bf16', 'ngram+w8a8+bf16', ...)."""
     return build_engine(EngineSpec.parse(name, k=k, guard=guard), Verifiers(model))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import needs_kernels
 
-from helpers import decoder_for, engine_for
+from helpers import default_source, decoder_for, engine_for
 from quasar.decoding.batch import Batch
 from quasar.decoding.engine import Engine
 from quasar.decoding.step import Step, run_steps
@@ -56,7 +56,7 @@ def test_forward_steps_give_each_sequence_its_logits_alone(verifier):
     """Several sequences' rows in one forward (prompt chunks among them) get bitwise their logits alone."""
     from quasar.verifiers.registry import load_verifier
 
-    model = load_verifier("default", verifier).model
+    model = load_verifier(default_source(), verifier).model
     assert model.plan.batches_rows
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 20000) for _ in range(n)] for n in (5, 40, 17)]

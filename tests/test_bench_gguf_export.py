@@ -11,6 +11,7 @@ from gguf.quants import dequantize
 
 from quasar.tools.bench.gguf_export import encode, exported_gguf, write_copy
 from quasar.model.loading import open_gguf
+from quasar.model.source import ModelSource
 
 Q = gguf.GGMLQuantizationType
 
@@ -60,10 +61,11 @@ def test_encode_choices():
 
 def test_llamacpp_peers_need_a_gguf(tmp_path):
     (tmp_path / "config.json").write_text("{}")  # a Hugging Face directory, not a GGUF
+    directory = ModelSource.at(tmp_path)
     with pytest.raises(ValueError, match="need a GGUF"):
-        exported_gguf(tmp_path, "q8_0")
+        exported_gguf(directory, "q8_0")
     with pytest.raises(ValueError, match="unknown GGUF precision"):
-        exported_gguf(tmp_path, "q4_0")
+        exported_gguf(directory, "q4_0")
 
 
 def test_a_llama_cpp_that_crashes_in_its_probe_is_skipped_with_the_reason(monkeypatch, tmp_path):

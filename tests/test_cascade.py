@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import decoder_for, engine_for
+from helpers import default_source, decoder_for, engine_for
 from quasar.spec import parse_levels
 from quasar.decoding.cascade import CascadeDrafter
 from quasar.decoding.drafters.ngram import NgramDrafter
@@ -29,7 +29,7 @@ def test_cascade_names():
 def float_answers():
     from quasar.verifiers.registry import load_verifier
 
-    target, middle = load_verifier("default", "bf16"), load_verifier("default", "w8a8")
+    target, middle = load_verifier(default_source(), "bf16"), load_verifier(default_source(), "w8a8")
     engine = Engine(target)
     prompts = [engine.encode(p) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=32)
@@ -54,7 +54,7 @@ def test_the_files_own_blocks_draft_for_the_float_model(float_answers):
     from quasar.verifiers.registry import load_verifier
 
     target, _, prompts, expected = float_answers
-    engine = Engine(target, decoder_for("ngram", target, k=5, middle=load_verifier("default", "w4a8")))
+    engine = Engine(target, decoder_for("ngram", target, k=5, middle=load_verifier(default_source(), "w4a8")))
     for ids, want in zip(prompts, expected):
         assert engine.generate(ids, SamplingParams(max_new_tokens=32)).token_ids == want.token_ids
 

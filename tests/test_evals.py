@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 from conftest import needs_kernels
-from helpers import run_cli
+from helpers import default_source, run_cli
 
 from quasar.cli import main
 from quasar.decoding.engine import Engine
@@ -122,7 +122,7 @@ def test_mmlu_prompts_that_share_a_start_reuse_its_cache_with_the_same_logits(ve
     from quasar.model.kv_cache import StreamCache
     from quasar.verifiers.registry import load_verifier
 
-    engine = Engine(load_verifier("default", verifier))
+    engine = Engine(load_verifier(default_source(), verifier))
     task = mmlu.MMLU()
     assert task.stream(engine) is not None and task.stream(engine) is task.stream(engine)  # quasar's kernels
     stream = StreamCache(engine.target.model, initial_len=64)  # small: the long prompt below outgrows it

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_rows_alone
+from helpers import default_source, assert_rows_alone
 from conftest import needs_kernels
 
 from quasar.kernels import native, plan
@@ -247,8 +247,8 @@ def test_a_tied_lm_head_is_packed_once_and_the_embedding_looks_rows_up_in_it(nam
     from quasar.kernels.layers import PanelEmbedding
     from quasar.verifiers.registry import load_verifier
 
-    model = load_verifier("default", name).model  # SmolLM2 ties lm_head and embedding
-    table = load("default", "bf16").model.model.embed_tokens.weight  # the plain [V, D] bf16 rows
+    model = load_verifier(default_source(), name).model  # SmolLM2 ties lm_head and embedding
+    table = load(default_source(), "bf16").model.model.embed_tokens.weight  # the plain [V, D] bf16 rows
     embedding = model.model.embed_tokens
     assert isinstance(embedding, PanelEmbedding) and model.lm_head.kernel_args()[0] == (2 if name == "bf16" else 3)
     assert embedding.weight.data_ptr() == model.lm_head.weight.data_ptr() == model.lm_head.packed.data_ptr()
@@ -265,8 +265,8 @@ def test_an_int8_lm_head_leaves_a_tied_embedding_its_float_rows():
     from quasar.model.loading import load
     from quasar.verifiers.registry import load_verifier
 
-    model = load_verifier("default", "w8a8").model  # the default scheme quantizes the tied lm_head too
-    table = load("default", "fp32").model.model.embed_tokens.weight
+    model = load_verifier(default_source(), "w8a8").model  # the default scheme quantizes the tied lm_head too
+    table = load(default_source(), "fp32").model.model.embed_tokens.weight
     assert model.lm_head.kernel_args()[0] == 0  # the int8 kind
     ids = torch.tensor([[0, 15, 16, 17, 4242, 49151]])
     assert torch.equal(model.model.embed_tokens(ids), table[ids])

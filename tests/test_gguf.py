@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from quasar.files import sha256_file
 from quasar.model.loading import ModelLoadError, default_model_path, gguf_directory, load, unpermute_rope
+from quasar.model.source import ModelSource
 
 TYPES = [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 K_BLOCKS = {Q.Q4_K: (144, [0, 2]), Q.Q5_K: (176, [0, 2]), Q.Q6_K: (210, [208])}  # bytes/256 values, fp16 scale offsets
@@ -100,7 +101,7 @@ def test_cached_tensors_equal_the_gguf_package_dequantization(tiny_gguf):
     """Bit-identical through dequantize -> safetensors cache -> read back, for every tensor type."""
     path, raw = tiny_gguf
     assert {qtype for _, qtype in raw.values()} >= set(TYPES)
-    directory = gguf_directory(path, sha256_file(path))
+    directory = gguf_directory(ModelSource.at(path))
     ours = load_file(str(directory / "model.safetensors"))
     from quasar.model.loading import hf_name
 
@@ -175,24 +176,26 @@ def header_only_gguf(path, arch: str, **fields) -> None:
 
 def test_a_gguf_of_another_architecture_gets_one_line_naming_the_families(tmp_path):
     from quasar.files import ModelLoadError
-    from quasar.model.loading import gguf_config, open_gguf
+    from quasar.model.gguf_file import read_gguf_header
+    from quasar.model.loading import gguf_config
 
     header_only_gguf(tmp_path / "x.gguf", "phi3")
     with pytest.raises(ModelLoadError, match=r"unsupported GGUF architecture 'phi3'; supported: llama, .*gemma3"):
-        gguf_config(open_gguf(tmp_path / "x.gguf"))
+        gguf_config(read_gguf_header(tmp_path / "x.gguf"))
 
 
 def test_a_gemma3_gguf_with_rope_scaling_is_refused_not_misread(tmp_path):
     from quasar.model.config import UnsupportedModelError
-    from quasar.model.loading import gguf_config, open_gguf
+    from quasar.model.gguf_file import read_gguf_header
+    from quasar.model.loading import gguf_config
 
     header_only_gguf(tmp_path / "plain.gguf", "gemma3")
-    config = gguf_config(open_gguf(tmp_path / "plain.gguf"))
+    config = gguf_config(read_gguf_header(tmp_path / "plain.gguf"))
     assert config["layer_types"][:6] == ["sliding_attention"] * 5 + ["full_attention"]
     assert config["query_pre_attn_scalar"] == 256
     header_only_gguf(tmp_path / "scaled.gguf", "gemma3", **{"rope.scaling.type": "linear"})
     with pytest.raises(UnsupportedModelError, match="rope scaling"):
-        gguf_config(open_gguf(tmp_path / "scaled.gguf"))
+        gguf_config(read_gguf_header(tmp_path / "scaled.gguf"))
 
 
 def test_open_gguf_reads_what_the_gguf_package_reads():

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from helpers import engine_for
+from helpers import default_source, engine_for
 from quasar.spec import EngineSpec, parse_levels
 from quasar.decoding.confidence_guard import fold_value_scales_, guard_model, value_scales
 from quasar.model.llama import FIXED_ROWS
@@ -35,7 +35,7 @@ def answers():
     plain = engine_for("ngram+w8a8", k=5)
     prompts = [plain.encode(p) for p in PROMPTS]
     n = PARAMS.max_new_tokens
-    guard = guard_model("default", plain.target)
+    guard = guard_model(default_source(), plain.target)
     return prompts, guard, [plain.generate(ids, PARAMS).token_ids for ids in prompts], [
         float_over_w8a8_prompt(plain.target.model, guard, ids, n) for ids in prompts]
 
@@ -99,7 +99,7 @@ def test_the_guard_model_is_the_float_model_with_the_verifiers_value_basis(answe
     from quasar.verifiers.registry import load_verifier
 
     prompts, guard, _, _ = answers
-    float_ = load_verifier("default", "bf16").model
+    float_ = load_verifier(default_source(), "bf16").model
     ids = torch.tensor([prompts[0]])
     folded, plain = (m(ids, m.new_cache(len(prompts[0]) + FIXED_ROWS))[0] for m in (guard, float_))
     assert float((folded - plain).norm() / plain.norm()) < 0.02  # bf16 rounding of the folded v/o weights

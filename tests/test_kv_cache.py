@@ -9,6 +9,7 @@ from conftest import needs_kernels
 
 from quasar.decoding.step import Step, run_steps
 from quasar.model.kv_cache import ContextOverflowError
+from helpers import default_source
 
 
 def token_ids(n: int, seed: int = 0) -> torch.Tensor:
@@ -57,7 +58,7 @@ def test_cache_bounds(tiny_model):
 def verifier_model(request, default_model):
     from quasar.verifiers.registry import load_verifier
 
-    return default_model.model if request.param == "fp32" else load_verifier("default", request.param).model
+    return default_model.model if request.param == "fp32" else load_verifier(default_source(), request.param).model
 
 
 @torch.no_grad()

@@ -13,7 +13,8 @@ import pytest
 from quasar import files
 from quasar.tools import model_store as reg
 from quasar.cli import main
-from quasar.model.loading import ModelLoadError, resolve
+from quasar.builder import model_source
+from quasar.model.loading import ModelLoadError
 
 CHUNKS = (b"GGUF" + b"a" * 1000, b"b" * 3, b"c" * 70_000)  # the parts of one fake model file, in order
 
@@ -133,9 +134,11 @@ def test_an_installed_model_is_not_downloaded_again(index, tmp_path):
 def test_installed_names_resolve_to_their_file(index, monkeypatch):
     monkeypatch.setitem(reg.RECIPES, "fake-model", recipe_for(index))
     with pytest.raises(ModelLoadError, match="quasar models install fake-model"):
-        resolve("fake-model")
+        model_source("fake-model")
     path = reg.install("fake-model", copy_fetch(index))
-    assert resolve("fake-model") == path
+    assert reg.installed_model("fake-model") == path
+    with pytest.raises(ModelLoadError, match=f"{path} is not a"):  # the name led to the file: its bytes are fake
+        model_source("fake-model")
 
 
 def test_every_pin_is_a_sha256_as_pip_prints_it_and_no_part_repeats():

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from conftest import needs_kernels
+from helpers import default_source
 
 from quasar.quant.calibration import CalibrationSpec
 from quasar.quant.fidelity import compare, held_out_texts, held_out_windows
@@ -64,7 +65,7 @@ def default_w8a8(default_model):
     lm_head in W8A8 too), judged on 3 x 512 held-out GSM8K tokens that calibration never saw."""
     from quasar.verifiers.registry import load_verifier
 
-    verifier = load_verifier("default", "w8a8").model
+    verifier = load_verifier(default_source(), "w8a8").model
     windows = held_out_windows(default_model.tokenizer, None, 3, 512)
     return compare(default_model.model, {"w8a8": verifier}, windows)[0]
 

@@ -11,7 +11,7 @@ from quasar.decoding.drafters.model_drafter import ModelDrafter
 from quasar.decoding.engine import Engine
 from quasar.decoding.drafters.ngram import NgramDrafter
 from conftest import needs_kernels
-from helpers import drive, engine_for
+from helpers import default_source, drive, engine_for
 from quasar.decoding.autoregressive import StopRule
 from quasar.model.config import ModelConfig
 from quasar.model.llama import Transformer
@@ -168,7 +168,7 @@ VERIFIERS = ("fp32", "w8a8", "w4a8")
 def verifier(request):
     from quasar.verifiers import registry as verifiers
 
-    target = verifiers.load_verifier("default", request.param)
+    target = verifiers.load_verifier(default_source(), request.param)
     engine = Engine(target)
     prompts = [engine.encode(p) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=32)

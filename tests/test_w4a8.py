@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
-from helpers import assert_rows_alone
+from helpers import default_source, assert_rows_alone
 from conftest import needs_kernels
 
 from quasar.kernels import native, plan
@@ -141,10 +141,10 @@ def test_the_files_q8_0_head_takes_its_activations_in_two_passes():
     from quasar.model.loading import load
     from quasar.verifiers.registry import load_verifier
 
-    head = load_verifier("default", "w4a8").model.lm_head
+    head = load_verifier(default_source(), "w4a8").model.lm_head
     assert head.activation_passes == 2
     h = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
-    exact = load("default", "fp32").model.lm_head(h).double()
+    exact = load(default_source(), "fp32").model.lm_head(h).double()
     two = (head(h).double() - exact).abs().max().item()
     head.activation_passes = 1
     one = (head(h).double() - exact).abs().max().item()
@@ -338,10 +338,10 @@ def test_the_w4a8_verifier_looks_tokens_up_in_the_files_blocks():
     from quasar.model.loading import load
     from quasar.verifiers.registry import load_verifier
 
-    model = load_verifier("default", "w4a8").model
+    model = load_verifier(default_source(), "w4a8").model
     assert isinstance(model.model.embed_tokens, BlockEmbedding)
     ids = torch.tensor([[1, 500, 9000, 49151]])
-    assert torch.equal(model.model.embed_tokens(ids), load("default", "fp32").model.model.embed_tokens(ids))
+    assert torch.equal(model.model.embed_tokens(ids), load(default_source(), "fp32").model.model.embed_tokens(ids))
 
 
 def test_a_gptq_checkpoint_from_the_cli_decodes_speculative_as_plain(tiny_model_dir, tmp_path):
@@ -386,10 +386,10 @@ def test_panels_packed_a_few_channels_at_a_time_equal_one_pass(qtype, monkeypatc
 def test_blocks_read_with_the_files_pages_released_equal_a_fresh_read():
     """Each tensor's file pages leave the process once unpacked; the mapping still reads the same bytes after."""
     from quasar.model.gguf_blocks import linear_blocks, tensor_blocks
-    from quasar.model.loading import default_model_path, open_gguf
+    from quasar.model.loading import default_model_path, map_gguf, open_gguf
 
     path = default_model_path()
-    read = linear_blocks(path, {"model_type": "llama", "num_attention_heads": 9, "num_key_value_heads": 3})
+    read = linear_blocks(map_gguf(path), {"model_type": "llama", "num_attention_heads": 9, "num_key_value_heads": 3})
     name = "model.layers.0.mlp.down_proj.weight"
     first = read[name]()
     again = read[name]()  # its pages were released after the first read: paged in again

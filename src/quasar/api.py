@@ -1,7 +1,7 @@
 """The Python API, shaped like vLLM's offline `LLM`:
 
     from quasar import LLM, SamplingParams
-    llm = LLM("default", verifier="w8a8", drafter="ngram", k=5)
+    llm = LLM("default", drafter="ngram")    # verifier="auto": a quantized GGUF's own blocks, W8A8 for a float model
     outputs = llm.generate(["The capital of France is"], SamplingParams(max_new_tokens=32))
     print(outputs[0].text, outputs[0].stats.mean_accepted_tokens)
 
@@ -32,7 +32,7 @@ class LLM:
     def __init__(
         self,
         model: str | Path = "default",
-        verifier: str = "fp32",
+        verifier: str = "auto",
         drafter: str = "none",
         k: int | str = "auto",
         ngram_min: int = 1,

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from quasar.commands.common import UsageError
 from quasar.files import use_cache_dir
 from quasar.version import __version__
 
@@ -72,6 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("quasar: interrupted", file=sys.stderr)
         return 130
+    except UsageError as e:  # bad input the parser could not see: argparse's status
+        print(f"quasar: error: {e}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as e:  # bad input (ModelLoadError too): one clear line, no traceback
         print(f"quasar: error: {e}", file=sys.stderr)
         return 1

@@ -4,8 +4,10 @@
     EngineSpec.parse("ngram+w8a8+bf16")     # drafter ngram, levels (w8a8, bf16): w8a8 drafts for bf16
     EngineSpec.parse("ar:w8a8")             # plain decoding (no drafter) with the w8a8 verifier
 
-Verifier names: fp32, bf16, w8a16, w4a8[:gN][:awq|:rtn|:gptq] (a GGUF's own 4-bit blocks, or calibrated 4-bit blocks),
-pruned:N and w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16]. An engine name is
+Verifier names: auto (what fits the model: a quantized GGUF's own blocks, else w8a8), gguf (a GGUF file's own blocks
+as they are), fp32, bf16, w8a16, w4a8[:gN][:awq|:rtn|:gptq] (4-bit blocks fitted to the float weights; plain w4a8
+names gguf on a GGUF file), pruned:N and w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16]. Drafter names: none, ngram,
+suffix, model:PATH, layerskip:N. An engine name is
 [DRAFTER+]LEVEL[+LEVEL] or ar:LEVEL[+LEVEL]: with two levels the first drafts for the second, whose output the
 request gets (the cascade). `str(spec)` writes a spec back in its canonical form, which parses to the same spec.
 Every other module takes these values and never splits a name again.
@@ -17,16 +19,19 @@ from dataclasses import dataclass, replace
 
 FLOAT_KINDS = ("fp32", "bf16")
 QUANTIZED_KINDS = ("w8a8", "w8a16")
-FILE_BLOCK_KINDS = ("w4a8",)  # plain: the GGUF file's own quantized blocks, computed on as they are
-KINDS = (*FLOAT_KINDS, *QUANTIZED_KINDS, *FILE_BLOCK_KINDS, "pruned")
-VERIFIER_FORMS = "fp32, bf16, w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16], w8a16, w4a8[:gN][:awq|:rtn|:gptq], pruned:N"
+GGUF = "gguf"  # a GGUF file's own quantized blocks, computed on as they are
+AUTO = "auto"
+KINDS = (AUTO, GGUF, *FLOAT_KINDS, *QUANTIZED_KINDS, "w4a8", "pruned")
+VERIFIER_FORMS = ("auto, gguf, fp32, bf16, w8a8[:pc|:gN][:auto|:none|:ALPHA][:lm8|:lmbf16], w8a16, "
+                  "w4a8[:gN][:awq|:rtn|:gptq], pruned:N")
 # How calibrated 4-bit blocks are fitted: activation-aware search, min-max rounding, or the activation-aware fit's
 # scales with error-compensating (GPTQ-style) rounding of the quants.
 FIT_METHODS = ("awq", "rtn", "gptq")
 ENGINE_FORMS = "[DRAFTER+]VERIFIER[+VERIFIER] or ar:VERIFIER[+VERIFIER] (e.g. ngram+w8a8, ar:bf16, ngram+w8a8+bf16)"
 NO_DRAFTER = "none"
+DRAFTERS = {NO_DRAFTER: "", "ngram": "", "suffix": "", "model": "PATH", "layerskip": "N"}  # name -> its argument
+DRAFTER_FORMS = "none, ngram, suffix, model:PATH (a .gguf file, a model directory or an installed name), layerskip:N"
 PLAIN = "ar"
-AUTO = "auto"
 MAX_DRAFT = 7  # draft tokens a verify step takes at most: it scores k + 1 rows, and the torch path's fixed shape is 8
 LM_HEADS = {"lm8": True, "lmbf16": False}  # a w8a8 name's lm_head part -> the lm_head is W8A8 (else bf16)
 
@@ -108,6 +113,11 @@ class VerifierSpec:
         return self.kind == "w4a8" and (self.group, self.method) != (None, None)
 
     @property
+    def file_blocks(self) -> bool:
+        """gguf, or plain w4a8 (its alias on a GGUF file): the file's own quantized blocks."""
+        return self.kind == GGUF or self.kind == "w4a8" and not self.calibrated_blocks
+
+    @property
     def int8_lm_head(self) -> bool:
         """Whether the lm_head is W8A8: w8a8's default, unless the name says lmbf16; w8a16 keeps a bf16 one."""
         return self.kind == "w8a8" and self.lm_head != "lmbf16"
@@ -143,6 +153,7 @@ class EngineSpec:
     guard: float | None = None
 
     def __post_init__(self) -> None:
+        check_drafter(self.drafter)
         if len(self.levels) not in (1, 2):
             raise ValueError(f"an engine verifies with one verifier or a cascade MIDDLE+TOP, got {len(self.levels)}")
         if self.guard is not None:
@@ -150,7 +161,7 @@ class EngineSpec:
                 raise ValueError(f"the guard margin must be a number >= 0 (logits), got {self.guard}")
             if self.drafter == NO_DRAFTER:
                 raise ValueError("--guard re-scores speculative decoding's verify steps: it needs a drafter")
-            if self.middle is not None or not self.top.quantized:
+            if self.top.kind != AUTO and (self.middle is not None or not self.top.quantized):
                 what = "a cascade" if self.middle is not None else "not one"
                 raise ValueError(f"--guard re-scores the unsure positions of a {' or '.join(QUANTIZED_KINDS)} verifier "
                                  f"with bf16; --verifier {self.verifier_name} is {what}")
@@ -192,7 +203,7 @@ class EngineSpec:
 
     def exact(self) -> EngineSpec:
         """--exact: the quantized verifier drafts for bf16, whose output the request gets."""
-        if self.middle is not None or self.top.kind in FLOAT_KINDS:
+        if self.middle is not None or self.top.kind in FLOAT_KINDS:  # 'auto' is never float
             raise ValueError(f"--exact makes the quantized verifier draft for bf16; --verifier {self.verifier_name} "
                              "is already float or a cascade")
         return replace(self, levels=(self.top, VerifierSpec("bf16")))
@@ -204,6 +215,21 @@ def parse_levels(text: str) -> tuple[VerifierSpec, ...]:
     if len(levels) > 2 or not all(levels):
         raise ValueError(f"a cascade verifier is MIDDLE+TOP, e.g. 'w8a8+bf16', got {text!r}")
     return tuple(VerifierSpec.parse(level) for level in levels)
+
+
+def check_drafter(text: str) -> None:
+    """Refuse a drafter name that is not one of DRAFTER_FORMS (its argument, a path or a layer count, is checked
+    when the drafter is built: a path against the file system, N against the model's layers)."""
+    name, colon, arg = text.partition(":")
+    if name not in DRAFTERS:
+        raise ValueError(f"unknown drafter {text!r}; choose from {DRAFTER_FORMS}")
+    wants = DRAFTERS[name]
+    if wants and not arg:
+        raise ValueError(f"the {name} drafter needs an argument: '{name}:{wants}' (got {text!r})")
+    if not wants and colon:
+        raise ValueError(f"the {name} drafter takes no argument (got {text!r})")
+    if wants == "N" and not (arg.isdigit() and int(arg) >= 1):
+        raise ValueError(f"layerskip:N keeps the first N layers (N >= 1), got {text!r}")
 
 
 def is_verifier(text: str) -> bool:

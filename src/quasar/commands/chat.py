@@ -7,7 +7,6 @@ import signal
 import sys
 
 from quasar.commands.common import add_decode_args, add_model_args, add_sampling_args, build_engine, sampling_params
-from quasar.commands.generate import DEFAULT_VERIFIER
 
 HELP = """/reset  forget the conversation (the system message stays)
 /stats  what the conversation has cost so far
@@ -22,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "saying what it cost. The conversation's KV cache is kept between turns, so a turn processes only its new "
         "tokens. Commands: /reset, /stats, /help; Ctrl-C stops an answer, Ctrl-D leaves.",
     )
-    add_model_args(parser, verifier_default=DEFAULT_VERIFIER)
+    add_model_args(parser)
     add_decode_args(parser)
     add_sampling_args(parser)
     parser.set_defaults(max_new_tokens=512)

@@ -35,6 +35,53 @@ positive_int = checked(int, lambda n: n >= 1, "a positive integer")
 positive_float = checked(float, lambda x: 0 < x < math.inf, "a positive number")
 port = checked(int, lambda n: 0 <= n <= 65535, "a port number from 0 to 65535")
 temperature = checked(float, lambda t: 0 <= t < math.inf, "a finite temperature >= 0")
+top_p = checked(float, lambda p: 0 < p <= 1, "a nucleus mass in (0, 1]")
+top_k = checked(int, lambda k: k >= 0, "an integer >= 0 (0 keeps every token)")
+min_p = checked(float, lambda p: 0 <= p <= 1, "a fraction in [0, 1]")
+
+
+class UsageError(ValueError):
+    """Bad input the parser could not see (an empty prompt read from standard input, ...): exit status 2, as
+    argparse's own errors."""
+
+
+def from_spec(check: Callable[[str], object], what: str) -> Callable[[str], str]:
+    """An argparse type that runs one of quasar.spec's checks on the text and keeps the text."""
+
+    def parse(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return text
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+def drafter(text: str) -> str:
+    from quasar.spec import check_drafter
+
+    return from_spec(check_drafter, "drafter")(text)
+
+
+def draft_length(text: str) -> str:
+    from quasar.spec import parse_k
+
+    return from_spec(parse_k, "k")(text)
+
+
+def verifier(text: str) -> str:
+    from quasar.spec import parse_levels
+
+    return from_spec(parse_levels, "verifier")(text)
+
+
+def prompt(text: str) -> str:
+    """The PROMPT argument: text, or '-' for standard input; never empty."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the prompt is empty; pass some text, or '-' to read it from standard input")
+    return text
 
 
 def seed(text: str) -> int:
@@ -49,7 +96,7 @@ def seed(text: str) -> int:
     return value
 
 
-def add_model_args(parser: argparse.ArgumentParser, verifier_default: str = "fp32") -> None:
+def add_model_args(parser: argparse.ArgumentParser, verifier_default: str = "auto") -> None:
     group = parser.add_argument_group("model")
     group.add_argument(
         "--model", default="default",
@@ -57,10 +104,12 @@ def add_model_args(parser: argparse.ArgumentParser, verifier_default: str = "fp3
         "or a quantized directory made by `quasar quantize` (default: %(default)s)",
     )
     group.add_argument(
-        "--verifier", default=verifier_default,
-        help="precision of the target/verifier model: fp32, bf16, w8a8, w8a16, w4a8 (a GGUF model's own 4-bit blocks, "
-        "as llama.cpp runs the file), pruned:N, or a cascade MIDDLE+TOP such as w8a8+bf16 (MIDDLE drafts for TOP; the "
-        "output is TOP's) (default: %(default)s)",
+        "--verifier", default=verifier_default, type=verifier,
+        help="precision of the target/verifier model: auto (a quantized GGUF's own blocks, as llama.cpp runs the file; "
+        "W8A8 for a float model; a `quasar quantize` directory's own scheme), gguf (a GGUF file's own blocks), fp32, "
+        "bf16, w8a8 (SmoothQuant int8, calibrated once and cached), w8a16, w4a8:gN (4-bit blocks fitted to the float "
+        "weights; plain w4a8 is gguf on a GGUF file), pruned:N, or a cascade MIDDLE+TOP such as w8a8+bf16 (MIDDLE "
+        "drafts for TOP; the output is TOP's) (default: %(default)s)",
     )
     group.add_argument("--dtype", choices=("fp32", "bf16"), help="shorthand for --verifier fp32|bf16")
     group.add_argument("--cache-dir", help="where converted GGUF and quantized models are cached "
@@ -97,8 +146,10 @@ def build_engine(args: argparse.Namespace):  # -> quasar.decoding.engine.Engine
 
 def add_decode_args(parser: argparse.ArgumentParser, drafter_default: str = "ngram") -> None:
     group = parser.add_argument_group("speculative decoding")
-    group.add_argument("--drafter", default=drafter_default,
-                       help="none (plain decoding), ngram, suffix, model:PATH, layerskip:N (default: %(default)s)")
+    group.add_argument("--drafter", default=drafter_default, type=drafter,
+                       help="none (plain decoding), ngram, suffix, model:PATH (a smaller model with the same "
+                       "tokenizer: a .gguf file, a model directory or an installed name), layerskip:N (default: "
+                       "%(default)s)")
     group.add_argument("--exact", action="store_true",
                        help="the float (bf16) model's exact output at close to int8 cost: the quantized verifier's "
                        "output drafts for bf16 (the cascade, --verifier w8a8+bf16)")
@@ -106,7 +157,7 @@ def add_decode_args(parser: argparse.ArgumentParser, drafter_default: str = "ngr
                        help="approximate: where the verifier's top-1 logit leads the runner-up by less than MARGIN, "
                        "take the float (bf16) model's token instead, scored over the verifier's cache; 0.1 agrees "
                        "with bf16 on ~99.5%% of positions at ~0.9x the speed (docs/cascade.md)")
-    group.add_argument("--k", default="auto", help="draft tokens per verify step, or 'auto' to adapt to recent acceptance (default: %(default)s)")
+    group.add_argument("--k", default="auto", type=draft_length, help="draft tokens per verify step, or 'auto' to adapt to recent acceptance (default: %(default)s)")
     group.add_argument("--ngram-min", type=positive_int, default=1, help="shortest n-gram the ngram/suffix drafters match (default: %(default)s)")
     group.add_argument("--ngram-max", type=positive_int, default=3, help="longest n-gram the ngram drafter matches (default: %(default)s)")
 
@@ -114,10 +165,10 @@ def add_decode_args(parser: argparse.ArgumentParser, drafter_default: str = "ngr
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate at most (default: %(default)s)")
-    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
-    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: %(default)s)")
-    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 keeps all (default: %(default)s)")
-    group.add_argument("--min-p", type=float, default=0.0,
+    group.add_argument("--temperature", type=temperature, default=0.0, help="0 is greedy (default: %(default)s)")
+    group.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling mass in (0, 1] (default: %(default)s)")
+    group.add_argument("--top-k", type=top_k, default=0, help="keep the k most likely tokens; 0 keeps all (default: %(default)s)")
+    group.add_argument("--min-p", type=min_p, default=0.0,
                        help="drop tokens less likely than this fraction of the most likely one; 0 keeps all (default: %(default)s)")
     group.add_argument("--seed", type=seed, help="random seed; the same seed reproduces the same sample")
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -134,7 +185,10 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def read_prompt(prompt: str | None) -> str:
-    """The PROMPT argument, or standard input when it is '-'."""
+    """The PROMPT argument, or standard input when it is '-'; an empty one is a UsageError."""
     if prompt is None:
-        raise ValueError("no prompt given (pass PROMPT, or '-' to read it from standard input)")
-    return sys.stdin.read() if prompt == "-" else prompt
+        raise UsageError("no prompt given (pass PROMPT, or '-' to read it from standard input)")
+    text = sys.stdin.read() if prompt == "-" else prompt
+    if not text.strip():
+        raise UsageError("the prompt read from standard input is empty")
+    return text

@@ -40,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def build_variants(loaded, names: list[str], spec) -> dict:
+def build_variants(loaded, source, names: list[str], spec) -> dict:
     """name -> quantized Transformer, all from copies of `loaded` and one shared calibration run."""
     from quasar.kernels.plan import prepare_
     from quasar.quant.recipe import calibrate_model, quantize_model, recipe_for
@@ -50,7 +50,7 @@ def build_variants(loaded, names: list[str], spec) -> dict:
 
     specs = {name: VerifierSpec.parse(name) for name in names}
     # plain w4a8: a GGUF's own blocks (or, for a float model, the verifier's default fit), loaded as generate loads it
-    file_blocks = {name: s for name, s in specs.items() if s.kind == "w4a8" and not s.calibrated_blocks}
+    file_blocks = {name: s for name, s in specs.items() if s.file_blocks}
     recipes = {name: recipe_for(s, spec) for name, s in specs.items() if name not in file_blocks}
     calib = None
     if any(r.calibrated for r in recipes.values()):
@@ -62,27 +62,28 @@ def build_variants(loaded, names: list[str], spec) -> dict:
         prepare_(copy_.model)
         variants[name] = copy_.model
     for name, block_spec in file_blocks.items():
-        variants[name] = load_verifier(loaded.source, block_spec).model
+        variants[name] = load_verifier(source, block_spec).model
     return {name: variants[name] for name in names}
 
 
 def run(args: argparse.Namespace) -> int:
     from quasar.quant.fidelity import compare, held_out_windows
-    from quasar.model.loading import quantized_block, resolve
+    from quasar.builder import model_source
     from quasar.tools.bench.llamacpp_peer import peers
     from quasar.verifiers.quantized import checkpoint_spec
     from quasar.verifiers.registry import load_verifier
 
     if args.samples < 1 or args.eval_seq_len < 2:
         raise ValueError("--samples must be >= 1 and --eval-seq-len >= 2")
-    loaded = load(args.model, "fp32")
-    variants = build_variants(loaded, args.verifier or list(DEFAULT_VARIANTS), calibration_spec(args))
+    source = model_source(args.model)
+    loaded = load(source, "fp32")
+    variants = build_variants(loaded, source, args.verifier or list(DEFAULT_VARIANTS), calibration_spec(args))
     for directory in args.quantized:
-        block = quantized_block(resolve(directory))
-        if block is None:
+        checkpoint = model_source(directory)
+        if checkpoint.quantization is None:
             raise ValueError(f"--quantized {directory}: not a checkpoint made by `quasar quantize`")
-        variants[directory] = load_verifier(directory, checkpoint_spec(block)).model
-    variants.update(peers(args.peer, args.model, args.eval_seq_len))
+        variants[directory] = load_verifier(checkpoint, checkpoint_spec(checkpoint.quantization)).model
+    variants.update(peers(args.peer, source, args.eval_seq_len))
     windows = held_out_windows(loaded.tokenizer, args.data, args.samples, args.eval_seq_len)
     reports = compare(loaded.model, variants, windows)
     if args.json:

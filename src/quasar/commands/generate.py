@@ -7,12 +7,9 @@ import json
 import sys
 
 from quasar.commands.common import (
-    add_decode_args, add_model_args, add_sampling_args, build_engine, read_prompt, sampling_params,
+    add_decode_args, add_model_args, add_sampling_args, build_engine, prompt, read_prompt, sampling_params,
 )
 from quasar.decoding.stats import GenerationStats
-
-
-DEFAULT_VERIFIER = "w8a8"  # the paper's setup: --drafter ngram --verifier w8a8
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,8 +18,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Generate a completion of PROMPT and stream it to stdout; a line on standard error then says "
         "what it cost (tokens/s, the prompt's share, tokens per verify step) and which kernel paths computed it.",
     )
-    parser.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt; '-' reads it from standard input")
-    add_model_args(parser, verifier_default=DEFAULT_VERIFIER)
+    parser.add_argument("prompt", nargs="?", metavar="PROMPT", type=prompt,
+                        help="the prompt; '-' reads it from standard input")
+    add_model_args(parser)
     add_decode_args(parser)
     add_sampling_args(parser)
     chat = parser.add_mutually_exclusive_group()
@@ -35,9 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     params = sampling_params(args)
-    prompt = read_prompt(args.prompt)
+    text = read_prompt(args.prompt)
     engine = build_engine(args)
-    request = engine.run(engine.encode(prompt, args.chat), params)
+    request = engine.run(engine.encode(text, args.chat), params)
     if args.json:
         print(json.dumps({**request.result().to_dict(), "path": engine.path}))
         return 0

@@ -56,6 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from quasar.builder import model_source
     from quasar.model.loading import load
     from quasar.quant.checkpoint import save_quantized
     from quasar.quant.recipe import quantize_model, recipe_for
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
                         ignore=tuple(args.keep_float))
     if Path(args.out).exists() and not args.overwrite:
         raise ValueError(f"{args.out} already exists; pass --overwrite to replace it")
-    loaded = load(args.model, "fp32")
+    loaded = load(model_source(args.model), "fp32")
     block = quantize_model(loaded, recipe)
     save_quantized(loaded, block, args.out, overwrite=args.overwrite)
     print(f"wrote {args.out} ({recipe.name}, {len(block['alphas'])} smoothing groups)")

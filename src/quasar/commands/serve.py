@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "requests are batched continuously: up to --max-batch of them share every forward of the model (each "
         "gets the tokens it would get alone), joining and leaving between steps; more wait in a bounded queue.",
     )
-    add_model_args(parser, verifier_default="w8a8")  # the paper's setup, as `quasar generate`
+    add_model_args(parser)
     add_decode_args(parser)
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
@@ -51,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     net.add_argument("--read-timeout", type=positive_float, default=30.0,
                      help="seconds a client has to send a request's headers, and then its body; a connection that "
                      "stays silent that long is closed, a late body gets HTTP 408 (default: %(default)s)")
+    net.add_argument("--allow-special-tokens", action="store_true",
+                     help="encode a control token's text in a prompt or message (e.g. <|im_start|>) as that control "
+                     "token; by default it is plain text, so a message cannot close its turn and forge another (a system turn, say)")
     net.add_argument("--max-connections", type=positive_int,
                      help="open connections at most; past it a new one closes the idle one quiet longest, or gets HTTP "
                      "503 when none is idle (default: what the open-file limit allows, at most 1024)")
@@ -100,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
     engine = build_engine(args)
     app = create_app(engine, name, api_key=key, max_queue=args.max_queue, max_batch=args.max_batch,
                      max_rows=args.max_batch_tokens, kv_budget=args.kv_budget or default_kv_budget(engine),
-                     own_thread=False, max_body=args.max_body, read_timeout=args.read_timeout)
+                     own_thread=False, max_body=args.max_body, read_timeout=args.read_timeout,
+                     allow_special_tokens=args.allow_special_tokens)
     # Generation runs on this thread, the one that loaded the model (Scheduler.work says why); HTTP on another,
     # with a short GIL switch interval so that streamed tokens leave as soon as they are made.
     sys.setswitchinterval(0.0005)
@@ -216,11 +220,15 @@ def hand_off(args: argparse.Namespace, name: str) -> int:
 
 def vllm_model(model: str, verifier: VerifierSpec, export_dir: str | None) -> tuple[Path, str]:
     """The directory vLLM should load and the dtype of its float parts."""
+    from quasar.builder import model_source
     from quasar.model.loading import cache_root, float_directory
-    from quasar.verifiers.registry import load_verifier
+    from quasar.verifiers.registry import fitting, load_verifier
+
+    source = model_source(model)
+    verifier = fitting(verifier, source)
 
     if verifier.kind in FLOAT_KINDS:  # the float Hugging Face directory, without loading the weights
-        return float_directory(model), {"fp32": "float32", "bf16": "bfloat16"}[verifier.kind]
+        return float_directory(source), {"fp32": "float32", "bf16": "bfloat16"}[verifier.kind]
     if verifier.kind != "w8a8":
         raise ValueError(f"the vLLM hand-off supports --verifier fp32, bf16 or w8a8, not {verifier}")
     from quasar.tools.export import export, vllm_scheme
@@ -228,7 +236,7 @@ def vllm_model(model: str, verifier: VerifierSpec, export_dir: str | None) -> tu
     verifier, note = vllm_scheme(verifier)
     if note:
         print(f"quasar: {note}", file=sys.stderr)
-    target = load_verifier(model, verifier, owned=False)  # the export reads the plain layout
+    target = load_verifier(source, verifier, owned=False)  # the export reads the plain layout
     name = str(verifier).replace(":", "-")
     out = Path(export_dir) if export_dir else cache_root() / "exports" / f"{target.source_sha256}-{name}-ct"
     if not (out / "config.json").exists():

@@ -18,13 +18,12 @@ MARGIN every step's first position is re-scored: the float model decoding over W
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from safetensors import safe_open
 
 from quasar.model.kv_cache import KVCache
 from quasar.model.loading import LoadedModel
+from quasar.model.source import ModelSource
 from quasar.quant.checkpoint import WEIGHTS
 from quasar.model.llama import Transformer
 from quasar.quant.int8 import dequantize
@@ -33,7 +32,7 @@ from quasar.decoding.stats import GenerationStats
 from quasar.decoding.rejection import Verdict
 
 
-def guard_model(model: str | Path, verifier: LoadedModel) -> Transformer:
+def guard_model(model: ModelSource, verifier: LoadedModel) -> Transformer:
     """The bf16 model of `model` on its plan, with the quantized `verifier`'s v -> o smoothing factors folded in
     (see above); the verifier's o_proj weights are read from its checkpoint, not from the loaded layers (the
     kernels keep those packed)."""

@@ -42,6 +42,9 @@ from quasar.quant.int8 import Int8Linear, Int8WeightOnlyLinear
 from quasar.quant.w4a8 import W4A8Linear, W6A8Linear
 
 
+RELEASE_EVERY = 16  # modules packed between two returns of freed memory to the system while an owned model is packed
+
+
 def kernel_for(model: Transformer) -> Any | None:
     """quasar's kernel module where this model can run on it (CPU, float32 activations, head_dim % 8 == 0)."""
     if model.device.type != "cpu" or model.dtype != torch.float32 or model.config.head_dim % 8:
@@ -63,11 +66,13 @@ def prepare_(model: Transformer, fuse: bool = True,
         return model.plan
     forms.update({m: KernelRMSNorm for m in model.modules() if type(m) is RMSNorm})
     forms.update({m: KernelAttention for m in model.modules() if type(m) is Attention})
-    for module, form in forms.items():
+    for i, (module, form) in enumerate(forms.items()):
         if type(module) is not form:
             form.adopt(module, kernel)
         if owned and hasattr(module, "drop_plain_"):  # as each is packed: a 4-bit model's plain blocks (a byte a
             module.drop_plain_()  # weight) and all its panels would otherwise be held side by side
+            if i % RELEASE_EVERY == 0:  # and the plain blocks' pages go back as it goes, not all at the end
+                native.release_memory()
     if owned:
         drop_plain_weights_(model)
     stack = model.model.layers
@@ -81,6 +86,19 @@ def prepare_(model: Transformer, fuse: bool = True,
     model.plan = ExecutionPlan(kernel_paths(kernel, forms, bf16_attention), fused=fuse, batches_rows=fuse,
                                bf16_attention=bf16_attention, kernel=kernel)
     return model.plan
+
+
+def pack_early_(linear: nn.Module, kernel: Any) -> None:
+    """One linear packed for the kernels as a model is built, its plain weights dropped (a model that only the
+    verifier reads, whose load would otherwise hold every layer's plain blocks and then their panels); prepare_
+    later finds it in its kernel form. A linear the kernels do not take stays as it is, for prepare_ to decide."""
+    form = kernel_form(linear)
+    if form is None:
+        return
+    if type(linear) is not form:
+        form.adopt(linear, kernel)
+    if hasattr(linear, "drop_plain_"):
+        linear.drop_plain_()
 
 
 def kernel_paths(kernel: Any, modules: dict[nn.Module, type], bf16_attention: bool = False) -> str:

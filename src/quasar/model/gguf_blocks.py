@@ -21,15 +21,15 @@ import functools
 import mmap
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from quasar.model.gguf_file import GGUFFile
 from quasar.model.llama import rows_table, scaled
-from quasar.model.loading import hf_name, open_gguf, unpermute_rope
+from quasar.model.loading import hf_name, unpermute_rope
 
 GROUP = 32
 
@@ -209,10 +209,30 @@ def tensor_blocks(tensor: Any) -> Blocks | None:
     return unpack(np.asarray(tensor.data), tensor.tensor_type, int(np.prod(tensor.shape[1:])))
 
 
+CHUNK_ROWS = 4096  # rows unpacked at a time: an unpacker's temporaries are several times its output
+
+
 def unpack(data: np.ndarray, qtype: Any, rows: int) -> Blocks | None:
-    """The raw blocks of a tensor of `rows` rows of GGML type qtype (gguf.GGMLQuantizationType) as blocks, or None."""
+    """The raw blocks of a tensor of `rows` rows of GGML type qtype (gguf.GGMLQuantizationType) as blocks, or None.
+    A tall tensor (a 150k-token embedding or lm_head) is unpacked CHUNK_ROWS rows at a time into its output, so the
+    unpackers' temporaries never span the whole tensor (on the 1.5B's Q6_K lm_head, 0.8 GB of the load's peak)."""
     unpacker = UNPACKERS.get(qtype.name)
-    return unpacker(data, rows, qtype) if unpacker else None
+    if unpacker is None:
+        return None
+    if rows <= CHUNK_ROWS:
+        return unpacker(data, rows, qtype)
+    data = data.reshape(rows, -1)
+    first = unpacker(data[:CHUNK_ROWS], CHUNK_ROWS, qtype)
+    whole = {f.name: getattr(first, f.name) for f in fields(first)}
+    whole.update({name: torch.empty((rows, *v.shape[1:]), dtype=v.dtype)
+                  for name, v in whole.items() if isinstance(v, torch.Tensor)})
+    for start in range(0, rows, CHUNK_ROWS):
+        n = min(CHUNK_ROWS, rows - start)
+        part = first if start == 0 else unpacker(data[start : start + n], n, qtype)
+        for f in fields(part):
+            if isinstance(whole[f.name], torch.Tensor):
+                whole[f.name][start : start + n] = getattr(part, f.name)
+    return type(first)(**whole)
 
 
 def permute_rows(blocks: Blocks, heads: int) -> Blocks:
@@ -221,21 +241,20 @@ def permute_rows(blocks: Blocks, heads: int) -> Blocks:
     return type(blocks)(**{**vars(blocks), **fields})
 
 
-def linear_blocks(path: Path, config: dict[str, Any]) -> dict[str, Callable[[], Blocks]]:
-    """Every 2-D weight of the GGUF at path whose type has a block form, by its Hugging Face name ('lm_head.weight'
+def linear_blocks(file: GGUFFile, config: dict[str, Any]) -> dict[str, Callable[[], Blocks]]:
+    """Every 2-D weight of the mapped GGUF whose type has a block form, by its Hugging Face name ('lm_head.weight'
     for a tied embedding too): a function that unpacks its blocks. A caller that turns each into its layer before
     unpacking the next holds one tensor's unpacked blocks at a time, not the whole model's (on the 1.5B, 1.6 GB of
     quants a byte each); the embedding's blocks are unpacked once, for the table and a tied lm_head alike."""
     out: dict[str, Callable[[], Blocks]] = {}
-    reader = open_gguf(path)
-    for tensor in reader.tensors:
+    for tensor in file.tensors:
         if len(tensor.shape) != 2 or not tensor.name.endswith(".weight") or tensor.tensor_type.name not in UNPACKERS:
             continue
         heads = None
         if config["model_type"] in ("llama", "mistral") and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config["num_attention_heads" if "attn_q" in tensor.name else "num_key_value_heads"]
         name = hf_name(tensor.name, config["model_type"])
-        out[name] = functools.partial(_read_blocks, tensor, heads, reader)
+        out[name] = functools.partial(_read_blocks, tensor, heads, file)
         if name == "model.embed_tokens.weight":
             out[name] = functools.cache(out[name])
     if "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
@@ -243,20 +262,20 @@ def linear_blocks(path: Path, config: dict[str, Any]) -> dict[str, Callable[[], 
     return out
 
 
-def _read_blocks(tensor: Any, heads: int | None, reader: Any) -> Blocks:
+def _read_blocks(tensor: Any, heads: int | None, file: GGUFFile) -> Blocks:
     """A tensor's blocks, its rows in the Hugging Face order (llama.cpp permutes Llama's q and k: heads given); the file's
     pages it read then leave this process's resident memory (release_pages)."""
     blocks = tensor_blocks(tensor)
-    release_pages(reader, tensor.data_offset, tensor.n_bytes)
+    release_pages(file.data, tensor.data_offset, tensor.n_bytes)
     return blocks if heads is None else permute_rows(blocks, heads)
 
 
-def release_pages(reader: Any, offset: int, size: int) -> None:
-    """Drop the whole pages of bytes [offset, offset + size) of the reader's file mapping from this process's resident
+def release_pages(mapping: Any, offset: int, size: int) -> None:
+    """Drop the whole pages of bytes [offset, offset + size) of a file's mapping (a numpy memmap) from this process's resident
     set (MADV_DONTNEED; a read-only mapping of the file: a later read pages them in again from the page cache). Read
     tensor by tensor, a whole file's pages would otherwise stay resident until the reader goes: on the 1.5B's Q4_K_M,
     1 GB of the peak over a w4a8 load."""
-    mapping = getattr(getattr(reader.data, "base", None), "_mmap", None)  # np.memmap keeps its mmap.mmap here
+    mapping = getattr(mapping, "_mmap", None)  # np.memmap keeps its mmap.mmap here
     if not isinstance(mapping, mmap.mmap) or not hasattr(mmap, "MADV_DONTNEED"):
         return
     start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE

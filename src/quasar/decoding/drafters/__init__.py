@@ -15,6 +15,7 @@ from __future__ import annotations
 from quasar.decoding.drafters.base import Draft, Drafter, DrafterOptions
 from quasar.model.loading import LoadedModel
 from quasar.registry import lookup
+from quasar.spec import DRAFTER_FORMS, NO_DRAFTER
 
 __all__ = ["Draft", "Drafter", "DrafterOptions", "build_drafter"]
 
@@ -26,8 +27,6 @@ DRAFTERS: dict[str, str] = {
     "model": "quasar.decoding.drafters.model_drafter:build",
     "layerskip": "quasar.decoding.drafters.layerskip:build",
 }
-NO_DRAFTER = "none"
-FORMS = "none, ngram, suffix, model:PATH, layerskip:N"
 
 
 def build_drafter(spec: str, target: LoadedModel, options: DrafterOptions = DrafterOptions()) -> Drafter | None:
@@ -35,4 +34,4 @@ def build_drafter(spec: str, target: LoadedModel, options: DrafterOptions = Draf
     if spec == NO_DRAFTER:
         return None
     name, _, arg = spec.partition(":")
-    return lookup(DRAFTERS, name, "drafter", FORMS)(arg or None, target, options)
+    return lookup(DRAFTERS, name, "drafter", DRAFTER_FORMS)(arg or None, target, options)

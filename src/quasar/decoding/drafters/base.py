@@ -9,6 +9,7 @@ import torch
 
 from quasar.decoding.sampling import SamplingParams
 from quasar.decoding.rejection import DraftProbs
+from quasar.model.source import ModelSource
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Drafter(Protocol):
 class DrafterOptions:
     ngram_min: int = 1  # shortest suffix an n-gram drafter matches
     ngram_max: int = 3  # longest suffix an n-gram drafter matches (the paper: n in 1..3)
+    draft_model: ModelSource | None = None  # model:PATH's model, resolved where the engine is built
 
     def __post_init__(self) -> None:
         if not 1 <= self.ngram_min <= self.ngram_max:

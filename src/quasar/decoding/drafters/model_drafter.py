@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from quasar.decoding.drafters.base import Draft, DrafterOptions
 from quasar.model.kv_cache import KVCache, StreamCache
-from quasar.model.loading import LoadedModel, quantized_gguf, resolve
+from quasar.model.loading import LoadedModel
+from quasar.model.source import ModelSource
 from quasar.model.llama import Transformer
 from quasar.decoding.sampling import SamplingParams, logits_to_probs, sample
 from quasar.decoding.rejection import DenseDraft
@@ -80,9 +81,10 @@ def check_same_tokenizer(draft: LoadedModel, target: LoadedModel) -> None:
 
 def build(arg: str | None, target: LoadedModel, options: DrafterOptions) -> ModelDrafter:
     if not arg:
-        raise ValueError("the model drafter needs a path: 'model:PATH' (a Hugging Face directory or .gguf)")
+        raise ValueError("the model drafter needs a model: 'model:PATH' (a .gguf file or a model directory)")
+    source = options.draft_model or ModelSource.of(arg)  # the entry resolves installed names; here a path
     # a quantized GGUF file drafts on its own blocks (a drafter's bytes per token decide what it costs), a float
     # model in bf16; both on quasar's fused kernels on the CPU
-    draft = load_verifier(arg, "w4a8" if quantized_gguf(resolve(arg)) else "bf16")
+    draft = load_verifier(source, "gguf" if source.quantized_file else "bf16")
     check_same_tokenizer(draft, target)
     return ModelDrafter(draft.model, target.model.config.vocab_size)

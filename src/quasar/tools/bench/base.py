@@ -11,6 +11,7 @@ from typing import Protocol
 
 from quasar.builder import Verifiers
 from quasar.model.loading import LoadedModel, float_directory
+from quasar.model.source import ModelSource
 from quasar.decoding.outputs import RequestOutput
 from quasar.decoding.prompt import Messages
 from quasar.decoding.sampling import SamplingParams
@@ -57,6 +58,10 @@ class Pool:
     def verifier(self, spec: VerifierSpec | str) -> LoadedModel:
         return self.verifiers.get(VerifierSpec.parse(spec) if isinstance(spec, str) else spec)
 
+    @property
+    def source(self) -> ModelSource:
+        return self.verifiers.model
+
     def directory(self) -> Path:
-        """The model's Hugging Face-style directory (GGUF sources are converted once, cached)."""
-        return float_directory(self.options.model)
+        """The model's float Hugging Face-style directory (GGUF sources are converted once, cached)."""
+        return float_directory(self.source)

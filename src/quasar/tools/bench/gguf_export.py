@@ -15,8 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from quasar.files import cache_root, sha256_memo
-from quasar.model.loading import open_gguf, resolve
+from quasar.files import cache_root
+from quasar.model.loading import open_gguf
+from quasar.model.source import ModelSource
 
 log = logging.getLogger("quasar")
 PRECISIONS = {"f16": ("F16", "MOSTLY_F16"), "bf16": ("BF16", "MOSTLY_BF16"), "q8_0": ("Q8_0", "MOSTLY_Q8_0")}  # -> (tensor type, file type)
@@ -77,14 +78,14 @@ def llama_quantize(source: Path, target: Path, file_type: str) -> None:
     os.replace(tmp, target)
 
 
-def exported_gguf(model: str | Path, precision: str) -> Path:
+def exported_gguf(model: ModelSource, precision: str) -> Path:
     """The cached `precision` ('f16', 'bf16', 'q8_0' or 'q4_k_m') copy of a GGUF model, made on first use."""
     if precision not in (*PRECISIONS, *LLAMA_QUANTIZED):
         raise ValueError(f"unknown GGUF precision {precision!r}; choose from {', '.join((*PRECISIONS, *LLAMA_QUANTIZED))}")
-    source = resolve(model)
-    if not source.is_file():
+    if model.format != "gguf":
         raise ValueError("the llama.cpp peers need a GGUF model (--model default or a .gguf file)")
-    target = cache_root() / "gguf-export" / f"{sha256_memo(source)}-{precision}.gguf"
+    source = model.path
+    target = cache_root() / "gguf-export" / f"{model.sha256}-{precision}.gguf"
     if not target.exists():
         log.info("writing a %s copy of %s for llama.cpp into %s", precision, source.name, target)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -95,12 +96,11 @@ def exported_gguf(model: str | Path, precision: str) -> Path:
     return target
 
 
-def llama_cpp_gguf(model: str | Path, precision: str) -> Path:
+def llama_cpp_gguf(model: ModelSource, precision: str) -> Path:
     """The GGUF a llama.cpp peer runs: the model's own file ('file', e.g. the Q4_K_M users run) or its cached copy in
     `precision`."""
     if precision != "file":
         return exported_gguf(model, precision)
-    source = resolve(model)
-    if not source.is_file():
+    if model.format != "gguf":
         raise ValueError("the llama.cpp peers need a GGUF model (--model default or a .gguf file)")
-    return source
+    return model.path

@@ -8,10 +8,11 @@ model; the Q8_0 copy is written once (bench/gguf_export.py).
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import numpy as np
 import torch
+
+from quasar.model.source import ModelSource
 
 INSTALL = ("llama.cpp rows skipped: llama-cpp-python is not installed "
            "(pip install llama-cpp-python; it builds from source in about 12 minutes)")
@@ -25,7 +26,7 @@ def available() -> bool:
 class LlamaCppScorer:
     """`logits(ids [1, T]) -> [1, T, V]` float32 from llama.cpp, the same windows quasar scores."""
 
-    def __init__(self, model: str | Path, precision: str, max_tokens: int) -> None:
+    def __init__(self, model: ModelSource, precision: str, max_tokens: int) -> None:
         from llama_cpp import Llama
 
         from quasar.tools.bench.gguf_export import llama_cpp_gguf
@@ -41,7 +42,7 @@ class LlamaCppScorer:
         return torch.from_numpy(scores.copy())[None]
 
 
-def peers(names: list[str], model: str | Path, max_tokens: int) -> dict[str, LlamaCppScorer]:
+def peers(names: list[str], model: ModelSource, max_tokens: int) -> dict[str, LlamaCppScorer]:
     """'llamacpp' (or 'llamacpp:q8_0') -> {'llama.cpp q8_0': scorer}; an empty dict with one line on stderr when
     llama-cpp-python is missing, or when it fails a probe run in a child process (bench.peers.llama_cpp_fails)."""
     import sys

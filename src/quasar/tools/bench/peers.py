@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from quasar.tools.bench.base import PeerMissingError, Pool
-from quasar.model.loading import load_tokenizer, resolve
+from quasar.model.loading import load_tokenizer, tokenizer_directory
 from quasar.decoding.outputs import RequestOutput
 from quasar.decoding.prompt import Messages, encode
 from quasar.decoding.sampling import SamplingParams
@@ -147,14 +147,14 @@ class LlamaCppMethod:
 
         from quasar.tools.bench.gguf_export import llama_cpp_gguf
 
-        if not resolve(pool.options.model).is_file():
+        if pool.source.format != "gguf":
             raise PeerMissingError("the llama.cpp peers need a GGUF model (--model default or a .gguf file)")
         self.name = name
-        source = resolve(pool.options.model)
+        source = pool.source.path
         self.path = f"llama.cpp {llama_cpp.__version__} " + (source.name if precision == "file" else precision.upper())
-        self.tokenizer = load_tokenizer(pool.directory())
+        self.tokenizer = load_tokenizer(tokenizer_directory(pool.source))
         draft = LlamaPromptLookupDecoding(num_pred_tokens=pld_tokens) if pld_tokens else None
-        path = llama_cpp_gguf(pool.options.model, precision)
+        path = llama_cpp_gguf(pool.source, precision)
         if why := llama_cpp_fails(str(path), torch.get_num_threads()):
             raise PeerMissingError(why)
         n_ctx = pool.options.max_context or 4096

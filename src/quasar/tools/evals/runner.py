@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from quasar.builder import Verifiers, build_engine
-from quasar.spec import NO_DRAFTER, EngineSpec, VerifierSpec
+from quasar.builder import Verifiers, build_engine, model_source
+from quasar.spec import NO_DRAFTER, EngineSpec, VerifierSpec, check_drafter
 from quasar.decoding.batch import Batch
 from quasar.decoding.engine import Engine, PromptTooLongError, Request
 from quasar.tools.evals.task import ForwardTask, GenerativeTask, ItemResult, Task, TaskOptions, is_generative
@@ -192,14 +192,6 @@ def check_verifiers(names: tuple[str, ...]) -> list[VerifierSpec]:
     return [VerifierSpec.parse(name) for name in names]
 
 
-def check_drafter(name: str) -> None:
-    """Fail before any work when a drafter name is unknown."""
-    from quasar.decoding.drafters import DRAFTERS, FORMS, NO_DRAFTER
-
-    if name != NO_DRAFTER and name.partition(":")[0] not in DRAFTERS:
-        raise ValueError(f"unknown drafter {name!r}; choose from {FORMS}")
-
-
 def too_long(item: Any) -> ItemResult:
     """The result of an item whose prompt does not fit the context window: wrong."""
     log.warning("%s: %s, scored as wrong", item.id, TOO_LONG)
@@ -328,6 +320,7 @@ def evaluate(config: EvalConfig, on_score: Callable[[EvalReport], None] | None =
         raise ValueError(f"the batch must be >= 1 items, got {batch}")
     check_verifiers(config.verifiers)
     check_drafter(drafter)
+    source = model_source(config.model)
     items = {name: get_task(name).load(config.limit) for name in config.tasks}
     report = EvalReport(config, run={"batch": batch, "drafter": drafter})
     done = resume_scores(resume, config, items) if resume else {}
@@ -339,7 +332,7 @@ def evaluate(config: EvalConfig, on_score: Callable[[EvalReport], None] | None =
             log.info("loading verifier %s of %s", verifier, config.model)
             generates = any(is_generative(get_task(n)) for n in todo)  # else no drafter is loaded
             spec = EngineSpec((VerifierSpec.parse(verifier),), drafter if generates else NO_DRAFTER)
-            engine = build_engine(spec, Verifiers(config.model), max_context=config.max_context)
+            engine = build_engine(spec, Verifiers(source), max_context=config.max_context)
         for name in config.tasks:
             def checkpoint(partial: TaskScore, key: tuple[str, str] = (verifier, name)) -> None:
                 report.scores[key] = partial
