@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -200,9 +201,13 @@ def test_transformers_peer_counts_its_steps(tiny_model_dir, mode):
 def test_quantized_checkpoint_serves_the_int8_verifiers_only(monkeypatch):
     from quasar import builder
 
+    from quasar.model.source import ModelSource
+
+    model = ModelSource("float-model", Path("float-model"), "hf", "llama", ("float",))
+    ckpt = ModelSource("ckpt", Path("ckpt"), "quantized", "llama", ("w8a8",))
     calls = []
-    monkeypatch.setattr(builder, "load_verifier", lambda model, spec: calls.append((model, str(spec))) or spec)
-    pool = Pool(MethodOptions(model="float-model", quantized="ckpt"))
+    monkeypatch.setattr(builder, "load_verifier", lambda source, spec: calls.append((source.name, str(spec))) or spec)
+    pool = Pool(MethodOptions(model=model, quantized=ckpt))
     for name in ("bf16", "w8a8", "w8a16", "w8a8:0.5"):
         pool.verifier(name)
     assert calls == [("float-model", "bf16"), ("ckpt", "w8a8"), ("ckpt", "w8a16"), ("ckpt", "w8a8:0.5")]

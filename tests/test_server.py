@@ -106,7 +106,7 @@ def expected(model_dir):
     speculatively (ngram drafter), which is lossless, so it must give the same."""
     from quasar import LLM, SamplingParams
 
-    llm = LLM(model_dir)
+    llm = LLM(model_dir, verifier="fp32")
     params = SamplingParams(max_new_tokens=12)
 
     def answer(prompt: str) -> str:
