@@ -12,11 +12,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from quasar.model.execution import ON_TORCH, ExecutionPlan
+
+if TYPE_CHECKING:
+    from quasar.decoding.grammar import Constraint
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes (a negative seed wraps around)
 
@@ -29,7 +32,12 @@ def check_seed(seed: object) -> None:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 disable those filters."""
+    """How to pick tokens. temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 disable those filters.
+
+    Structured output (quasar.decoding.grammar), at most one of: `json_schema` (a dict, its JSON text or a pydantic
+    model class: the answer is JSON that validates against it), `json_object` (any JSON object), `regex` (the
+    answer matches it whole), `grammar` (a Lark grammar in llguidance's dialect). Checked when made: a bad one is a
+    ValueError naming the field. `constraint` holds it compiled."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -39,6 +47,11 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    json_schema: Any = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    constraint: Constraint | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -55,6 +68,26 @@ class SamplingParams:
             check_seed(self.seed)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "constraint", self._constraint())
+
+    def _constraint(self) -> Constraint | None:
+        """The structured-output fields, compiled (None when none is set)."""
+        given = {"json_schema": self.json_schema is not None, "regex": self.regex is not None,
+                 "grammar": self.grammar is not None, "json_object": bool(self.json_object)}
+        chosen = [name for name, on in given.items() if on]
+        if not chosen:
+            return None
+        if len(chosen) > 1:
+            raise ValueError(f"give at most one of json_schema, regex, grammar, json_object; got {', '.join(chosen)}")
+        if self.ignore_eos:
+            raise ValueError(f"ignore_eos cannot be combined with {chosen[0]}: the answer ends where the grammar does")
+        from quasar.decoding.grammar import Constraint
+
+        kind = chosen[0]
+        text = {"json_schema": self.json_schema, "regex": self.regex, "grammar": self.grammar}.get(kind, "")
+        if kind in ("regex", "grammar") and not isinstance(text, str):
+            raise ValueError(f"{kind} must be a string, got {type(text).__name__}")
+        return Constraint(kind, text)
 
     @property
     def greedy(self) -> bool:

@@ -198,10 +198,11 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
     async def serve(http: Request, req: CompletionRequest | ChatRequest, ids: list[int], chat: bool) -> Any:
         requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
         room = budget(requested, len(ids), engine.max_context, engine.caches.budget, engine.cache_slack)
+        params = req.sampling(room)
         try:
-            request = engine.request(ids, req.sampling(room))
+            request = engine.request(ids, params)
         except ValueError as e:
-            raise BadRequest(str(e)) from None
+            raise BadRequest(str(e), param=getattr(e, "field", None)) from None
         try:
             job = scheduler.submit(request)
         except QueueFullError as e:

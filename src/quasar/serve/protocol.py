@@ -4,6 +4,7 @@ Validation lives here so that every bad input becomes a 400 with an OpenAI error
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -11,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from quasar.decoding.engine import CACHE_BUCKET
+from quasar.decoding.grammar import GrammarError
 from quasar.decoding.outputs import RequestOutput
 from quasar.decoding.sampling import SEED_MAX, SEED_MIN, SamplingParams
 
@@ -42,12 +44,31 @@ TOP_K_MAX = 2**31 - 1
 # 400 naming it, rather than answered as if it had not asked (None, and the value meaning "off", are accepted).
 NOT_IMPLEMENTED = {
     "tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "parallel_tool_calls": True,
-    "response_format": {"type": "text"}, "logit_bias": {}, "top_logprobs": 0, "best_of": 1, "suffix": "",
+    "logit_bias": {}, "top_logprobs": 0, "best_of": 1, "suffix": "",
     "echo": False, "logprobs": False, "repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [],
     "presence_penalty": 0.0, "frequency_penalty": 0.0, "prediction": None, "audio": None, "modalities": ["text"],
     "reasoning_effort": None, "web_search_options": None,
 }
 IGNORED = ("user", "metadata", "store", "service_tier")  # bookkeeping fields with no effect on the output
+
+
+class JsonSchemaFormat(BaseModel):
+    """response_format.json_schema: the schema the answer follows. `strict` is accepted either way: the answer
+    always follows the schema (quasar.decoding.grammar)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(BaseModel):
@@ -68,6 +89,11 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)
     ignore_eos: bool = False  # extension (vLLM)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None  # extensions (vLLM): structured output
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
 
     @field_validator("temperature")
     @classmethod
@@ -88,11 +114,43 @@ class _Sampling(BaseModel):
 
     def sampling(self, max_new_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
-            seed=self.seed,
-            max_new_tokens=max_new_tokens, stop=stop, ignore_eos=self.ignore_eos,
-        )
+        param, structure = self.structure()
+        try:
+            return SamplingParams(
+                temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
+                seed=self.seed,
+                max_new_tokens=max_new_tokens, stop=stop, ignore_eos=self.ignore_eos, **structure,
+            )
+        except GrammarError as e:
+            raise BadRequest(f"invalid {param!r}: {e.reason}", param=param) from None
+
+    def structure(self) -> tuple[str | None, dict[str, Any]]:
+        """The structured-output fields as SamplingParams takes them, and the request field they came from;
+        BadRequest when more than one asks for a structure."""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise BadRequest("response_format of type 'json_schema' needs a 'json_schema' object",
+                                 param="response_format.json_schema")
+            asked.append(("response_format", {"json_schema": fmt.json_schema.json_schema}))
+        if self.guided_json is not None:
+            asked.append(("guided_json", {"json_schema": self.guided_json}))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", {"regex": self.guided_regex}))
+        if self.guided_grammar is not None:
+            asked.append(("guided_grammar", {"grammar": self.guided_grammar}))
+        if self.guided_choice is not None:
+            asked.append(("guided_choice", {"grammar": "start: " + " | ".join(map(json.dumps, self.guided_choice))}))
+        if len(asked) > 1:
+            raise BadRequest(f"at most one of {', '.join(name for name, _ in asked)} may ask for a structure",
+                             param=asked[1][0])
+        if asked and self.ignore_eos:
+            raise BadRequest(f"'ignore_eos' cannot be combined with {asked[0][0]!r}: the answer ends where its "
+                             "structure does", param="ignore_eos")
+        return asked[0] if asked else (None, {})
 
     @property
     def include_usage(self) -> bool:
