@@ -194,7 +194,7 @@ def failing_on(marker: int):
     """A decoder that fails a request whose prompt holds `marker` after its prompt's forward, plain otherwise."""
     from quasar.decoding.autoregressive import autoregressive
 
-    def decoder(model, cache, prompt_ids, params, stop, stats):
+    def decoder(model, cache, prompt_ids, params, stop, stats, processing=None):
         if marker in prompt_ids:
             yield Step(prompt_ids, cache, last_only=True)
             raise RuntimeError("this request breaks")

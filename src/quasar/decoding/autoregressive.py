@@ -16,6 +16,7 @@ import torch
 from quasar.model.kv_cache import KVCache
 from quasar.decoding.step import Step
 from quasar.model.llama import Transformer
+from quasar.decoding.processors import Processing
 from quasar.decoding.sampling import Sampler, SamplingParams
 from quasar.decoding.stats import GenerationStats
 
@@ -55,9 +56,11 @@ def autoregressive(
     params: SamplingParams,
     stop: StopRule,
     stats: GenerationStats,
+    processing: Processing | None = None,
 ) -> Steps:
-    """Plain decoding: asks for the prompt's forward, then one forward per token; yields one-token lists."""
-    sampler = Sampler(params, model.plan)
+    """Plain decoding: asks for the prompt's forward, then one forward per token; yields one-token lists. Each row
+    passes through the request's processors (`processing`) before its token is picked."""
+    sampler = Sampler(params, model.plan, processing)
     start = time.perf_counter()
     logits = yield Step(prompt_ids[cache.length :], cache, last_only=True)  # a kept start of it is not run again
     token = sampler.next_token(logits[-1])

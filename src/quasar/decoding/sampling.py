@@ -10,7 +10,7 @@ sampling reaches it, in buffers the request reuses; no step sorts the vocabulary
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +20,7 @@ from quasar.model.execution import ON_TORCH, ExecutionPlan
 
 if TYPE_CHECKING:
     from quasar.decoding.grammar import Constraint
+    from quasar.decoding.processors import Processing
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes (a negative seed wraps around)
 
@@ -275,10 +276,13 @@ class TargetRows:
 
 class Sampler:
     """Per-request sampling state: the generator and the buffers every step reuses (no per-step allocation of
-    vocabulary-sized tensors). `plan`: the verifier's, whose kernel module (if any) runs the row operations."""
+    vocabulary-sized tensors). `plan`: the verifier's, whose kernel module (if any) runs the row operations;
+    `processing`: the request's row processors, which every row passes through before a token is picked."""
 
-    def __init__(self, params: SamplingParams, plan: ExecutionPlan = ON_TORCH) -> None:
+    def __init__(self, params: SamplingParams, plan: ExecutionPlan = ON_TORCH,
+                 processing: Processing | None = None) -> None:
         self.params = params
+        self.processing = processing
         self.kernel = plan.kernel
         self.generator = params.generator()
         self.weights = torch.empty(0)
@@ -299,8 +303,23 @@ class Sampler:
         """logits [R, V] -> each row's argmax [R] (argmax_rows)."""
         return argmax_rows(logits, self.kernel)
 
+    def processed(self, logits: torch.Tensor, draft: Sequence[int] = ()) -> torch.Tensor:
+        """logits [R, V] as the request's processors leave them (row i: after the tokens so far and draft[:i])."""
+        return logits if self.processing is None else self.processing.apply(logits, draft)
+
     def next_token(self, logits: torch.Tensor) -> int:
-        """logits [V] -> one token id (the argmax when greedy)."""
+        """logits [V] of the position after the tokens so far -> one token id (the argmax when greedy)."""
+        return self.pick(self.processed(logits[None])[0])
+
+    def repick(self, logits: torch.Tensor, draft: Sequence[int]) -> int:
+        """next_token for the position after the tokens so far and `draft` of a step whose rows were processed
+        already, from other logits [V] (a re-score); that row takes the place of the step's row there."""
+        if self.processing is not None:
+            logits = self.processing.apply_at(logits, draft)
+        return self.pick(logits)
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """logits [V], processed -> one token id (the argmax when greedy)."""
         if self.params.greedy:
             return int(self.argmax(logits[None])[0])
         return self.rows(logits[None]).sample(0, self.generator)
