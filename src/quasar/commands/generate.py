@@ -7,7 +7,14 @@ import json
 import sys
 
 from quasar.commands.common import (
-    add_decode_args, add_model_args, add_sampling_args, build_engine, prompt, read_prompt, sampling_params,
+    add_decode_args,
+    add_model_args,
+    add_sampling_args,
+    add_structure_args,
+    build_engine,
+    prompt,
+    read_prompt,
+    sampling_params,
 )
 from quasar.decoding.stats import GenerationStats
 
@@ -23,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(parser)
     add_decode_args(parser)
     add_sampling_args(parser)
+    add_structure_args(parser)
     chat = parser.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="wrap the prompt in the model's chat template (default when the model has one)")

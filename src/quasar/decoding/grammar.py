@@ -19,14 +19,19 @@ forced: the keys, quotes and separators are drafted for free.
 from __future__ import annotations
 
 import json
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
-import llguidance.hf
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from quasar.decoding.processors import Processing, Vocab
+    from quasar.decoding.sampling import SamplingParams
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")  # as SamplingParams names them
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -98,6 +103,8 @@ class Grammars:
     an answer, allowed where the grammar is complete); makes each request's GrammarMask."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        import llguidance.hf  # imports transformers
+
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
         self.vocab_size = vocab_size
 
@@ -160,3 +167,37 @@ class GrammarMask:
     def done(self) -> bool:
         """Whether the grammar allows nothing more but the end of the answer."""
         return self.matcher.is_stopped()
+
+
+class Bridges:
+    """The Grammars of each tokenizer in use, built on its first grammar and kept while the tokenizer lives."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.made: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]], Grammars]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def __call__(self, vocab: Vocab) -> Grammars:
+        if vocab.tokenizer is None:
+            raise ValueError("a grammar needs the model's tokenizer")
+        key = (vocab.size, tuple(vocab.eos))
+        with self.lock:
+            kept = self.made.setdefault(vocab.tokenizer, {})
+            if key not in kept:
+                kept[key] = Grammars(vocab.tokenizer, vocab.size, vocab.eos)
+            return kept[key]
+
+
+grammars_for = Bridges()
+
+
+def grammar_mask(params: SamplingParams, vocab: Vocab) -> GrammarMask | None:
+    """The row processor of a request's constraint (quasar.decoding.processors.FACTORIES); None without one."""
+    return None if params.constraint is None else grammars_for(vocab).mask(params.constraint)
+
+
+def grammar_of(processing: Processing | None) -> GrammarMask | None:
+    """A request's grammar among its row processors, for drafting (None when it has none)."""
+    processors = processing.processors if processing is not None else ()
+    return next((p for p in processors if isinstance(p, GrammarMask)), None)

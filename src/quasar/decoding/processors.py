@@ -42,7 +42,18 @@ class Vocab:
 
 
 ProcessorFactory = Callable[[SamplingParams, Vocab], "RowProcessor | None"]
-FACTORIES: list[ProcessorFactory] = []  # each gives a request's processor of its kind, or None when not asked for
+
+
+def grammar(params: SamplingParams, vocab: Vocab) -> RowProcessor | None:
+    """A structured-output request's grammar mask (quasar.decoding.grammar, imported only when one is asked for)."""
+    if params.constraint is None:
+        return None
+    from quasar.decoding.grammar import grammar_mask
+
+    return grammar_mask(params, vocab)
+
+
+FACTORIES: list[ProcessorFactory] = [grammar]  # each gives a request's processor of its kind, or None when not asked for
 
 
 def processors_for(params: SamplingParams, vocab: Vocab) -> list[RowProcessor]:

@@ -259,6 +259,7 @@ def usage(completion: RequestOutput) -> dict[str, Any]:
             "accepted_tokens": stats.accepted_tokens,
             "mean_accepted_tokens": stats.mean_accepted_tokens,
             "acceptance_rate": stats.acceptance_rate,
+            "forced_tokens": stats.forced_tokens,
             "tokens_per_s": stats.tokens_per_s,
         },
     }
