@@ -160,12 +160,15 @@ class ToyTokenizer:
         self.tokens = [b"a", b"b", b"c", b"ab", b"{", b"}", b"x", b"<end>"]
         self.eos_token_id, self.bos_token_id, self.special_token_ids = V - 1, None, [V - 1]
 
-    def __call__(self, text: bytes) -> list[int]:
+    def __call__(self, text: bytes | str) -> list[int]:
+        """Greedy: "ab" as one token; bytes outside the vocabulary are dropped."""
+        text = text.encode() if isinstance(text, str) else text
         out, i = [], 0
         while i < len(text):
-            two = self.tokens.index(text[i : i + 2]) if text[i : i + 2] == b"ab" else None
-            out.append(two if two is not None else self.tokens.index(text[i : i + 1]))
-            i += 2 if two is not None else 1
+            size = 2 if text[i : i + 2] == b"ab" else 1
+            if text[i : i + size] in self.tokens:
+                out.append(self.tokens.index(text[i : i + size]))
+            i += size
         return out
 
 

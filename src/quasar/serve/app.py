@@ -20,11 +20,22 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quasar.decoding.engine import Engine
+from quasar.decoding.grammar import grammars_for
 from quasar.decoding.outputs import RequestOutput
-from quasar.decoding.prompt import encode
+from quasar.decoding.prompt import encode, renders_tools
 from quasar.serve.metrics import Metrics
-from quasar.serve.protocol import BadRequest, ChatRequest, CompletionRequest, Envelope, budget, error_body, parse
+from quasar.serve.protocol import (
+    BadRequest,
+    ChatRequest,
+    CompletionRequest,
+    Envelope,
+    budget,
+    error_body,
+    finish_reason,
+    parse,
+)
 from quasar.serve.scheduler import Job, QueueFullError, Scheduler, ShuttingDownError, WorkerStoppedError
+from quasar.serve.tools import ToolPlan, ToolReply
 
 log = logging.getLogger("quasar")
 RETRY_AFTER_S = 1  # what a 429 tells a client to wait before trying again
@@ -119,6 +130,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
         first = None if job.first_piece is None else job.first_piece - job.submitted
         metrics.record(completion.stats, time.perf_counter() - job.submitted, first, cancelled)
 
+    grammars_for(engine.vocab)  # the tokenizer bridged to the grammar engine here, not in a request's handler
     scheduler = Scheduler(engine, max_queue, max_batch, max_rows, kv_budget, on_finish=finished, own_thread=own_thread)
 
     @asynccontextmanager
@@ -173,8 +185,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
     async def chat_completions(request: Request) -> Any:
         req = parse(ChatRequest, await read_json(request))
         check_model(req.model)
-        ids = await prompts.encode([m.text() for m in req.messages], None, "messages")
-        return await serve(request, req, ids, chat=True)
+        tools = req.tool_plan()
+        if tools is not None and tools.mode == "auto" and not prompts.takes_tools:
+            raise BadRequest("this model's chat template takes no tools, so tool_choice 'auto' cannot offer them to "
+                             "it; 'required' or a named function holds the answer to the tools' schemas",
+                             param="tool_choice")
+        shown = list(tools.tools) if tools is not None and prompts.takes_tools else None
+        ids = await prompts.encode([m.text() for m in req.messages], None, "messages", shown)
+        return await serve(request, req, ids, chat=True, tools=tools)
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -195,10 +213,11 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             raise BadRequest("the prompt is empty", param="prompt")
         return await prompts.encode(str(prompt), False, "prompt")
 
-    async def serve(http: Request, req: CompletionRequest | ChatRequest, ids: list[int], chat: bool) -> Any:
+    async def serve(http: Request, req: CompletionRequest | ChatRequest, ids: list[int], chat: bool,
+                    tools: ToolPlan | None = None) -> Any:
         requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
         room = budget(requested, len(ids), engine.max_context, engine.caches.budget, engine.cache_slack)
-        params = req.sampling(room)
+        params = req.sampling(room, tools)
         try:
             request = engine.request(ids, params)
         except ValueError as e:
@@ -210,14 +229,20 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
                              headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         envelope = Envelope(model_name, chat)
         if req.stream:
-            return StreamingResponse(sse(job, envelope, req.include_usage), media_type="text/event-stream")
+            reply = ToolReply(tools) if tools is not None else None
+            return StreamingResponse(sse(job, envelope, req.include_usage, reply), media_type="text/event-stream")
         watcher = asyncio.create_task(cancel_on_hang_up(http, job))
         try:
             completion = await job.completion()
         finally:
             watcher.cancel()
             scheduler.cancel(job)  # no-op once finished; frees the place if this handler was cancelled
-        return JSONResponse(envelope.full(completion))
+        reply = None
+        if tools is not None:  # the answer read as tool calls
+            reply = ToolReply(tools)
+            reply.feed(completion.text)
+            reply.finish()
+        return JSONResponse(envelope.full(completion, reply))
 
     async def cancel_on_hang_up(http: Request, job: Job) -> None:
         """A non-streaming client that goes away frees its place at the next step, as a streaming one does."""
@@ -225,18 +250,31 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             await asyncio.sleep(HANG_UP_POLL_S)
         scheduler.cancel(job)
 
-    async def sse(job: Job, envelope: Envelope, include_usage: bool) -> AsyncIterator[str]:
+    async def sse(job: Job, envelope: Envelope, include_usage: bool, reply: ToolReply | None = None
+                  ) -> AsyncIterator[str]:
+        """The stream's events; with `reply` (tools), each piece read as content and tool-call deltas."""
         no_usage = {"usage": None} if include_usage else {}  # OpenAI's chunks say so before the usage chunk
+
+        def chunks(piece: str | None) -> list[dict[str, Any]]:
+            if reply is None:
+                return [envelope.chunk(piece)] if piece is not None else []
+            deltas = reply.feed(piece) if piece is not None else reply.finish()
+            return [envelope.delta_chunk(delta) for delta in deltas if delta.text or delta.name]
+
         try:
             role = envelope.chat  # the chat's role chunk goes out with the first text, as vLLM's does: a client
             try:  # that times its first chunk (vLLM's benchmark does) then measures the prefill, not the queue
                 async for piece in job.pieces():
-                    if role:
-                        yield event(envelope.chunk(None, role=True) | no_usage)
-                        role = False
-                    yield event(envelope.chunk(piece) | no_usage)
+                    for chunk in chunks(piece):
+                        if role:
+                            yield event(envelope.chunk(None, role=True) | no_usage)
+                            role = False
+                        yield event(chunk | no_usage)
+                tail = chunks(None)  # what a reply held back (a tag's possible start, an unclosed call)
                 if role:
                     yield event(envelope.chunk(None, role=True) | no_usage)
+                for chunk in tail:
+                    yield event(chunk | no_usage)
             except ShuttingDownError as e:  # the 200 went out: say so in the stream, and end it
                 yield event(error_body(str(e), "server_error", code="shutting_down"))
                 yield "data: [DONE]\n\n"
@@ -247,7 +285,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
                 yield "data: [DONE]\n\n"
                 return
             completion = job.request.output
-            yield event(envelope.chunk(None, finish_reason=completion.finish_reason) | no_usage)
+            yield event(envelope.chunk(None, finish_reason=finish_reason(completion, reply)) | no_usage)
             if include_usage:
                 yield event(envelope.usage_chunk(completion))
             yield "data: [DONE]\n\n"
@@ -280,16 +318,20 @@ class PromptEncoder:
         self.lock = threading.Lock()
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self.max_chars = max_context * longest  # no text longer than this fits, whatever its tokens
+        self.takes_tools = renders_tools(self.tokenizer)  # whether the chat template shows the model tools
 
-    async def encode(self, prompt: str | list[dict[str, str]], chat: bool | None, param: str) -> list[int]:
+    async def encode(self, prompt: str | list[dict[str, Any]], chat: bool | None, param: str,
+                     tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt's ids; `tools`: shown to the model through its chat template."""
         chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+        chars += len(json.dumps(tools)) if tools else 0
         if chars > self.max_chars:
             raise BadRequest(f"the prompt has {chars} characters: more than the context window can hold",
                              param=param, code="context_length_exceeded")
 
         def locked() -> list[int]:
             with self.lock:
-                return encode(self.tokenizer, prompt, chat, self.special)
+                return encode(self.tokenizer, prompt, chat, self.special, tools)
 
         try:
             return await asyncio.to_thread(locked)

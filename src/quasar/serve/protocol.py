@@ -12,9 +12,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from quasar.decoding.engine import CACHE_BUCKET
-from quasar.decoding.grammar import GrammarError
+from quasar.decoding.grammar import Constraint, GrammarError
 from quasar.decoding.outputs import RequestOutput
 from quasar.decoding.sampling import SEED_MAX, SEED_MIN, SamplingParams
+from quasar.serve.tools import Delta, ToolPlan, ToolReply
 
 
 class BadRequest(ValueError):
@@ -43,8 +44,7 @@ TOP_K_MAX = 2**31 - 1
 # Fields the OpenAI API defines that this server does not implement: a request that sets one is refused with a
 # 400 naming it, rather than answered as if it had not asked (None, and the value meaning "off", are accepted).
 NOT_IMPLEMENTED = {
-    "tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "parallel_tool_calls": True,
-    "logit_bias": {}, "top_logprobs": 0, "best_of": 1, "suffix": "",
+    "functions": [], "function_call": "none", "logit_bias": {}, "top_logprobs": 0, "best_of": 1, "suffix": "",
     "echo": False, "logprobs": False, "repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [],
     "presence_penalty": 0.0, "frequency_penalty": 0.0, "prediction": None, "audio": None, "modalities": ["text"],
     "reasoning_effort": None, "web_search_options": None,
@@ -112,9 +112,10 @@ class _Sampling(BaseModel):
             raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return value
 
-    def sampling(self, max_new_tokens: int) -> SamplingParams:
+    def sampling(self, max_new_tokens: int, tools: ToolPlan | None = None) -> SamplingParams:
+        """The request's SamplingParams; `tools`: its tool plan, whose schema (if any) holds the answer."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        param, structure = self.structure()
+        param, structure = self.structure(tools)
         try:
             return SamplingParams(
                 temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
@@ -124,10 +125,12 @@ class _Sampling(BaseModel):
         except GrammarError as e:
             raise BadRequest(f"invalid {param!r}: {e.reason}", param=param) from None
 
-    def structure(self) -> tuple[str | None, dict[str, Any]]:
-        """The structured-output fields as SamplingParams takes them, and the request field they came from;
-        BadRequest when more than one asks for a structure."""
+    def structure(self, tools: ToolPlan | None = None) -> tuple[str | None, dict[str, Any]]:
+        """The structured-output fields (and the tools' schema) as SamplingParams takes them, and the request field
+        they came from; BadRequest when more than one asks for a structure."""
         asked: list[tuple[str, dict[str, Any]]] = []
+        if tools is not None and tools.schema() is not None:
+            asked.append(("tool_choice", {"json_schema": tools.schema()}))
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
             asked.append(("response_format", {"json_object": True}))
@@ -161,23 +164,126 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int]
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None  # None: an assistant turn that only called tools
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
-    def text(self) -> dict[str, str]:
-        if isinstance(self.content, str):
-            return {"role": self.role, "content": self.content}
+    def text(self) -> dict[str, Any]:
+        """The message as a chat template takes it: text content; a call's arguments as an object (Qwen's template
+        writes them with `tojson`)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content_text()}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": arguments(call.function.arguments)}}
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+    def content_text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         if any(part.get("type") != "text" for part in self.content):
             raise BadRequest("only text content parts are supported", param="messages")
-        return {"role": self.role, "content": "".join(str(part.get("text", "")) for part in self.content)}
+        return "".join(str(part.get("text", "")) for part in self.content)
+
+
+def arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise BadRequest(f"a tool call's arguments are not JSON: {text[:80]!r}", param="messages") from None
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_plan(self) -> ToolPlan | None:
+        """What the tools ask (quasar.serve.tools), checked: a choice without tools, a named function that is not
+        among them, two tools of one name or a tool's parameters that are no usable schema is a 400 naming it."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice is not None and choice != "none":
+                raise BadRequest("'tool_choice' needs 'tools'", param="tool_choice")
+            return None
+        names = [tool.function.name for tool in self.tools]
+        for i, tool in enumerate(self.tools):
+            if names.index(tool.function.name) != i:
+                raise BadRequest(f"two tools are named {tool.function.name!r}", param=f"tools.{i}.function.name")
+            if tool.function.parameters is not None:
+                try:
+                    Constraint("json_schema", tool.function.parameters)
+                except GrammarError as e:
+                    raise BadRequest(f"invalid parameters of tool {tool.function.name!r}: {e.reason}",
+                                     param=f"tools.{i}.function.parameters") from None
+        if choice is None or choice == "none":
+            return None if choice == "none" else ToolPlan("auto", self.tool_dicts(), parallel=self.parallel_tool_calls)
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                                 param="tool_choice")
+            return ToolPlan("named", self.tool_dicts(), choice.function.name, self.parallel_tool_calls)
+        return ToolPlan(choice, self.tool_dicts(), parallel=self.parallel_tool_calls)
+
+    def tool_dicts(self) -> tuple[dict[str, Any], ...]:
+        return tuple(tool.model_dump(exclude_none=True) for tool in self.tools or ())
 
 
 def parse(model: type[CompletionRequest | ChatRequest], body: Any) -> Any:
@@ -245,6 +351,13 @@ def budget(requested: int | None, prompt_tokens: int, max_context: int, kv_budge
     return room
 
 
+def finish_reason(completion: RequestOutput, reply: ToolReply | None) -> str:
+    """The completion's, but "tool_calls" for an answer that ended in tool calls."""
+    if reply is not None and reply.calls and completion.finish_reason == "stop":
+        return "tool_calls"
+    return completion.finish_reason
+
+
 def usage(completion: RequestOutput) -> dict[str, Any]:
     """OpenAI usage plus the speculative statistics of the request."""
     stats = completion.stats
@@ -277,10 +390,15 @@ class Envelope:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, completion: RequestOutput) -> dict[str, Any]:
+    def full(self, completion: RequestOutput, reply: ToolReply | None = None) -> dict[str, Any]:
+        """The whole response; `reply`: the answer read as tool calls (quasar.serve.tools)."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
-                      "logprobs": None, "finish_reason": completion.finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+            if reply is not None and reply.calls:
+                message = {"role": "assistant", "content": reply.content if reply.content.strip() else None,
+                           "tool_calls": reply.calls}
+            choice = {"index": 0, "message": message, "logprobs": None,
+                      "finish_reason": finish_reason(completion, reply)}
         else:
             choice = {"index": 0, "text": completion.text, "logprobs": None, "finish_reason": completion.finish_reason}
         return self._wrap([choice], chunk=False) | {"usage": usage(completion)}
@@ -293,6 +411,17 @@ class Envelope:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish_reason}
+        return self._wrap([choice], chunk=True)
+
+    def delta_chunk(self, delta: Delta) -> dict[str, Any]:
+        """A chat chunk of one piece of a reply read as tool calls: content, a call's start, or its arguments."""
+        if delta.index is None:
+            return self.chunk(delta.text)
+        call: dict[str, Any] = {"index": delta.index, "function": {"arguments": delta.text}}
+        if delta.name is not None:
+            call = {"index": delta.index, "id": delta.id, "type": "function",
+                    "function": {"name": delta.name, "arguments": ""}}
+        choice = {"index": 0, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}
         return self._wrap([choice], chunk=True)
 
     def usage_chunk(self, completion: RequestOutput) -> dict[str, Any]:
