@@ -407,3 +407,33 @@ def test_the_openai_client_stop_seed_and_n(server):
     assert sampled[0].choices[0].message.content == sampled[1].choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="n"):
         client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, n=2)
+
+
+def test_the_openai_client_parses_a_pydantic_model_and_calls_tools_streamed_or_not(server):
+    """`chat.completions.parse(response_format=Model)` gets an object that validates against Model; a required tool
+    call comes back as tool_calls, the same streamed (the client's own accumulation) as whole."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        answer: Literal["yes", "no"]
+        sure: bool
+
+    client = server.client()
+    messages = [{"role": "user", "content": "Is the sky blue?"}]
+    reply = client.chat.completions.parse(model=MODEL, messages=messages, response_format=Verdict, max_tokens=32,
+                                          temperature=0)
+    assert isinstance(reply.choices[0].message.parsed, Verdict)
+    tools = [{"type": "function", "function": {"name": "look", "parameters": {
+        "type": "object", "properties": {"where": {"enum": ["up", "down"]}}, "required": ["where"],
+        "additionalProperties": False}}}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice="required",
+                                           max_tokens=32, temperature=0)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in whole.choices[0].message.tool_calls]
+    assert calls and all(name == "look" and args["where"] in ("up", "down") for name, args in calls)
+    with client.chat.completions.stream(model=MODEL, messages=messages, tools=tools, tool_choice="required",
+                                        max_tokens=32, temperature=0) as stream:
+        streamed = stream.get_final_completion()
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed.choices[0].message.tool_calls] == calls
