@@ -60,6 +60,7 @@ def summary(stats: GenerationStats, path: str) -> str:
     12 tokens in 0.05 s; 1.62 tokens a verify step) on kernels:dpbusd'."""
     parts = [f"prompt: {stats.prompt_tokens} tokens in {stats.prefill_s:.2f} s"]
     if stats.proposed_tokens:
-        parts.append(f"{stats.mean_accepted_tokens:.2f} tokens a verify step")
+        forced = f", {stats.forced_per_step:.2f} of them forced by the grammar" if stats.forced_tokens else ""
+        parts.append(f"{stats.mean_accepted_tokens:.2f} tokens a verify step{forced}")
     return (f"{stats.new_tokens} tokens in {stats.wall_s:.2f} s, {stats.tokens_per_s:.1f} tokens/s "
             f"({'; '.join(parts)}) on {path}")
