@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from quasar.decoding import rules
 from quasar.decoding.sampling import SamplingParams
 
 
@@ -42,7 +43,9 @@ class Vocab:
 
 
 ProcessorFactory = Callable[[SamplingParams, Vocab], "RowProcessor | None"]
-FACTORIES: list[ProcessorFactory] = []  # each gives a request's processor of its kind, or None when not asked for
+
+# each gives a request's processor of its kind, or None when its params do not ask for one
+FACTORIES: list[ProcessorFactory] = [rules.logit_bias, rules.min_tokens, rules.penalties]
 
 
 def processors_for(params: SamplingParams, vocab: Vocab) -> list[RowProcessor]:
