@@ -249,9 +249,9 @@ def budget(requested: int | None, prompt_tokens: int, max_context: int, kv_budge
 def usage(completions: list[RequestOutput]) -> dict[str, Any]:
     """OpenAI usage plus the speculative statistics of a request's choices: the prompt counted once, the
     completion tokens and the verify steps of every choice."""
-    total = GenerationStats(prompt_tokens=completions[0].stats.prompt_tokens)
+    first = completions[0].stats  # the other choices start from its prefill (quasar.decoding.batch.Batch.admit)
+    total = GenerationStats(prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens)
     for stats in (c.stats for c in completions):
-        total.cached_tokens = max(total.cached_tokens, stats.cached_tokens)
         total.new_tokens += stats.new_tokens
         total.proposed_tokens += stats.proposed_tokens
         total.accepted_tokens += stats.accepted_tokens
