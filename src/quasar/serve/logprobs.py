@@ -21,21 +21,22 @@ def byte_table() -> dict[str, int]:
 
 class TokenTexts:
     """Each token id's bytes, read once from the tokenizer's vocabulary (so that the HTTP side never calls the
-    engine's tokenizer): byte-level BPE symbols through GPT-2's alphabet, SentencePiece's '▁' as a space and
-    <0xNN> as its byte, anything else as its UTF-8 text."""
+    engine's tokenizer): a byte-level BPE vocabulary (one whose symbols include GPT-2's 'Ġ', a space) through
+    GPT-2's alphabet; otherwise SentencePiece's '▁' as a space and <0xNN> as its byte; anything else (special
+    tokens among them) as its UTF-8 text."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
-        table = byte_table()
-        pieces = tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), vocab_size))))
-        self.bytes = [self.read(p or "", table) for p in pieces] + [b""] * max(0, vocab_size - len(pieces))
+        pieces = [p or "" for p in tokenizer.convert_ids_to_tokens(list(range(min(len(tokenizer), vocab_size))))]
+        table = byte_table() if any(p.startswith("\u0120") for p in pieces) else {}
+        self.bytes = [self.read(p, table) for p in pieces] + [b""] * max(0, vocab_size - len(pieces))
 
     @staticmethod
     def read(piece: str, table: dict[str, int]) -> bytes:
+        if table and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             return bytes([int(piece[3:5], 16)])
-        if all(c in table for c in piece):
-            return bytes(table[c] for c in piece)
-        return piece.replace("▁", " ").encode("utf-8")
+        return piece.replace("\u2581", " ").encode("utf-8")
 
     def text(self, token: int) -> str:
         return self.bytes[token].decode("utf-8", errors="replace")
