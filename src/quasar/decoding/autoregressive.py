@@ -31,10 +31,10 @@ def prefill(model: Transformer, cache: KVCache, prompt_ids: list[int]) -> torch.
 
 
 class StopRule:
-    """When a token stream ends: EOS (unless ignored) or the token budget."""
+    """When a token stream ends: EOS (unless ignored), a stop token id, or the token budget."""
 
     def __init__(self, params: SamplingParams, eos_ids: tuple[int, ...], budget: int) -> None:
-        self.eos = frozenset(() if params.ignore_eos else eos_ids)
+        self.eos = frozenset((() if params.ignore_eos else eos_ids) + params.stop_token_ids)
         self.budget = budget
         self.emitted = 0
 

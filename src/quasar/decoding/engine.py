@@ -17,7 +17,7 @@ from quasar.model.loading import LoadedModel
 from quasar.decoding.step import Step, run_steps
 from quasar.model.llama import Transformer
 from quasar.decoding.outputs import RequestOutput
-from quasar.decoding.processors import Processing, Vocab, processors_for
+from quasar.decoding.processors import Processing, TokenLogprob, Vocab, processors_for
 from quasar.decoding.prompt import Messages, encode
 from quasar.decoding.sampling import SamplingParams
 from quasar.decoding.stats import GenerationStats
@@ -57,6 +57,7 @@ class Request:
         self.pieces: list[str] = []  # text generated and not yet taken
         self.finished = False
         self.processing = engine.processing(self.output.prompt_token_ids, params)  # its row processors, or None
+        self.logprobs_taken = 0
 
     def begin(self, cache: KVCache) -> None:
         self.cache = cache
@@ -95,7 +96,7 @@ class Request:
             self.processing.commit(tokens)
         for part in ([t] for t in tokens) if self.detok.stop else (tokens,):
             self.output.token_ids.extend(part)
-            piece = self.detok.add(part)
+            piece = self.detok.add(part[:-1] if part and part[-1] in self.params.stop_token_ids else part)
             if piece:
                 self.pieces.append(piece)
             if self.detok.done:
@@ -106,6 +107,13 @@ class Request:
     def take(self) -> list[str]:
         pieces, self.pieces = self.pieces, []
         return pieces
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The logprobs of the output's tokens not taken yet (none unless the params ask for logprobs)."""
+        if self.processing is None or self.params.logprobs is None:
+            return []
+        taken, self.logprobs_taken = self.logprobs_taken, len(self.output.token_ids)
+        return self.processing.logprobs[taken : self.logprobs_taken]
 
     def finish(self) -> None:
         """Stop generating (done, or the client went away): close the decoder, settle text and stats."""
@@ -122,6 +130,8 @@ class Request:
         stats.new_tokens = len(self.output.token_ids)
         stats.decode_s = time.perf_counter() - self.started - stats.prefill_s
         self.output.text = self.detok.text
+        if self.processing is not None and self.params.logprobs is not None:
+            self.output.logprobs = self.processing.logprobs[: len(self.output.token_ids)]
 
 
 class Run:
@@ -231,7 +241,9 @@ class Engine:
     def processing(self, prompt_ids: list[int], params: SamplingParams) -> Processing | None:
         """The row processors `params` asks for over this prompt (quasar.decoding.processors); None when none."""
         processors = processors_for(params, self.vocab)
-        return Processing(processors, prompt_ids) if processors else None
+        if not processors and params.logprobs is None:
+            return None
+        return Processing(processors, prompt_ids, params.logprobs)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, prompt: str | Messages | None = None
                  ) -> RequestOutput:

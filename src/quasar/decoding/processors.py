@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from quasar.decoding import rules
 from quasar.decoding.sampling import SamplingParams
 
 
@@ -53,7 +54,9 @@ def grammar(params: SamplingParams, vocab: Vocab) -> RowProcessor | None:
     return grammar_mask(params, vocab)
 
 
-FACTORIES: list[ProcessorFactory] = [grammar]  # each gives a request's processor of its kind, or None when not asked for
+# each gives a request's processor of its kind, or None when its params do not ask for one; the grammar comes last,
+# so that a row keeps exactly the tokens it allows whatever the rules before it added
+FACTORIES: list[ProcessorFactory] = [rules.logit_bias, rules.min_tokens, rules.penalties, grammar]
 
 
 def processors_for(params: SamplingParams, vocab: Vocab) -> list[RowProcessor]:

@@ -20,9 +20,11 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quasar.decoding.engine import Engine
+from quasar.decoding.engine import Request as EngineRequest
 from quasar.decoding.grammar import grammars_for
 from quasar.decoding.outputs import RequestOutput
 from quasar.decoding.prompt import encode, renders_tools
+from quasar.serve.logprobs import TokenTexts
 from quasar.serve.metrics import Metrics
 from quasar.serve.protocol import (
     BadRequest,
@@ -34,7 +36,7 @@ from quasar.serve.protocol import (
     finish_reason,
     parse,
 )
-from quasar.serve.scheduler import Job, QueueFullError, Scheduler, ShuttingDownError, WorkerStoppedError
+from quasar.serve.scheduler import Job, QueueFullError, Scheduler, ShuttingDownError, WorkerStoppedError, merged
 from quasar.serve.tools import ToolPlan, ToolReply
 
 log = logging.getLogger("quasar")
@@ -174,6 +176,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
         return {"object": "list", "data": [card]}
 
     prompts = PromptEncoder(engine.tokenizer, engine.max_context, allow_special_tokens)
+    texts = LazyTokenTexts(prompts, engine.target.model.config.vocab_size)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -217,64 +220,82 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
                     tools: ToolPlan | None = None) -> Any:
         requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
         room = budget(requested, len(ids), engine.max_context, engine.caches.budget, engine.cache_slack)
-        params = req.sampling(room, tools)
-        try:
-            request = engine.request(ids, params)
+        params = req.sampling(room, engine.target.model.config.vocab_size, tools)
+        try:  # the choices of `n`: as many requests, batched together
+            requests = [engine.request(ids, params.for_choice(i)) for i in range(req.n)]
         except ValueError as e:
             raise BadRequest(str(e), param=getattr(e, "field", None)) from None
-        try:
-            job = scheduler.submit(request)
-        except QueueFullError as e:
-            raise BadRequest(str(e), status=429, kind="rate_limit_exceeded", code="queue_full",
-                             headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        envelope = Envelope(model_name, chat)
+        jobs = submit(requests)
+        envelope = Envelope(model_name, chat, None if params.logprobs is None else await texts.get())
         if req.stream:
-            reply = ToolReply(tools) if tools is not None else None
-            return StreamingResponse(sse(job, envelope, req.include_usage, reply), media_type="text/event-stream")
-        watcher = asyncio.create_task(cancel_on_hang_up(http, job))
+            replies = [ToolReply(tools) for _ in jobs] if tools is not None else None
+            return StreamingResponse(sse(jobs, envelope, req.include_usage, replies), media_type="text/event-stream")
+        watcher = asyncio.create_task(cancel_on_hang_up(http, jobs))
         try:
-            completion = await job.completion()
+            completions = [await job.completion() for job in jobs]
         finally:
             watcher.cancel()
-            scheduler.cancel(job)  # no-op once finished; frees the place if this handler was cancelled
-        reply = None
-        if tools is not None:  # the answer read as tool calls
-            reply = ToolReply(tools)
-            reply.feed(completion.text)
-            reply.finish()
-        return JSONResponse(envelope.full(completion, reply))
+            for job in jobs:
+                scheduler.cancel(job)  # no-op once finished; frees the place if this handler was cancelled
+        replies = None
+        if tools is not None:  # each answer read as tool calls
+            replies = [ToolReply(tools) for _ in completions]
+            for reply, completion in zip(replies, completions):
+                reply.feed(completion.text)
+                reply.finish()
+        return JSONResponse(envelope.full(completions, replies))
 
-    async def cancel_on_hang_up(http: Request, job: Job) -> None:
+    def submit(requests: list[EngineRequest]) -> list[Job]:
+        """The requests' jobs, or none of them (HTTP 429 when the queue cannot take them all)."""
+        jobs: list[Job] = []
+        try:
+            for request in requests:
+                jobs.append(scheduler.submit(request))
+        except QueueFullError as e:
+            for job in jobs:
+                scheduler.cancel(job)
+            raise BadRequest(str(e), status=429, kind="rate_limit_exceeded", code="queue_full",
+                             headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except BaseException:
+            for job in jobs:
+                scheduler.cancel(job)
+            raise
+        return jobs
+
+    async def cancel_on_hang_up(http: Request, jobs: list[Job]) -> None:
         """A non-streaming client that goes away frees its place at the next step, as a streaming one does."""
         while not await http.is_disconnected():
             await asyncio.sleep(HANG_UP_POLL_S)
-        scheduler.cancel(job)
+        for job in jobs:
+            scheduler.cancel(job)
 
-    async def sse(job: Job, envelope: Envelope, include_usage: bool, reply: ToolReply | None = None
+    async def sse(jobs: list[Job], envelope: Envelope, include_usage: bool, replies: list[ToolReply] | None = None
                   ) -> AsyncIterator[str]:
-        """The stream's events; with `reply` (tools), each piece read as content and tool-call deltas."""
+        """The stream's events; with `replies` (tools), each choice's pieces read as content and tool-call deltas."""
         no_usage = {"usage": None} if include_usage else {}  # OpenAI's chunks say so before the usage chunk
 
-        def chunks(piece: str | None) -> list[dict[str, Any]]:
-            if reply is None:
-                return [envelope.chunk(piece)] if piece is not None else []
-            deltas = reply.feed(piece) if piece is not None else reply.finish()
-            return [envelope.delta_chunk(delta) for delta in deltas if delta.text or delta.name]
-
+        def chunks(i: int, piece: str | None, logprobs: Any = None) -> list[dict[str, Any]]:
+            """Choice i's chunks of a piece of text (None: its end, before the finish reason)."""
+            if replies is None:
+                return [] if piece is None else [envelope.chunk(piece, index=i, logprobs=logprobs)]
+            deltas = replies[i].feed(piece) if piece is not None else replies[i].finish()
+            out = [envelope.delta_chunk(delta, i) for delta in deltas if delta.text or delta.name]
+            return out + ([envelope.chunk(None, index=i, logprobs=logprobs)] if logprobs else [])
         try:
-            role = envelope.chat  # the chat's role chunk goes out with the first text, as vLLM's does: a client
-            try:  # that times its first chunk (vLLM's benchmark does) then measures the prefill, not the queue
-                async for piece in job.pieces():
-                    for chunk in chunks(piece):
-                        if role:
-                            yield event(envelope.chunk(None, role=True) | no_usage)
-                            role = False
+            # the chat's role chunk goes out with a choice's first text, as vLLM's does: a client that times its
+            # first chunk (vLLM's benchmark does) then measures the prefill, not the queue
+            roles = set(range(len(jobs))) if envelope.chat else set()
+            try:
+                async for i, delta in merged(jobs):
+                    if i in roles:
+                        yield event(envelope.chunk(None, role=True, index=i) | no_usage)
+                        roles.discard(i)
+                    for chunk in chunks(i, None if delta is None else delta.text,
+                                        None if delta is None else delta.logprobs):
                         yield event(chunk | no_usage)
-                tail = chunks(None)  # what a reply held back (a tag's possible start, an unclosed call)
-                if role:
-                    yield event(envelope.chunk(None, role=True) | no_usage)
-                for chunk in tail:
-                    yield event(chunk | no_usage)
+                    if delta is None:
+                        reason = finish_reason(jobs[i].request.output, replies[i] if replies else None)
+                        yield event(envelope.chunk(None, finish_reason=reason, index=i) | no_usage)
             except ShuttingDownError as e:  # the 200 went out: say so in the stream, and end it
                 yield event(error_body(str(e), "server_error", code="shutting_down"))
                 yield "data: [DONE]\n\n"
@@ -284,13 +305,12 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
                 yield event(error_body("generation failed (the server's log has the details)", "server_error"))
                 yield "data: [DONE]\n\n"
                 return
-            completion = job.request.output
-            yield event(envelope.chunk(None, finish_reason=finish_reason(completion, reply)) | no_usage)
             if include_usage:
-                yield event(envelope.usage_chunk(completion))
+                yield event(envelope.usage_chunk([job.request.output for job in jobs]))
             yield "data: [DONE]\n\n"
         finally:
-            scheduler.cancel(job)  # the client went away mid-stream: stop generating, free the place
+            for job in jobs:
+                scheduler.cancel(job)  # the client went away mid-stream: stop generating, free the place
 
     app.add_middleware(Guard, api_key=api_key, metrics=metrics, endpoints=frozenset(r.path for r in app.routes),
                        max_body=max_body, read_timeout=read_timeout)
@@ -337,3 +357,21 @@ class PromptEncoder:
             return await asyncio.to_thread(locked)
         except (ValueError, TypeError) as e:  # a template that refuses the conversation, text it cannot encode
             raise BadRequest(str(e).splitlines()[0], param=param) from None
+
+
+class LazyTokenTexts:
+    """The tokens' texts for logprobs (quasar.serve.logprobs.TokenTexts), read from the prompt encoder's tokenizer
+    when a request first asks for logprobs."""
+
+    def __init__(self, prompts: PromptEncoder, vocab_size: int) -> None:
+        self.prompts, self.vocab_size = prompts, vocab_size
+        self.texts: TokenTexts | None = None
+
+    async def get(self) -> TokenTexts:
+        def read() -> TokenTexts:
+            with self.prompts.lock:
+                if self.texts is None:
+                    self.texts = TokenTexts(self.prompts.tokenizer, self.vocab_size)
+                return self.texts
+
+        return self.texts or await asyncio.to_thread(read)

@@ -9,12 +9,15 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from quasar.decoding.engine import CACHE_BUCKET
 from quasar.decoding.grammar import Constraint, GrammarError
 from quasar.decoding.outputs import RequestOutput
-from quasar.decoding.sampling import SEED_MAX, SEED_MIN, SamplingParams
+from quasar.decoding.processors import TokenLogprob
+from quasar.decoding.sampling import MAX_BIAS, MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from quasar.decoding.stats import GenerationStats
+from quasar.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from quasar.serve.tools import Delta, ToolPlan, ToolReply
 
 
@@ -44,11 +47,10 @@ TOP_K_MAX = 2**31 - 1
 # Fields the OpenAI API defines that this server does not implement: a request that sets one is refused with a
 # 400 naming it, rather than answered as if it had not asked (None, and the value meaning "off", are accepted).
 NOT_IMPLEMENTED = {
-    "functions": [], "function_call": "none", "logit_bias": {}, "top_logprobs": 0, "best_of": 1, "suffix": "",
-    "echo": False, "logprobs": False, "repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [],
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "prediction": None, "audio": None, "modalities": ["text"],
-    "reasoning_effort": None, "web_search_options": None,
+    "functions": [], "function_call": "none", "best_of": 1, "suffix": "", "echo": False, "prediction": None,
+    "audio": None, "modalities": ["text"], "reasoning_effort": None, "web_search_options": None,
 }
+MAX_CHOICES = 16  # `n`: the choices of one request run as that many requests in the batch
 IGNORED = ("user", "metadata", "store", "service_tier")  # bookkeeping fields with no effect on the output
 
 
@@ -87,8 +89,14 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     ignore_eos: bool = False  # extension (vLLM)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # extension (vLLM)
+    logit_bias: dict[str, float] | None = None  # {token id as a string: bias in [-100, 100]}
+    min_tokens: int = Field(0, ge=0)  # extension (vLLM)
+    stop_token_ids: list[int] | None = None  # extension (vLLM)
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # extensions (vLLM): structured output
     guided_regex: str | None = None
@@ -102,6 +110,23 @@ class _Sampling(BaseModel):
             raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"keys must be token ids written as strings of digits, got {token!r}")
+            if not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise ValueError(f"biases must lie in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias}")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, value: list[int] | None) -> list[int] | None:
+        if any(token < 0 for token in value or ()):
+            raise ValueError("token ids are >= 0")
+        return value
+
     @field_validator("stop")
     @classmethod
     def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
@@ -112,18 +137,34 @@ class _Sampling(BaseModel):
             raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return value
 
-    def sampling(self, max_new_tokens: int, tools: ToolPlan | None = None) -> SamplingParams:
-        """The request's SamplingParams; `tools`: its tool plan, whose schema (if any) holds the answer."""
+    def sampling(self, max_new_tokens: int, vocab_size: int, tools: ToolPlan | None = None) -> SamplingParams:
+        """The SamplingParams asked for, with at most `max_new_tokens` (BadRequest naming the field for a value the
+        model's vocabulary or the token budget refuses); `tools`: the tool plan, whose schema (if any) holds the
+        answer."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        bias = {int(token): value for token, value in (self.logit_bias or {}).items()}
+        for name, tokens in (("logit_bias", bias), ("stop_token_ids", self.stop_token_ids or ())):
+            if any(token >= vocab_size for token in tokens):
+                raise BadRequest(f"{name!r} names a token id beyond the vocabulary ({vocab_size} tokens)", param=name)
+        if self.min_tokens > max_new_tokens:
+            raise BadRequest(f"min_tokens ({self.min_tokens}) is more than the request may generate "
+                             f"({max_new_tokens})", param="min_tokens")
         param, structure = self.structure(tools)
         try:
             return SamplingParams(
                 temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
-                seed=self.seed,
-                max_new_tokens=max_new_tokens, stop=stop, ignore_eos=self.ignore_eos, **structure,
+                seed=self.seed, max_new_tokens=max_new_tokens, stop=stop, ignore_eos=self.ignore_eos,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty, logit_bias=tuple(bias.items()), min_tokens=self.min_tokens,
+                stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=self.top_logprob_count, **structure,
             )
         except GrammarError as e:
             raise BadRequest(f"invalid {param!r}: {e.reason}", param=param) from None
+
+    @property
+    def top_logprob_count(self) -> int | None:
+        """How many of the most likely tokens to report at each position; None: no logprobs."""
+        return None
 
     def structure(self, tools: ToolPlan | None = None) -> tuple[str | None, dict[str, Any]]:
         """The structured-output fields (and the tools' schema) as SamplingParams takes them, and the request field
@@ -150,9 +191,10 @@ class _Sampling(BaseModel):
         if len(asked) > 1:
             raise BadRequest(f"at most one of {', '.join(name for name, _ in asked)} may ask for a structure",
                              param=asked[1][0])
-        if asked and self.ignore_eos:
-            raise BadRequest(f"'ignore_eos' cannot be combined with {asked[0][0]!r}: the answer ends where its "
-                             "structure does", param="ignore_eos")
+        for name in ("ignore_eos", "min_tokens"):
+            if asked and getattr(self, name):
+                raise BadRequest(f"{name!r} cannot be combined with {asked[0][0]!r}: the answer ends where its "
+                                 "structure does", param=name)
         return asked[0] if asked else (None, {})
 
     @property
@@ -162,6 +204,11 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the chosen token's and this many others'
+
+    @property
+    def top_logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class CalledFunction(BaseModel):
@@ -251,9 +298,22 @@ class NamedToolChoice(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    @property
+    def top_logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def tool_plan(self) -> ToolPlan | None:
         """What the tools ask (quasar.serve.tools), checked: a choice without tools, a named function that is not
@@ -284,6 +344,7 @@ class ChatRequest(_Sampling):
 
     def tool_dicts(self) -> tuple[dict[str, Any], ...]:
         return tuple(tool.model_dump(exclude_none=True) for tool in self.tools or ())
+
 
 
 def parse(model: type[CompletionRequest | ChatRequest], body: Any) -> Any:
@@ -358,71 +419,100 @@ def finish_reason(completion: RequestOutput, reply: ToolReply | None) -> str:
     return completion.finish_reason
 
 
-def usage(completion: RequestOutput) -> dict[str, Any]:
-    """OpenAI usage plus the speculative statistics of the request."""
-    stats = completion.stats
+def usage(completions: list[RequestOutput]) -> dict[str, Any]:
+    """OpenAI usage plus the speculative statistics of a request's choices: the prompt counted once, the
+    completion tokens and the verify steps of every choice."""
+    first = completions[0].stats  # the other choices start from its prefill (quasar.decoding.batch.Batch.admit)
+    total = GenerationStats(prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens)
+    for stats in (c.stats for c in completions):
+        total.new_tokens += stats.new_tokens
+        total.proposed_tokens += stats.proposed_tokens
+        total.accepted_tokens += stats.accepted_tokens
+        total.forced_tokens += stats.forced_tokens
+        total.accept_lengths += stats.accept_lengths
+        total.decode_s = max(total.decode_s, stats.wall_s)  # the choices run together
     return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.new_tokens,
-        "total_tokens": stats.prompt_tokens + stats.new_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},  # prefix caching (kv_cache.CachePool)
+        "prompt_tokens": total.prompt_tokens,
+        "completion_tokens": total.new_tokens,
+        "total_tokens": total.prompt_tokens + total.new_tokens,
+        "prompt_tokens_details": {"cached_tokens": total.cached_tokens},  # prefix caching (kv_cache.CachePool)
         "speculative": {
-            "verify_steps": stats.verify_steps,
-            "proposed_tokens": stats.proposed_tokens,
-            "accepted_tokens": stats.accepted_tokens,
-            "mean_accepted_tokens": stats.mean_accepted_tokens,
-            "acceptance_rate": stats.acceptance_rate,
-            "forced_tokens": stats.forced_tokens,
-            "tokens_per_s": stats.tokens_per_s,
+            "verify_steps": len(total.accept_lengths),
+            "proposed_tokens": total.proposed_tokens,
+            "accepted_tokens": total.accepted_tokens,
+            "mean_accepted_tokens": total.mean_accepted_tokens,
+            "acceptance_rate": total.acceptance_rate,
+            "forced_tokens": total.forced_tokens,
+            "tokens_per_s": total.tokens_per_s,
         },
     }
 
 
 class Envelope:
-    """Builds the response objects of one request (same id and timestamp in every chunk)."""
+    """Builds the response objects of one request (same id and timestamp in every chunk); `texts` writes the
+    tokens of logprobs."""
 
-    def __init__(self, model: str, chat: bool) -> None:
-        self.model, self.chat = model, chat
+    def __init__(self, model: str, chat: bool, texts: TokenTexts | None = None) -> None:
+        self.model, self.chat, self.texts = model, chat, texts
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.offsets: dict[int, int] = {}  # a streamed completion choice's characters so far (text_offset)
 
     def _wrap(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, completion: RequestOutput, reply: ToolReply | None = None) -> dict[str, Any]:
-        """The whole response; `reply`: the answer read as tool calls (quasar.serve.tools)."""
+    def logprobs(self, logprobs: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any] | None:
+        if logprobs is None or self.texts is None:
+            return None
         if self.chat:
-            message: dict[str, Any] = {"role": "assistant", "content": completion.text}
-            if reply is not None and reply.calls:
-                message = {"role": "assistant", "content": reply.content if reply.content.strip() else None,
-                           "tool_calls": reply.calls}
-            choice = {"index": 0, "message": message, "logprobs": None,
-                      "finish_reason": finish_reason(completion, reply)}
-        else:
-            choice = {"index": 0, "text": completion.text, "logprobs": None, "finish_reason": completion.finish_reason}
-        return self._wrap([choice], chunk=False) | {"usage": usage(completion)}
+            return chat_logprobs(logprobs, self.texts)
+        out = completion_logprobs(logprobs, self.texts, self.offsets.get(index, 0))
+        self.offsets[index] = self.offsets.get(index, 0) + sum(len(token) for token in out["tokens"])
+        return out
 
-    def chunk(self, piece: str | None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
+    def full(self, completions: list[RequestOutput], replies: list[ToolReply] | None = None) -> dict[str, Any]:
+        """The whole response; `replies`: each choice's answer read as tool calls (quasar.serve.tools)."""
+        choices = []
+        for i, completion in enumerate(completions):
+            choice: dict[str, Any] = {"index": i}
+            reply = replies[i] if replies else None
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": completion.text}
+                if reply is not None and reply.calls:
+                    choice["message"] = {"role": "assistant", "content": reply.content if reply.content.strip() else
+                                         None, "tool_calls": reply.calls}
+            else:
+                choice["text"] = completion.text
+            choice |= {"logprobs": self.logprobs(completion.logprobs, i),
+                       "finish_reason": finish_reason(completion, reply)}
+            choices.append(choice)
+        return self._wrap(choices, chunk=False) | {"usage": usage(completions)}
+
+    def chunk(self, piece: str | None, finish_reason: str | None = None, role: bool = False, index: int = 0,
+              logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        """One choice's chunk: text, the role (chat's first), the finish reason, the logprobs of new tokens."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if piece is not None:
                 delta["content"] = piece
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": piece or ""}
+        choice |= {"logprobs": self.logprobs(logprobs, index), "finish_reason": finish_reason}
         return self._wrap([choice], chunk=True)
 
-    def delta_chunk(self, delta: Delta) -> dict[str, Any]:
-        """A chat chunk of one piece of a reply read as tool calls: content, a call's start, or its arguments."""
+    def delta_chunk(self, delta: Delta, index: int = 0) -> dict[str, Any]:
+        """A chat chunk of one piece of a choice's reply read as tool calls: content, a call's start, or its
+        arguments."""
         if delta.index is None:
-            return self.chunk(delta.text)
+            return self.chunk(delta.text, index=index)
         call: dict[str, Any] = {"index": delta.index, "function": {"arguments": delta.text}}
         if delta.name is not None:
             call = {"index": delta.index, "id": delta.id, "type": "function",
                     "function": {"name": delta.name, "arguments": ""}}
-        choice = {"index": 0, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}
+        choice = {"index": index, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}
         return self._wrap([choice], chunk=True)
 
-    def usage_chunk(self, completion: RequestOutput) -> dict[str, Any]:
-        return self._wrap([], chunk=True) | {"usage": usage(completion)}
+    def usage_chunk(self, completions: list[RequestOutput]) -> dict[str, Any]:
+        return self._wrap([], chunk=True) | {"usage": usage(completions)}
