@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -97,7 +97,7 @@ def verify_step(propose: Callable[[int], Draft], k: int, feed: list[int], cache:
     logits = yield Step([*feed, *draft.tokens], cache, cut=cut, chances=length.chances(len(draft)))
     logits = logits[len(feed) - 1 :]  # [scored, V] over [last, *draft]
     if len(logits) <= len(draft):
-        draft = Draft(draft.tokens[: len(logits) - 1], draft.probs)
+        draft = replace(draft, tokens=draft.tokens[: len(logits) - 1])  # a busy batch scored a prefix
     verdict, target = judge(draft, logits, params, sampler, generator)
     if guard is not None:
         verdict = guard.review(cache, [feed[-1], *draft.tokens], logits, verdict, sampler, stats)
