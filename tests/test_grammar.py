@@ -18,6 +18,7 @@ from test_verify import chi_square_p
 
 from quasar.decoding.autoregressive import StopRule
 from quasar.decoding.batch import Batch
+from quasar.decoding.drafters.base import Draft
 from quasar.decoding.drafters.model_drafter import ModelDrafter
 from quasar.decoding.drafters.ngram import NgramDrafter
 from quasar.decoding.engine import Engine
@@ -177,7 +178,8 @@ TOY_GRAMMAR = r"ab[abc]{0,1}(ab|c)[abc]{0,3}"  # "ab" forced first (as "ab", or 
 
 def toy_mask() -> GrammarMask:
     tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(ToyTokenizer()))
-    return GrammarMask(llguidance.LLMatcher(tokenizer, Constraint("regex", TOY_GRAMMAR).grammar, log_level=0), V)
+    matcher = llguidance.LLMatcher(tokenizer, Constraint("regex", TOY_GRAMMAR).grammar, log_level=0)
+    return GrammarMask(matcher, V, eos_ids=(V - 1,))
 
 
 def allowed(prefix: list[int]) -> torch.Tensor:
@@ -246,8 +248,12 @@ def test_sampling_follows_the_masked_distribution(drafter):
 def test_the_default_model_extracts_an_object_that_validates(default_model):
     """Real weights: a schema'd extraction from a passage is answered whole, validates, and speculative decoding
     with grammar drafting gives plain decoding's tokens in fewer steps."""
-    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-              "city": {"type": "string"}}, "required": ["name", "age", "city"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}},
+        "required": ["name", "age", "city"],
+        "additionalProperties": False,
+    }
     plain = Engine(default_model)
     speculative = Engine(default_model, decoder_for("ngram", default_model))
     ask = "Give the person as JSON with name, age and city.\n\nMaria Lopez is 34 years old and lives in Madrid."
@@ -260,3 +266,38 @@ def test_the_default_model_extracts_an_object_that_validates(default_model):
     assert answer["name"] == "Maria Lopez" and answer["age"] == 34
     assert got.token_ids == want.token_ids
     assert got.stats.forced_tokens > 0 and got.stats.verify_steps < want.stats.verify_steps
+
+
+class PastTheEnd:
+    """A deterministic drafter that always proposes "c", the end of text, then more text."""
+
+    def spawn(self):
+        return self
+
+    def reset(self) -> None:
+        pass
+
+    def commit(self, tokens: list[int]) -> None:
+        pass
+
+    def rewind(self, n: int) -> None:
+        pass
+
+    def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
+        return Draft([2, V - 1, 0, 0][:k])
+
+
+@pytest.mark.parametrize("forced_drafts", [True, False])
+def test_a_draft_past_the_end_of_the_answer_is_judged_and_cut_at_the_end(forced_drafts):
+    """Rows after a draft's end of text are never emitted, so the grammar leaves them alone (masked, they would
+    allow nothing, and a sampled bonus token from them would have no token to draw)."""
+    model = small_model(seed=0)
+    decoder = Speculative(PastTheEnd(), k=4, forced_drafts=forced_drafts)
+    prompt = [1, 2, 3, 4, 1, 2]
+    ends = 0
+    for seed in range(60):
+        params = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=8)
+        tokens, _ = run_constrained(model, decoder, prompt, params, toy_mask())
+        assert toy_mask().accepted(tokens) == len(tokens)
+        ends += tokens[-1] == V - 1
+    assert ends > 0  # some answers ended on the drafted end of text

@@ -106,20 +106,21 @@ class Grammars:
         import llguidance.hf  # imports transformers
 
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
-        self.vocab_size = vocab_size
+        self.vocab_size, self.eos_ids = vocab_size, tuple(eos_ids)
 
     def mask(self, constraint: Constraint) -> GrammarMask:
         matcher = llguidance.LLMatcher(self.tokenizer, constraint.grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(constraint.kind, matcher.get_error().strip().splitlines()[0])
-        return GrammarMask(matcher, self.vocab_size)
+        return GrammarMask(matcher, self.vocab_size, self.eos_ids)
 
 
 class GrammarMask:
     """One request's grammar state: the tokens it committed, matched; masks rows, forces tokens, judges drafts."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_ids: Sequence[int] = ()) -> None:
         self.matcher = matcher
+        self.eos = frozenset(eos_ids)  # a draft's EOS ends the answer: the rows after it are never emitted
         self.V = vocab_size
         self.words = (vocab_size + 31) // 32
         self.bits = torch.zeros(8, self.words, dtype=torch.int32)  # [R, V / 32] one bit per token, reused
@@ -127,9 +128,12 @@ class GrammarMask:
     def apply(self, logits: torch.Tensor, history: Sequence[int], draft: Sequence[int]) -> None:
         """logits [R, V] in place: row i, the position after the committed tokens and draft[:i], keeps only the
         tokens the grammar allows there. Rows past a draft token the grammar rejects are left as they are: that
-        token is masked out of the row before, so it is never accepted and the rows after it are never read."""
+        token is masked out of the row before, so it is never accepted and the rows after it are never read. So are
+        the rows past a draft's EOS: the answer ends there, whatever they hold."""
         R = logits.shape[0]
-        reached = 1 + self.matcher.validate_tokens(list(draft[: R - 1]))  # rows whose position the grammar reaches
+        valid = self.matcher.validate_tokens(list(draft[: R - 1]))
+        end = next((j for j, token in enumerate(draft[:valid]) if token in self.eos), valid)
+        reached = 1 + end  # the rows whose position the grammar reaches, up to a draft's EOS
         if self.bits.shape[0] < reached:
             self.bits = torch.zeros(reached, self.words, dtype=torch.int32)
         for i in range(reached):
