@@ -5,6 +5,7 @@ constraint is refused naming its field; an answer the budget cuts ends with "len
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -13,7 +14,7 @@ import llguidance
 import pytest
 import torch
 from helpers import decoder_for, drive
-from test_speculative import V, exact_joint, small_model
+from test_speculative import V, exact_joint, one_thread, small_model  # noqa: F401 (one_thread: a fixture)
 from test_verify import chi_square_p
 
 from quasar.decoding.autoregressive import StopRule
@@ -173,12 +174,16 @@ class ToyTokenizer:
         return out
 
 
-TOY_GRAMMAR = r"ab[abc]{0,1}(ab|c)[abc]{0,3}"  # "ab" forced first (as "ab", or "a" then "b")
+TOY_GRAMMAR = r"[abc]x[abc]{1,4}"  # after the first token, "x" is forced: drafted for free
+
+
+@functools.cache
+def toy_grammar() -> tuple[llguidance.LLTokenizer, str]:
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(ToyTokenizer())), Constraint("regex", TOY_GRAMMAR).grammar
 
 
 def toy_mask() -> GrammarMask:
-    tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(ToyTokenizer()))
-    matcher = llguidance.LLMatcher(tokenizer, Constraint("regex", TOY_GRAMMAR).grammar, log_level=0)
+    matcher = llguidance.LLMatcher(*toy_grammar(), log_level=0)
     return GrammarMask(matcher, V, eos_ids=(V - 1,))
 
 
@@ -226,6 +231,7 @@ def run_constrained(
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
+@pytest.mark.usefixtures("one_thread")
 def test_sampling_follows_the_masked_distribution(drafter):
     """The first three emitted tokens of constrained speculative decoding (forced tokens drafted, the drafter's
     tokens after them) follow the verifier's joint distribution under the grammar's mask."""
@@ -288,6 +294,7 @@ class PastTheEnd:
 
 
 @pytest.mark.parametrize("forced_drafts", [True, False])
+@pytest.mark.usefixtures("one_thread")
 def test_a_draft_past_the_end_of_the_answer_is_judged_and_cut_at_the_end(forced_drafts):
     """Rows after a draft's end of text are never emitted, so the grammar leaves them alone (masked, they would
     allow nothing, and a sampled bonus token from them would have no token to draw)."""

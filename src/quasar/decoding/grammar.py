@@ -131,14 +131,13 @@ class GrammarMask:
         token is masked out of the row before, so it is never accepted and the rows after it are never read. So are
         the rows past a draft's EOS: the answer ends there, whatever they hold."""
         R = logits.shape[0]
-        valid = self.matcher.validate_tokens(list(draft[: R - 1]))
-        end = next((j for j, token in enumerate(draft[:valid]) if token in self.eos), valid)
-        reached = 1 + end  # the rows whose position the grammar reaches, up to a draft's EOS
+        valid = list(draft[: self.valid(draft[: R - 1])])
+        reached = 1 + next((j for j, token in enumerate(valid) if token in self.eos), len(valid))  # rows masked
         if self.bits.shape[0] < reached:
             self.bits = torch.zeros(reached, self.words, dtype=torch.int32)
         for i in range(reached):
             if i:
-                self.matcher.consume_token(draft[i - 1])
+                self.consume(draft[i - 1 : i])
             self.matcher.unsafe_compute_mask_ptr(self.bits[i].data_ptr(), self.words * 4)
         if reached > 1:
             self.matcher.rollback(reached - 1)
@@ -147,22 +146,46 @@ class GrammarMask:
 
     def commit(self, tokens: Sequence[int]) -> None:
         """The tokens a step emitted (each one allowed by its row's mask)."""
-        if not self.matcher.consume_tokens(list(tokens)):
-            raise RuntimeError(f"the grammar rejected emitted tokens {list(tokens)}: {self.matcher.get_error()}")
+        self.consume(tokens)
+
+    def consume(self, tokens: Sequence[int]) -> None:
+        """Advance over tokens the grammar accepts, one at a time (llguidance takes a last EOS only so, and never
+        rolls one back: only committed tokens may hold an EOS)."""
+        for token in tokens:
+            if not self.matcher.consume_token(token):
+                raise RuntimeError(f"the grammar rejected token {token}: {self.matcher.get_error()}")
+
+    def valid(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` the grammar accepts in a row from where it is (an EOS where the answer is whole
+        counts, and ends the run)."""
+        n = self.matcher.validate_tokens(list(tokens))
+        ended = any(token in self.eos for token in tokens[:n])
+        if n < len(tokens) and tokens[n] in self.eos and not ended:  # llguidance's validation stops at an end it takes
+            self.consume(tokens[:n])
+            whole = self.matcher.is_accepting()
+            if n:
+                self.matcher.rollback(n)
+            n += whole
+        return n
 
     def forced(self, after: Sequence[int] = ()) -> list[int]:
         """The tokens the grammar forces after the committed tokens and `after` (a prefix it accepts): the
-        canonical tokens of the text only it allows next (llguidance's fast-forward tokens)."""
-        self.matcher.consume_tokens(list(after))
+        canonical tokens of the text only it allows next (llguidance's fast-forward tokens); none past an EOS."""
+        if any(token in self.eos for token in after):
+            return []
+        self.consume(after)
         tokens = self.matcher.compute_ff_tokens()
         if after:
             self.matcher.rollback(len(after))
         return tokens
 
     def accepted(self, tokens: Sequence[int], after: Sequence[int] = ()) -> int:
-        """How many of `tokens` the grammar accepts in a row, after the committed tokens and `after`."""
-        self.matcher.consume_tokens(list(after))
-        n = self.matcher.validate_tokens(list(tokens))
+        """How many of `tokens` the grammar accepts in a row, after the committed tokens and `after` (a prefix it
+        accepts; nothing past an EOS)."""
+        if any(token in self.eos for token in after):
+            return 0
+        self.consume(after)
+        n = self.valid(tokens)
         if after:
             self.matcher.rollback(len(after))
         return n
