@@ -122,13 +122,17 @@ def test_bad_structures_and_tools_get_a_400_naming_the_field(app, body, param):
 
 
 def test_a_required_tool_call_comes_back_as_tool_calls_streamed_or_whole(app):
-    body = {"tools": [WEATHER, {"type": "function", "function": {"name": "now"}}], "tool_choice": "required"}
+    body = {
+        "tools": [WEATHER, {"type": "function", "function": {"name": "now"}}],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+    }
     (status, whole), (_, chunks) = post(app, body, body | {"stream": True})
     assert status == 200, whole
     choice = whole["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     calls = choice["message"]["tool_calls"]
-    assert calls and all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    assert len(calls) == 1 and calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
     for call in calls:
         arguments = json.loads(call["function"]["arguments"])
         if call["function"]["name"] == "get_weather":

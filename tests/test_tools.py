@@ -64,5 +64,6 @@ def test_the_schemas_hold_names_arguments_and_the_number_of_calls():
     schema = plan.schema()
     assert schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
     Constraint("json_schema", schema)  # llguidance compiles it
-    assert ToolPlan("named", (WEATHER, ADD), "add").schema() == {"type": "object", "properties": {}}
+    no_arguments = {"type": "object", "properties": {}, "additionalProperties": False}
+    assert ToolPlan("named", (WEATHER, ADD), "add").schema() == no_arguments
     assert ToolPlan("auto", (WEATHER,)).schema() is None

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-NO_ARGUMENTS = {"type": "object", "properties": {}}
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}  # a tool without parameters
 
 
 @dataclass(frozen=True)
