@@ -18,20 +18,17 @@ forced: the keys, quotes and separators are drafted for free.
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import llguidance
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from quasar.decoding.processors import Processing, Vocab
-    from quasar.decoding.sampling import SamplingParams
 
 KINDS = ("json_schema", "json_object", "regex", "grammar")  # as SamplingParams names them
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -103,9 +100,15 @@ class Grammars:
     an answer, allowed where the grammar is complete); makes each request's GrammarMask."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> None:
-        import llguidance.hf  # imports transformers
-
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
+        """`tokenizer`: a Hugging Face fast tokenizer; its Rust tokenizer is what llguidance reads (as
+        llguidance.hf.from_tokenizer does: a copy, without padding or truncation)."""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError("structured output needs the model's fast (Rust) tokenizer")
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
+        self.tokenizer = llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=list(eos_ids))
         self.vocab_size, self.eos_ids = vocab_size, tuple(eos_ids)
 
     def mask(self, constraint: Constraint) -> GrammarMask:
@@ -205,7 +208,8 @@ class Bridges:
             weakref.WeakKeyDictionary()
         )
 
-    def __call__(self, vocab: Vocab) -> Grammars:
+    def __call__(self, vocab: Any) -> Grammars:
+        """The Grammars of a quasar.decoding.processors.Vocab (its tokenizer, size and EOS ids)."""
         if vocab.tokenizer is None:
             raise ValueError("a grammar needs the model's tokenizer")
         key = (vocab.size, tuple(vocab.eos))
@@ -217,14 +221,3 @@ class Bridges:
 
 
 grammars_for = Bridges()
-
-
-def grammar_mask(params: SamplingParams, vocab: Vocab) -> GrammarMask | None:
-    """The row processor of a request's constraint (quasar.decoding.processors.FACTORIES); None without one."""
-    return None if params.constraint is None else grammars_for(vocab).mask(params.constraint)
-
-
-def grammar_of(processing: Processing | None) -> GrammarMask | None:
-    """A request's grammar among its row processors, for drafting (None when it has none)."""
-    processors = processing.processors if processing is not None else ()
-    return next((p for p in processors if isinstance(p, GrammarMask)), None)

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from quasar.decoding import rules
+from quasar.decoding.grammar import GrammarMask, grammars_for
 from quasar.decoding.sampling import SamplingParams
 
 
@@ -46,12 +47,14 @@ ProcessorFactory = Callable[[SamplingParams, Vocab], "RowProcessor | None"]
 
 
 def grammar(params: SamplingParams, vocab: Vocab) -> RowProcessor | None:
-    """A structured-output request's grammar mask (quasar.decoding.grammar, imported only when one is asked for)."""
-    if params.constraint is None:
-        return None
-    from quasar.decoding.grammar import grammar_mask
+    """A structured-output request's grammar mask (quasar.decoding.grammar)."""
+    return None if params.constraint is None else grammars_for(vocab).mask(params.constraint)
 
-    return grammar_mask(params, vocab)
+
+def grammar_of(processing: Processing | None) -> GrammarMask | None:
+    """A request's grammar among its row processors, for drafting (None when it has none)."""
+    processors = processing.processors if processing is not None else ()
+    return next((p for p in processors if isinstance(p, GrammarMask)), None)
 
 
 # each gives a request's processor of its kind, or None when its params do not ask for one; the grammar comes last,

@@ -14,13 +14,13 @@ import torch
 
 from quasar.decoding.drafters.base import Draft, Drafter
 from quasar.decoding.drafters.forced import forced_draft
-from quasar.decoding.grammar import GrammarMask, grammar_of
+from quasar.decoding.grammar import GrammarMask
 from quasar.decoding.autoregressive import Steps, StopRule
 from quasar.decoding.confidence_guard import ConfidenceGuard
 from quasar.model.kv_cache import KVCache
 from quasar.decoding.step import Step
 from quasar.model.llama import Transformer
-from quasar.decoding.processors import Processing
+from quasar.decoding.processors import Processing, grammar_of
 from quasar.decoding.sampling import Sampler, SamplingParams, TargetRows
 from quasar.decoding.stats import GenerationStats
 from quasar.spec import AUTO, MAX_DRAFT
