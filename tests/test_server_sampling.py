@@ -14,8 +14,8 @@ from test_server_app import run
 from quasar.decoding.engine import Engine
 from quasar.serve.app import create_app
 
-CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Count: 1, 2, 3"}], "max_tokens": 8}
-COMPLETION = {"model": "tiny", "prompt": "Count: 1, 2, 3", "max_tokens": 8}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Count: 1, 2, 3"}], "max_tokens": 6}
+COMPLETION = {"model": "tiny", "prompt": "Count: 1, 2, 3", "max_tokens": 6}
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ BAD = [
     ("/v1/completions", {"frequency_penalty": "1"}, "frequency_penalty"),
     ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"min_tokens": -1}, "min_tokens"),
-    ("/v1/completions", {"min_tokens": 9}, "min_tokens"),  # more than max_tokens
+    ("/v1/completions", {"min_tokens": 7}, "min_tokens"),  # more than max_tokens
     ("/v1/completions", {"stop_token_ids": [-1]}, "stop_token_ids"),
     ("/v1/completions", {"stop_token_ids": [99999999]}, "stop_token_ids"),
     ("/v1/completions", {"n": 0}, "n"),
@@ -109,8 +109,8 @@ def test_completion_logprobs_streamed_and_not(app):
 
 
 def test_sampled_choices_differ_and_a_seed_repeats_them(app):
-    body = CHAT | {"temperature": 1.0, "n": 3, "seed": 11, "max_tokens": 12, "ignore_eos": True}
+    body = CHAT | {"temperature": 1.0, "n": 3, "seed": 11, "max_tokens": 4, "ignore_eos": True}
     [(_, first), (_, second)] = post(app, "/v1/chat/completions", body, body)
     texts = [[c["message"]["content"] for c in json.loads(a)["choices"]] for a in (first, second)]
     assert texts[0] == texts[1] and len(set(texts[0])) == 3
-    assert json.loads(first)["usage"]["completion_tokens"] == 3 * 12  # every choice counted
+    assert json.loads(first)["usage"]["completion_tokens"] == 3 * 4  # every choice counted
