@@ -26,7 +26,7 @@ from quasar.decoding.engine import Engine
 from quasar.decoding.grammar import Constraint, GrammarError, GrammarMask
 from quasar.decoding.processors import Processing
 from quasar.decoding.sampling import SamplingParams
-from quasar.decoding.speculative import Speculative
+from quasar.decoding.speculative import DraftLength, Speculative
 from quasar.decoding.stats import GenerationStats
 
 PROMPTS = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7, 8, 9, 7, 8, 9, 7], [5, 6, 5, 6, 5, 6, 5, 6]]
@@ -120,8 +120,9 @@ def test_greedy_constrained_speculative_equals_plain_and_batched_equals_alone(ti
     requests = [speculative.request(ids, params) for ids in PROMPTS]
     Batch(speculative).run_all(requests)
     assert [r.output.token_ids for r in requests] == [o.token_ids for o in want]
-    if kind in ("json_schema", "grammar"):  # keys, quotes, separators: forced tokens, drafted and accepted
-        assert sum(o.stats.forced_tokens for o in got) > 0
+    if kind in ("json_schema", "grammar"):  # keys, quotes, separators: forced tokens, drafted and accepted, and
+        assert all(o.stats.forced_tokens > 0 for o in got)  # a batch, which cuts unlikely drafts, keeps them
+        assert all(r.output.stats.forced_tokens > 0 for r in requests)
 
 
 def test_a_bounded_schema_is_answered_whole_and_validates(tiny_model):
@@ -308,3 +309,14 @@ def test_a_draft_past_the_end_of_the_answer_is_judged_and_cut_at_the_end(forced_
         assert toy_mask().accepted(tokens) == len(tokens)
         ends += tokens[-1] == V - 1
     assert ends > 0  # some answers ended on the drafted end of text
+
+
+def test_a_batch_plan_takes_forced_tokens_as_certain():
+    """A busy batch keeps the draft rows likeliest to be accepted: a forced token's row counts as certain, whatever
+    the drafter's recent acceptance (else a batch would cut the free tokens first)."""
+    length = DraftLength(4)
+    for _ in range(20):
+        length.update(proposed=4, accepted=0)  # the drafter's tokens are rejected at once
+    unforced, forced = length.chances(3), length.chances(3, forced=(0, 1))
+    assert unforced[0] < 0.1 and forced[:2] == (1.0, 1.0)
+    assert forced[2] == pytest.approx(length.hits[2] / length.tries[2])
