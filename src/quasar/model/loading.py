@@ -298,12 +298,19 @@ def convert_gguf(path: Path, out: Path) -> None:
 
 def write_metadata(path: Path, config: dict[str, Any], out: Path) -> None:
     """config.json and the tokenizer files of the GGUF at path, into out."""
-    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     (out / "config.json").write_text(json.dumps(config, indent=2))
     log.info("converting the GGUF tokenizer (once)")
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # The backend class reads the tokenizer's keys alone: AutoTokenizer first parses every array of the file for
+    # its config (10 s on a 152k vocabulary) to pick the class, whose name is all it adds (written below).
+    tokenizer = TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.save_pretrained(str(out))
+    family_class = TOKENIZER_MAPPING_NAMES.get(config["model_type"])
+    if isinstance(family_class, str):
+        settings = out / "tokenizer_config.json"
+        settings.write_text(json.dumps(json.loads(settings.read_text()) | {"tokenizer_class": family_class}, indent=2))
 
 
 def gguf_directory(source: ModelSource) -> Path:
