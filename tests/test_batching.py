@@ -194,7 +194,7 @@ def failing_on(marker: int):
     """A decoder that fails a request whose prompt holds `marker` after its prompt's forward, plain otherwise."""
     from quasar.decoding.autoregressive import autoregressive
 
-    def decoder(model, cache, prompt_ids, params, stop, stats):
+    def decoder(model, cache, prompt_ids, params, stop, stats, processing=None):
         if marker in prompt_ids:
             yield Step(prompt_ids, cache, last_only=True)
             raise RuntimeError("this request breaks")
@@ -242,3 +242,29 @@ def test_a_seeded_request_keeps_its_drafts_uncut_and_an_unseeded_one_may_lose_th
         cuts[name] = steps.send(None).cut  # the first verify step
         steps.close()
     assert cuts == {"greedy": True, "seeded": False, "unseeded": True}
+
+
+@needs_kernels
+def test_the_choices_of_one_prompt_prefill_it_once_and_answer_as_alone(tiny_model_dir):
+    """n choices of a prompt (sampled, seeded apart): the first prefills it, the others wait for that prefill and
+    start from a copy of its cache; each answers as alone from an empty cache."""
+    from quasar.kernels import plan
+    from quasar.model.loading import load
+    from quasar.quant.schemes import W8A8Config, quantize_
+
+    target = load(tiny_model_dir, "fp32")
+    quantize_(target.model, W8A8Config(group_size=32))
+    assert plan.prepare_(target.model).paths.startswith("kernels:")
+    engine = Engine(target, decoder_for("ngram", target, k=3))
+    ids = engine.encode("Once upon a time " * 8, chat=False)
+    params = SamplingParams(max_new_tokens=16, temperature=0.9, seed=4, ignore_eos=True)
+    alone = []
+    for i in range(3):
+        engine.caches.free.clear()
+        alone.append(engine.generate(ids, params.for_choice(i)))
+    engine.caches.free.clear()
+    choices = [engine.request(ids, params.for_choice(i)) for i in range(3)]
+    Batch(engine, max_rows=16).run_all(choices)
+    assert [c.output.token_ids for c in choices] == [a.token_ids for a in alone]
+    assert len({tuple(a.token_ids) for a in alone}) == 3
+    assert [c.output.stats.cached_tokens for c in choices] == [0, len(ids) - 1, len(ids) - 1]

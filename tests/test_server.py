@@ -35,7 +35,7 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, model_dir: Path, log: Path, *extra: str, preexec_fn: Callable[[], None] | None = None) -> None:
-        self.port = free_port()
+        self.port, self.model_dir = free_port(), model_dir
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "quasar", "serve", "--model", str(model_dir), "--served-model-name", MODEL,
                 "--verifier", "fp32", "--port", str(self.port), *extra]
@@ -208,7 +208,7 @@ def test_server_greedy_equals_quasar_generate(server, model_dir):
     ({"model": MODEL, "prompt": "hi", "min_p": -0.1}, "min_p"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": LONG_CONTEXT}, "max_tokens"),  # beyond the context
-    ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 17}, "n"),
     ({"model": MODEL, "prompt": ""}, "prompt"),
     ({"model": MODEL}, "prompt"),
     ({"model": MODEL, "prompt": "hi", "temperature": "warm"}, "temperature"),
@@ -394,7 +394,7 @@ def test_sixty_four_clients_with_disconnects_get_their_own_answers(model_dir, tm
 
 def test_the_openai_client_stop_seed_and_n(server):
     """What the official client sends for stop strings, a seed and n: stop ends the text before the string with
-    finish_reason 'stop'; the same seed samples the same text; n > 1 is refused with a 400 naming n."""
+    finish_reason 'stop'; the same seed samples the same text; n > 16 is refused with a 400 naming n."""
     client = server.client()
     full = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=16, temperature=0)
     stop = full.choices[0].text[4:7]
@@ -406,4 +406,27 @@ def test_the_openai_client_stop_seed_and_n(server):
                for _ in range(2)]
     assert sampled[0].choices[0].message.content == sampled[1].choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="n"):
-        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, n=2)
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, n=17)
+
+
+def test_the_openai_client_logprobs_n_and_a_penalty(server):
+    """logprobs, n = 2 and a penalty through the official client, streamed and not: the speculative server's
+    greedy choices are plain decoding's under the penalty, with the same logprobs in both shapes."""
+    from quasar import LLM, SamplingParams
+
+    client = server.client()
+    messages = [{"role": "user", "content": "Repeat: one two one two one two"}]
+    common = {"model": MODEL, "messages": messages, "max_tokens": 10, "temperature": 0, "frequency_penalty": 1.0}
+    reply = client.chat.completions.create(n=2, logprobs=True, top_logprobs=3, **common)
+    assert [c.index for c in reply.choices] == [0, 1] and reply.choices[0].message == reply.choices[1].message
+    content = reply.choices[0].logprobs.content
+    assert all(len(entry.top_logprobs) == 3 and entry.logprob <= 0 for entry in content)
+    assert reply.usage.completion_tokens == 2 * len(content)
+    params = SamplingParams(max_new_tokens=10, frequency_penalty=1.0, logprobs=3)
+    plain = LLM(server.model_dir, verifier="fp32").chat(messages, params)
+    assert reply.choices[0].message.content == plain.text
+    assert [e.logprob for e in content] == pytest.approx([lp.logprob for lp in plain.logprobs], abs=1e-4)
+    stream = client.chat.completions.create(stream=True, logprobs=True, top_logprobs=3, **common)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == plain.text
+    assert [e.token for c in chunks if c.logprobs for e in c.logprobs.content] == [e.token for e in content]

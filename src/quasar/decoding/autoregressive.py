@@ -16,6 +16,7 @@ import torch
 from quasar.model.kv_cache import KVCache
 from quasar.decoding.step import Step
 from quasar.model.llama import Transformer
+from quasar.decoding.processors import Processing
 from quasar.decoding.sampling import Sampler, SamplingParams
 from quasar.decoding.stats import GenerationStats
 
@@ -30,10 +31,10 @@ def prefill(model: Transformer, cache: KVCache, prompt_ids: list[int]) -> torch.
 
 
 class StopRule:
-    """When a token stream ends: EOS (unless ignored) or the token budget."""
+    """When a token stream ends: EOS (unless ignored), a stop token id, or the token budget."""
 
     def __init__(self, params: SamplingParams, eos_ids: tuple[int, ...], budget: int) -> None:
-        self.eos = frozenset(() if params.ignore_eos else eos_ids)
+        self.eos = frozenset((() if params.ignore_eos else eos_ids) + params.stop_token_ids)
         self.budget = budget
         self.emitted = 0
 
@@ -55,9 +56,11 @@ def autoregressive(
     params: SamplingParams,
     stop: StopRule,
     stats: GenerationStats,
+    processing: Processing | None = None,
 ) -> Steps:
-    """Plain decoding: asks for the prompt's forward, then one forward per token; yields one-token lists."""
-    sampler = Sampler(params, model.plan)
+    """Plain decoding: asks for the prompt's forward, then one forward per token; yields one-token lists. Each row
+    passes through the request's processors (`processing`) before its token is picked."""
+    sampler = Sampler(params, model.plan, processing)
     start = time.perf_counter()
     logits = yield Step(prompt_ids[cache.length :], cache, last_only=True)  # a kept start of it is not run again
     token = sampler.next_token(logits[-1])

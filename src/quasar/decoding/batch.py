@@ -135,11 +135,23 @@ class Batch:
         return done
 
     def admit(self) -> None:
+        """Start the waiting requests that fit, in order. One whose prompt an active request is prefilling waits for
+        that prefill, then starts from its cache (a copy of all of the prompt but its last token): the `n` choices
+        of one prompt prefill it once."""
         caches = self.engine.caches
         while self.waiting and len(self.active) < self.max_batch and caches.fits(self.waiting[0].cache_len):
+            if self.prefilling(self.waiting[0].output.prompt_token_ids):
+                return
             request = self.waiting.popleft()
             self.active.append(request)
-            self.guarded(request, request.begin, caches.take(request.cache_len, request.output.prompt_token_ids))
+            in_use = [r.cache for r in self.active if r.cache is not None]
+            cache = caches.take(request.cache_len, request.output.prompt_token_ids, in_use)
+            self.guarded(request, request.begin, cache)
+
+    def prefilling(self, prompt: list[int]) -> bool:
+        """Whether an active request is prefilling this very prompt, on a model whose caches can share prefixes."""
+        return self.engine.target.model.plan.batches_rows and any(
+            r.step is not None and r.step.last_only and r.output.prompt_token_ids == prompt for r in self.active)
 
     def plan(self) -> dict[Request, Step]:
         """The rows each request runs in this step: every decode step's first row and the uncut steps whole, then

@@ -94,7 +94,7 @@ class ConfidenceGuard:
         j = int(unsure[0])
         cache.trim(len(scored))  # back to the context before the step
         rows = torch.tensor([scored[: j + 1]], device=self.model.device)
-        token = sampler.next_token(self.model(rows, cache, last_only=True)[0, -1])
+        token = sampler.repick(self.model(rows, cache, last_only=True)[0, -1], scored[1 : j + 1])
         stats.rechecked_tokens += 1
         stats.recheck_changed += token != emitted[j]
         return Verdict(j, token)

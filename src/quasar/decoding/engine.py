@@ -17,6 +17,7 @@ from quasar.model.loading import LoadedModel
 from quasar.decoding.step import Step, run_steps
 from quasar.model.llama import Transformer
 from quasar.decoding.outputs import RequestOutput
+from quasar.decoding.processors import Processing, TokenLogprob, Vocab, processors_for
 from quasar.decoding.prompt import Messages, encode
 from quasar.decoding.sampling import SamplingParams
 from quasar.decoding.stats import GenerationStats
@@ -37,6 +38,7 @@ class Decoder(Protocol):
         params: SamplingParams,
         stop: StopRule,
         stats: GenerationStats,
+        processing: Processing | None = None,  # the request's row processors (None: it has none)
     ) -> Steps: ...
 
 
@@ -54,6 +56,8 @@ class Request:
         self.step: Step | None = None  # the forward the decoder waits for
         self.pieces: list[str] = []  # text generated and not yet taken
         self.finished = False
+        self.processing = engine.processing(self.output.prompt_token_ids, params)  # its row processors, or None
+        self.logprobs_taken = 0
 
     def begin(self, cache: KVCache) -> None:
         self.cache = cache
@@ -64,7 +68,7 @@ class Request:
         self.detok = IncrementalDetokenizer(self.engine.tokenizer, self.params.stop)
         stop = StopRule(self.params, self.engine.eos, self.budget)
         self.steps = self.engine.decoder(self.engine.target.model, cache, self.output.prompt_token_ids, self.params,
-                                         stop, stats)
+                                         stop, stats, processing=self.processing)
         self.advance(None)
 
     @torch.inference_mode()
@@ -88,9 +92,11 @@ class Request:
         """A step's new tokens. With stop strings they go in one at a time, so that the output ends with the token
         that completed a stop string: the draft tokens a verify step accepted past it are not part of the answer
         (nor of its token count)."""
+        if self.processing is not None:
+            self.processing.commit(tokens)
         for part in ([t] for t in tokens) if self.detok.stop else (tokens,):
             self.output.token_ids.extend(part)
-            piece = self.detok.add(part)
+            piece = self.detok.add(part[:-1] if part and part[-1] in self.params.stop_token_ids else part)
             if piece:
                 self.pieces.append(piece)
             if self.detok.done:
@@ -101,6 +107,13 @@ class Request:
     def take(self) -> list[str]:
         pieces, self.pieces = self.pieces, []
         return pieces
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The logprobs of the output's tokens not taken yet (none unless the params ask for logprobs)."""
+        if self.processing is None or self.params.logprobs is None:
+            return []
+        taken, self.logprobs_taken = self.logprobs_taken, len(self.output.token_ids)
+        return self.processing.logprobs[taken : self.logprobs_taken]
 
     def finish(self) -> None:
         """Stop generating (done, or the client went away): close the decoder, settle text and stats."""
@@ -117,6 +130,8 @@ class Request:
         stats.new_tokens = len(self.output.token_ids)
         stats.decode_s = time.perf_counter() - self.started - stats.prefill_s
         self.output.text = self.detok.text
+        if self.processing is not None and self.params.logprobs is not None:
+            self.output.logprobs = self.processing.logprobs[: len(self.output.token_ids)]
 
 
 class Run:
@@ -218,6 +233,17 @@ class Engine:
     @property
     def eos(self) -> tuple[int, ...]:
         return self.target.eos_token_ids
+
+    @property
+    def vocab(self) -> Vocab:
+        return Vocab(self.target.model.config.vocab_size, self.eos, self.tokenizer)
+
+    def processing(self, prompt_ids: list[int], params: SamplingParams) -> Processing | None:
+        """The row processors `params` asks for over this prompt (quasar.decoding.processors); None when none."""
+        processors = processors_for(params, self.vocab)
+        if not processors and params.logprobs is None:
+            return None
+        return Processing(processors, prompt_ids, params.logprobs)
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, prompt: str | Messages | None = None
                  ) -> RequestOutput:

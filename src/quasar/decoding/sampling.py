@@ -10,15 +10,24 @@ sampling reaches it, in buffers the request reuses; no step sorts the vocabulary
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from quasar.model.execution import ON_TORCH, ExecutionPlan
 
+if TYPE_CHECKING:
+    from quasar.decoding.processors import Processing
+
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes (a negative seed wraps around)
+MAX_LOGPROBS = 20  # the most likely tokens a request may ask to see at each position (OpenAI's limit)
+MAX_BIAS = 100.0  # a logit bias lies in [-MAX_BIAS, MAX_BIAS] (OpenAI's limit)
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_seed(seed: object) -> None:
@@ -29,7 +38,16 @@ def check_seed(seed: object) -> None:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 disable those filters."""
+    """How to pick tokens. temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 disable those filters.
+
+    The rules below change the verifier's logits before any filter (quasar.decoding.rules; every one off by default):
+    `logit_bias` adds to given tokens' logits ({token id: bias}, kept as sorted pairs); `presence_penalty` and
+    `frequency_penalty` subtract from the logit of each token generated so far (once, and once per occurrence);
+    `repetition_penalty` divides a positive logit (multiplies a negative one) of each token in the prompt or
+    generated so far; `min_tokens` bans EOS and `stop_token_ids` until that many tokens are generated.
+    `stop_token_ids` end the output like EOS (even with ignore_eos); the stopping token counts among the
+    output's tokens, its text is not part of the output's text. `logprobs` k: each output token's log-probability
+    and the k most likely tokens at its position (None: none kept)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -39,6 +57,13 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -55,6 +80,39 @@ class SamplingParams:
             check_seed(self.seed)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        self._check_rules()
+
+    def _check_rules(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and -2 <= value <= 2):
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not (isinstance(self.repetition_penalty, (int, float)) and 0 < self.repetition_penalty <= 10):
+            raise ValueError(f"repetition_penalty must be a number in (0, 10], got {self.repetition_penalty!r}")
+        bias = dict(self.logit_bias)  # a mapping or pairs
+        for token, value in bias.items():
+            if not is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if not (isinstance(value, (int, float)) and -MAX_BIAS <= value <= MAX_BIAS):
+                raise ValueError(f"logit_bias values must be numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {value!r}")
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(v)) for t, v in bias.items())))
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be an integer from 0 to max_new_tokens ({self.max_new_tokens}), "
+                             f"got {self.min_tokens!r}")
+        stop_ids = tuple(self.stop_token_ids)
+        if not all(is_int(t) and t >= 0 for t in stop_ids):
+            raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+        if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (or None), got {self.logprobs!r}")
+
+    def for_choice(self, i: int) -> SamplingParams:
+        """The params of choice i of several sampled for one prompt: choice i is seeded with seed + i (wrapping around
+        within the seeds torch takes), so seeded choices differ from each other and each is reproducible."""
+        if self.seed is None or i == 0:
+            return self
+        seed = self.seed + i
+        return replace(self, seed=seed - 2**64 if seed > SEED_MAX else seed)
 
     @property
     def greedy(self) -> bool:
@@ -242,10 +300,13 @@ class TargetRows:
 
 class Sampler:
     """Per-request sampling state: the generator and the buffers every step reuses (no per-step allocation of
-    vocabulary-sized tensors). `plan`: the verifier's, whose kernel module (if any) runs the row operations."""
+    vocabulary-sized tensors). `plan`: the verifier's, whose kernel module (if any) runs the row operations;
+    `processing`: the request's row processors, which every row passes through before a token is picked."""
 
-    def __init__(self, params: SamplingParams, plan: ExecutionPlan = ON_TORCH) -> None:
+    def __init__(self, params: SamplingParams, plan: ExecutionPlan = ON_TORCH,
+                 processing: Processing | None = None) -> None:
         self.params = params
+        self.processing = processing
         self.kernel = plan.kernel
         self.generator = params.generator()
         self.weights = torch.empty(0)
@@ -266,8 +327,23 @@ class Sampler:
         """logits [R, V] -> each row's argmax [R] (argmax_rows)."""
         return argmax_rows(logits, self.kernel)
 
+    def processed(self, logits: torch.Tensor, draft: Sequence[int] = ()) -> torch.Tensor:
+        """logits [R, V] as the request's processors leave them (row i: after the tokens so far and draft[:i])."""
+        return logits if self.processing is None else self.processing.apply(logits, draft)
+
     def next_token(self, logits: torch.Tensor) -> int:
-        """logits [V] -> one token id (the argmax when greedy)."""
+        """logits [V] of the position after the tokens so far -> one token id (the argmax when greedy)."""
+        return self.pick(self.processed(logits[None])[0])
+
+    def repick(self, logits: torch.Tensor, draft: Sequence[int]) -> int:
+        """next_token for the position after the tokens so far and `draft` of a step whose rows were processed
+        already, from other logits [V] (a re-score); that row takes the place of the step's row there."""
+        if self.processing is not None:
+            logits = self.processing.apply_at(logits, draft)
+        return self.pick(logits)
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """logits [V], processed -> one token id (the argmax when greedy)."""
         if self.params.greedy:
             return int(self.argmax(logits[None])[0])
         return self.rows(logits[None]).sample(0, self.generator)

@@ -18,6 +18,7 @@ from quasar.decoding.confidence_guard import ConfidenceGuard
 from quasar.model.kv_cache import KVCache
 from quasar.decoding.step import Step
 from quasar.model.llama import Transformer
+from quasar.decoding.processors import Processing
 from quasar.decoding.sampling import Sampler, SamplingParams, TargetRows
 from quasar.decoding.stats import GenerationStats
 from quasar.spec import AUTO, MAX_DRAFT
@@ -71,8 +72,9 @@ class DraftLength:
 
 def judge(draft: Draft, logits: torch.Tensor, params: SamplingParams, sampler: Sampler,
           generator: torch.Generator) -> tuple[Verdict, TargetRows | None]:
-    """The verdict on a draft from the verifier's rows over [last, *draft] ([k + 1, V]): the argmax rule when
-    greedy, else rejection sampling on rows computed as it reaches them (returned, for a cascade to pass on)."""
+    """The verdict on a draft from the verifier's rows over [last, *draft] ([k + 1, V]), after the request's
+    processors (the sampler's): the argmax rule when greedy, else rejection sampling on rows computed as it reaches them (returned, for a cascade to pass on)."""
+    logits = sampler.processed(logits, draft.tokens)
     if params.greedy:
         return greedy_verdict(draft.tokens, sampler.argmax(logits).tolist()), None
     target = sampler.rows(logits)
@@ -122,16 +124,18 @@ class Speculative:
         params: SamplingParams,
         stop: StopRule,
         stats: GenerationStats,
+        processing: Processing | None = None,
     ) -> Steps:
         drafter = self.idle.pop() if self.idle else self.drafter.spawn()  # one drafter per request in flight
         try:
-            yield from self.decode(model, drafter, cache, prompt_ids, params, stop, stats)
+            yield from self.decode(model, drafter, cache, prompt_ids, params, stop, stats, processing)
         finally:
             self.idle.append(drafter)
 
     def decode(self, model: Transformer, drafter: Drafter, cache: KVCache, prompt_ids: list[int],
-               params: SamplingParams, stop: StopRule, stats: GenerationStats) -> Steps:
-        sampler, length = Sampler(params, model.plan), DraftLength(self.k)
+               params: SamplingParams, stop: StopRule, stats: GenerationStats,
+               processing: Processing | None = None) -> Steps:
+        sampler, length = Sampler(params, model.plan, processing), DraftLength(self.k)
         # A batch may score fewer draft tokens than proposed when it is full, unless that could change the
         # output: a seeded sampled request gives the same tokens as alone only with the same drafts.
         may_cut = params.greedy or params.seed is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -211,14 +212,16 @@ class CachePool:
     def fits(self, size: int) -> bool:
         return self.budget is None or self.taken + size <= self.budget
 
-    def take(self, size: int, prompt: list[int] | None = None) -> KVCache:
+    def take(self, size: int, prompt: list[int] | None = None, in_use: Sequence[KVCache] = ()) -> KVCache:
         """A cache of `size` positions. With a prompt, on a model whose every row is computed from its own input
         alone (quasar's kernels: a position's keys and values are bitwise the same whether written by a prefill, a
         decode or a verify step), the cache already holds the longest start of the prompt (all of it but the last
-        token) that a kept cache holds, as llama.cpp and vLLM's prefix caching do: a chat's next turn prefills
-        only its new tokens. Its `length` says how many positions are filled."""
-        source, common = self.longest_prefix(prompt or [])
-        cache = source if source is not None and source.max_len == size else None
+        token) that a kept cache, or one of the caches `in_use` (copied, never taken), holds, as llama.cpp and
+        vLLM's prefix caching do: a chat's next turn prefills only its new tokens. Its `length` says how many
+        positions are filled."""
+        source, common = self.longest_prefix(prompt or [], in_use)
+        kept = source is not None and any(source is c for c in self.free)
+        cache = source if kept and source.max_len == size else None  # type: ignore[union-attr]
         cache = cache or next((c for c in self.free if c.max_len == size), None)
         if cache is not None:
             self.free.remove(cache)
@@ -235,12 +238,13 @@ class CachePool:
         self.taken += size
         return cache
 
-    def longest_prefix(self, prompt: list[int]) -> tuple[KVCache | None, int]:
-        """The kept cache holding the longest start of `prompt` (short of its last token), and that length."""
+    def longest_prefix(self, prompt: list[int], in_use: Sequence[KVCache] = ()) -> tuple[KVCache | None, int]:
+        """The kept cache (or cache `in_use`) holding the longest start of `prompt` (short of its last token), and
+        that length."""
         if len(prompt) < 2 or not self.model.plan.batches_rows:
             return None, 0
         best, most = None, 0
-        for cache in self.free:
+        for cache in [*self.free, *in_use]:
             common = common_prefix(cache.held, prompt, min(len(cache.held), len(prompt) - 1))
             if common > most and cache.keeps(common):
                 best, most = cache, common

@@ -20,11 +20,13 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quasar.decoding.engine import Engine
+from quasar.decoding.engine import Request as EngineRequest
 from quasar.decoding.outputs import RequestOutput
 from quasar.decoding.prompt import encode
+from quasar.serve.logprobs import TokenTexts
 from quasar.serve.metrics import Metrics
 from quasar.serve.protocol import BadRequest, ChatRequest, CompletionRequest, Envelope, budget, error_body, parse
-from quasar.serve.scheduler import Job, QueueFullError, Scheduler, ShuttingDownError, WorkerStoppedError
+from quasar.serve.scheduler import Job, QueueFullError, Scheduler, ShuttingDownError, WorkerStoppedError, merged
 
 log = logging.getLogger("quasar")
 RETRY_AFTER_S = 1  # what a 429 tells a client to wait before trying again
@@ -162,6 +164,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
         return {"object": "list", "data": [card]}
 
     prompts = PromptEncoder(engine.tokenizer, engine.max_context, allow_special_tokens)
+    texts = LazyTokenTexts(prompts, engine.target.model.config.vocab_size)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -198,44 +201,64 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
     async def serve(http: Request, req: CompletionRequest | ChatRequest, ids: list[int], chat: bool) -> Any:
         requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
         room = budget(requested, len(ids), engine.max_context, engine.caches.budget, engine.cache_slack)
-        try:
-            request = engine.request(ids, req.sampling(room))
+        params = req.sampling(room, engine.target.model.config.vocab_size)
+        try:  # the choices of `n`: as many requests, batched together
+            requests = [engine.request(ids, params.for_choice(i)) for i in range(req.n)]
         except ValueError as e:
             raise BadRequest(str(e)) from None
-        try:
-            job = scheduler.submit(request)
-        except QueueFullError as e:
-            raise BadRequest(str(e), status=429, kind="rate_limit_exceeded", code="queue_full",
-                             headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        envelope = Envelope(model_name, chat)
+        jobs = submit(requests)
+        envelope = Envelope(model_name, chat, None if params.logprobs is None else await texts.get())
         if req.stream:
-            return StreamingResponse(sse(job, envelope, req.include_usage), media_type="text/event-stream")
-        watcher = asyncio.create_task(cancel_on_hang_up(http, job))
+            return StreamingResponse(sse(jobs, envelope, req.include_usage), media_type="text/event-stream")
+        watcher = asyncio.create_task(cancel_on_hang_up(http, jobs))
         try:
-            completion = await job.completion()
+            completions = [await job.completion() for job in jobs]
         finally:
             watcher.cancel()
-            scheduler.cancel(job)  # no-op once finished; frees the place if this handler was cancelled
-        return JSONResponse(envelope.full(completion))
+            for job in jobs:
+                scheduler.cancel(job)  # no-op once finished; frees the place if this handler was cancelled
+        return JSONResponse(envelope.full(completions))
 
-    async def cancel_on_hang_up(http: Request, job: Job) -> None:
+    def submit(requests: list[EngineRequest]) -> list[Job]:
+        """The requests' jobs, or none of them (HTTP 429 when the queue cannot take them all)."""
+        jobs: list[Job] = []
+        try:
+            for request in requests:
+                jobs.append(scheduler.submit(request))
+        except QueueFullError as e:
+            for job in jobs:
+                scheduler.cancel(job)
+            raise BadRequest(str(e), status=429, kind="rate_limit_exceeded", code="queue_full",
+                             headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except BaseException:
+            for job in jobs:
+                scheduler.cancel(job)
+            raise
+        return jobs
+
+    async def cancel_on_hang_up(http: Request, jobs: list[Job]) -> None:
         """A non-streaming client that goes away frees its place at the next step, as a streaming one does."""
         while not await http.is_disconnected():
             await asyncio.sleep(HANG_UP_POLL_S)
-        scheduler.cancel(job)
+        for job in jobs:
+            scheduler.cancel(job)
 
-    async def sse(job: Job, envelope: Envelope, include_usage: bool) -> AsyncIterator[str]:
+    async def sse(jobs: list[Job], envelope: Envelope, include_usage: bool) -> AsyncIterator[str]:
         no_usage = {"usage": None} if include_usage else {}  # OpenAI's chunks say so before the usage chunk
         try:
-            role = envelope.chat  # the chat's role chunk goes out with the first text, as vLLM's does: a client
-            try:  # that times its first chunk (vLLM's benchmark does) then measures the prefill, not the queue
-                async for piece in job.pieces():
-                    if role:
-                        yield event(envelope.chunk(None, role=True) | no_usage)
-                        role = False
-                    yield event(envelope.chunk(piece) | no_usage)
-                if role:
-                    yield event(envelope.chunk(None, role=True) | no_usage)
+            # the chat's role chunk goes out with a choice's first text, as vLLM's does: a client that times its
+            # first chunk (vLLM's benchmark does) then measures the prefill, not the queue
+            roles = set(range(len(jobs))) if envelope.chat else set()
+            try:
+                async for i, delta in merged(jobs):
+                    if i in roles:
+                        yield event(envelope.chunk(None, role=True, index=i) | no_usage)
+                        roles.discard(i)
+                    if delta is None:
+                        reason = jobs[i].request.output.finish_reason
+                        yield event(envelope.chunk(None, finish_reason=reason, index=i) | no_usage)
+                    else:
+                        yield event(envelope.chunk(delta.text, index=i, logprobs=delta.logprobs) | no_usage)
             except ShuttingDownError as e:  # the 200 went out: say so in the stream, and end it
                 yield event(error_body(str(e), "server_error", code="shutting_down"))
                 yield "data: [DONE]\n\n"
@@ -245,13 +268,12 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
                 yield event(error_body("generation failed (the server's log has the details)", "server_error"))
                 yield "data: [DONE]\n\n"
                 return
-            completion = job.request.output
-            yield event(envelope.chunk(None, finish_reason=completion.finish_reason) | no_usage)
             if include_usage:
-                yield event(envelope.usage_chunk(completion))
+                yield event(envelope.usage_chunk([job.request.output for job in jobs]))
             yield "data: [DONE]\n\n"
         finally:
-            scheduler.cancel(job)  # the client went away mid-stream: stop generating, free the place
+            for job in jobs:
+                scheduler.cancel(job)  # the client went away mid-stream: stop generating, free the place
 
     app.add_middleware(Guard, api_key=api_key, metrics=metrics, endpoints=frozenset(r.path for r in app.routes),
                        max_body=max_body, read_timeout=read_timeout)
@@ -294,3 +316,21 @@ class PromptEncoder:
             return await asyncio.to_thread(locked)
         except (ValueError, TypeError) as e:  # a template that refuses the conversation, text it cannot encode
             raise BadRequest(str(e).splitlines()[0], param=param) from None
+
+
+class LazyTokenTexts:
+    """The tokens' texts for logprobs (quasar.serve.logprobs.TokenTexts), read from the prompt encoder's tokenizer
+    when a request first asks for logprobs."""
+
+    def __init__(self, prompts: PromptEncoder, vocab_size: int) -> None:
+        self.prompts, self.vocab_size = prompts, vocab_size
+        self.texts: TokenTexts | None = None
+
+    async def get(self) -> TokenTexts:
+        def read() -> TokenTexts:
+            with self.prompts.lock:
+                if self.texts is None:
+                    self.texts = TokenTexts(self.prompts.tokenizer, self.vocab_size)
+                return self.texts
+
+        return self.texts or await asyncio.to_thread(read)

@@ -8,11 +8,14 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from quasar.decoding.engine import CACHE_BUCKET
 from quasar.decoding.outputs import RequestOutput
-from quasar.decoding.sampling import SEED_MAX, SEED_MIN, SamplingParams
+from quasar.decoding.processors import TokenLogprob
+from quasar.decoding.sampling import MAX_BIAS, MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from quasar.decoding.stats import GenerationStats
+from quasar.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 
 
 class BadRequest(ValueError):
@@ -42,11 +45,10 @@ TOP_K_MAX = 2**31 - 1
 # 400 naming it, rather than answered as if it had not asked (None, and the value meaning "off", are accepted).
 NOT_IMPLEMENTED = {
     "tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "parallel_tool_calls": True,
-    "response_format": {"type": "text"}, "logit_bias": {}, "top_logprobs": 0, "best_of": 1, "suffix": "",
-    "echo": False, "logprobs": False, "repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [],
-    "presence_penalty": 0.0, "frequency_penalty": 0.0, "prediction": None, "audio": None, "modalities": ["text"],
-    "reasoning_effort": None, "web_search_options": None,
+    "response_format": {"type": "text"}, "best_of": 1, "suffix": "", "echo": False, "prediction": None,
+    "audio": None, "modalities": ["text"], "reasoning_effort": None, "web_search_options": None,
 }
+MAX_CHOICES = 16  # `n`: the choices of one request run as that many requests in the batch
 IGNORED = ("user", "metadata", "store", "service_tier")  # bookkeeping fields with no effect on the output
 
 
@@ -66,14 +68,37 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     ignore_eos: bool = False  # extension (vLLM)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)  # extension (vLLM)
+    logit_bias: dict[str, float] | None = None  # {token id as a string: bias in [-100, 100]}
+    min_tokens: int = Field(0, ge=0)  # extension (vLLM)
+    stop_token_ids: list[int] | None = None  # extension (vLLM)
 
     @field_validator("temperature")
     @classmethod
     def _temperature(cls, value: float) -> float:
         if 0 < value < MIN_TEMPERATURE:
             raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"keys must be token ids written as strings of digits, got {token!r}")
+            if not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise ValueError(f"biases must lie in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias}")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, value: list[int] | None) -> list[int] | None:
+        if any(token < 0 for token in value or ()):
+            raise ValueError("token ids are >= 0")
         return value
 
     @field_validator("stop")
@@ -86,13 +111,29 @@ class _Sampling(BaseModel):
             raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return value
 
-    def sampling(self, max_new_tokens: int) -> SamplingParams:
+    def sampling(self, max_new_tokens: int, vocab_size: int) -> SamplingParams:
+        """The SamplingParams asked for, with at most `max_new_tokens` (BadRequest naming the field for a value the
+        model's vocabulary or the token budget refuses)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        bias = {int(token): value for token, value in (self.logit_bias or {}).items()}
+        for name, tokens in (("logit_bias", bias), ("stop_token_ids", self.stop_token_ids or ())):
+            if any(token >= vocab_size for token in tokens):
+                raise BadRequest(f"{name!r} names a token id beyond the vocabulary ({vocab_size} tokens)", param=name)
+        if self.min_tokens > max_new_tokens:
+            raise BadRequest(f"min_tokens ({self.min_tokens}) is more than the request may generate "
+                             f"({max_new_tokens})", param="min_tokens")
         return SamplingParams(
             temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
-            seed=self.seed,
-            max_new_tokens=max_new_tokens, stop=stop, ignore_eos=self.ignore_eos,
+            seed=self.seed, max_new_tokens=max_new_tokens, stop=stop, ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=tuple(bias.items()), min_tokens=self.min_tokens,
+            stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=self.top_logprob_count,
         )
+
+    @property
+    def top_logprob_count(self) -> int | None:
+        """How many of the most likely tokens to report at each position; None: no logprobs."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -101,6 +142,11 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the chosen token's and this many others'
+
+    @property
+    def top_logprob_count(self) -> int | None:
+        return self.logprobs
 
 
 class Message(BaseModel):
@@ -120,6 +166,19 @@ class Message(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
+
+    @property
+    def top_logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def parse(model: type[CompletionRequest | ChatRequest], body: Any) -> Any:
@@ -187,54 +246,80 @@ def budget(requested: int | None, prompt_tokens: int, max_context: int, kv_budge
     return room
 
 
-def usage(completion: RequestOutput) -> dict[str, Any]:
-    """OpenAI usage plus the speculative statistics of the request."""
-    stats = completion.stats
+def usage(completions: list[RequestOutput]) -> dict[str, Any]:
+    """OpenAI usage plus the speculative statistics of a request's choices: the prompt counted once, the
+    completion tokens and the verify steps of every choice."""
+    first = completions[0].stats  # the other choices start from its prefill (quasar.decoding.batch.Batch.admit)
+    total = GenerationStats(prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens)
+    for stats in (c.stats for c in completions):
+        total.new_tokens += stats.new_tokens
+        total.proposed_tokens += stats.proposed_tokens
+        total.accepted_tokens += stats.accepted_tokens
+        total.accept_lengths += stats.accept_lengths
+        total.decode_s = max(total.decode_s, stats.wall_s)  # the choices run together
     return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.new_tokens,
-        "total_tokens": stats.prompt_tokens + stats.new_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},  # prefix caching (kv_cache.CachePool)
+        "prompt_tokens": total.prompt_tokens,
+        "completion_tokens": total.new_tokens,
+        "total_tokens": total.prompt_tokens + total.new_tokens,
+        "prompt_tokens_details": {"cached_tokens": total.cached_tokens},  # prefix caching (kv_cache.CachePool)
         "speculative": {
-            "verify_steps": stats.verify_steps,
-            "proposed_tokens": stats.proposed_tokens,
-            "accepted_tokens": stats.accepted_tokens,
-            "mean_accepted_tokens": stats.mean_accepted_tokens,
-            "acceptance_rate": stats.acceptance_rate,
-            "tokens_per_s": stats.tokens_per_s,
+            "verify_steps": len(total.accept_lengths),
+            "proposed_tokens": total.proposed_tokens,
+            "accepted_tokens": total.accepted_tokens,
+            "mean_accepted_tokens": total.mean_accepted_tokens,
+            "acceptance_rate": total.acceptance_rate,
+            "tokens_per_s": total.tokens_per_s,
         },
     }
 
 
 class Envelope:
-    """Builds the response objects of one request (same id and timestamp in every chunk)."""
+    """Builds the response objects of one request (same id and timestamp in every chunk); `texts` writes the
+    tokens of logprobs."""
 
-    def __init__(self, model: str, chat: bool) -> None:
-        self.model, self.chat = model, chat
+    def __init__(self, model: str, chat: bool, texts: TokenTexts | None = None) -> None:
+        self.model, self.chat, self.texts = model, chat, texts
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self.offsets: dict[int, int] = {}  # a streamed completion choice's characters so far (text_offset)
 
     def _wrap(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, completion: RequestOutput) -> dict[str, Any]:
+    def logprobs(self, logprobs: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any] | None:
+        if logprobs is None or self.texts is None:
+            return None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
-                      "logprobs": None, "finish_reason": completion.finish_reason}
-        else:
-            choice = {"index": 0, "text": completion.text, "logprobs": None, "finish_reason": completion.finish_reason}
-        return self._wrap([choice], chunk=False) | {"usage": usage(completion)}
+            return chat_logprobs(logprobs, self.texts)
+        out = completion_logprobs(logprobs, self.texts, self.offsets.get(index, 0))
+        self.offsets[index] = self.offsets.get(index, 0) + sum(len(token) for token in out["tokens"])
+        return out
 
-    def chunk(self, piece: str | None, finish_reason: str | None = None, role: bool = False) -> dict[str, Any]:
+    def full(self, completions: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for i, completion in enumerate(completions):
+            choice: dict[str, Any] = {"index": i}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": completion.text}
+            else:
+                choice["text"] = completion.text
+            choice |= {"logprobs": self.logprobs(completion.logprobs, i), "finish_reason": completion.finish_reason}
+            choices.append(choice)
+        return self._wrap(choices, chunk=False) | {"usage": usage(completions)}
+
+    def chunk(self, piece: str | None, finish_reason: str | None = None, role: bool = False, index: int = 0,
+              logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        """One choice's chunk: text, the role (chat's first), the finish reason, the logprobs of new tokens."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if piece is not None:
                 delta["content"] = piece
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": piece or ""}
+        choice |= {"logprobs": self.logprobs(logprobs, index), "finish_reason": finish_reason}
         return self._wrap([choice], chunk=True)
 
-    def usage_chunk(self, completion: RequestOutput) -> dict[str, Any]:
-        return self._wrap([], chunk=True) | {"usage": usage(completion)}
+    def usage_chunk(self, completions: list[RequestOutput]) -> dict[str, Any]:
+        return self._wrap([], chunk=True) | {"usage": usage(completions)}

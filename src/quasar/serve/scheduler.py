@@ -27,10 +27,12 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from quasar.decoding.batch import Batch
 from quasar.decoding.engine import Engine, Request
 from quasar.decoding.outputs import RequestOutput
+from quasar.decoding.processors import TokenLogprob
 
 log = logging.getLogger("quasar")
 IDLE_RELEASE_S = 5.0  # idle this long, the worker gives back the memory kept for reuse (KV caches, kernel results)
@@ -46,6 +48,14 @@ class WorkerStoppedError(RuntimeError):
 
 class ShuttingDownError(WorkerStoppedError):
     """The server is shutting down: it takes no new request, and ends those still running at its deadline."""
+
+
+class Delta(NamedTuple):
+    """What one step added to a request's output: text, and the logprobs of its new tokens (empty unless asked;
+    a token's text may come a step after its logprob, once its characters are whole)."""
+
+    text: str
+    logprobs: list[TokenLogprob]
 
 
 @dataclass
@@ -64,8 +74,9 @@ class Job:
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
 
-    async def pieces(self) -> AsyncIterator[str]:
-        """Text pieces as they are generated; raises what the generation raised."""
+    async def pieces(self) -> AsyncIterator[Delta]:
+        """Text pieces (with their tokens' logprobs, when asked for) as they are generated; raises what the
+        generation raised."""
         while True:
             kind, value = await self.events.get()
             if kind == "piece":
@@ -79,6 +90,33 @@ class Job:
         async for _ in self.pieces():
             pass
         return self.request.output
+
+
+async def merged(jobs: list[Job]) -> AsyncIterator[tuple[int, Delta | None]]:
+    """The pieces of several jobs (a request's choices) as they come, as (job's index, piece), and (index, None)
+    when a job ends; raises what a generation raised."""
+    queue: asyncio.Queue[tuple[int, Delta | None, Exception | None]] = asyncio.Queue()
+
+    async def forward(i: int, job: Job) -> None:
+        try:
+            async for delta in job.pieces():
+                queue.put_nowait((i, delta, None))
+            queue.put_nowait((i, None, None))
+        except Exception as e:  # noqa: BLE001 (raised to the reader below)
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.create_task(forward(i, job)) for i, job in enumerate(jobs)]
+    try:
+        running = len(jobs)
+        while running:
+            i, delta, error = await queue.get()
+            if error is not None:
+                raise error
+            running -= delta is None
+            yield i, delta
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 Finished = Callable[[Job, RequestOutput, bool], None]  # (job, completion, cancelled) -> None
@@ -221,11 +259,13 @@ class Scheduler:
             job = self._jobs.get(id(request))
             if job is None:
                 continue
-            pieces = request.take()
+            pieces, logprobs = request.take(), request.take_logprobs()
             if pieces and job.first_piece is None:
                 job.first_piece = time.perf_counter()
-            for piece in pieces:
-                job.emit("piece", piece)
+            if logprobs and not pieces:
+                pieces = [""]  # logprobs of tokens whose text is not whole yet
+            for i, piece in enumerate(pieces):  # the step's logprobs go with its last piece
+                job.emit("piece", Delta(piece, logprobs if i == len(pieces) - 1 else []))
         for request in done:
             job = self._jobs.get(id(request))
             if job is not None:
