@@ -196,3 +196,28 @@ def test_unexpected_errors_are_one_line_and_v_shows_the_traceback(capsys, monkey
     assert "-v" in err
     with pytest.raises(RuntimeError, match="registry exploded"):
         main(["-v", "models", "list"])
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--regex", "(ab"], "--regex"),
+    (["--json-schema", '{"type": "strin"}'], "--json-schema"),
+    (["--json-schema", "{not json"], "--json-schema"),
+    (["--grammar", "start: nowhere"], "--grammar"),
+    (["--json-schema", "{}", "--regex", "a"], "not allowed with"),
+])
+def test_bad_structures_are_refused_before_the_model_loads(capsys, tmp_path, args, match):
+    code, err = run_main(capsys, "generate", "hi", "--model", str(tmp_path / "missing"), *args)
+    assert_one_line_error(code, err, match)
+    assert "does not exist" not in err
+
+
+def test_generate_answers_with_json_that_validates_against_a_schema_file(tiny_model_dir, tmp_path):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    result = quasar("generate", "Answer:", "--model", str(tiny_model_dir), "--json-schema",
+                    str(tmp_path / "schema.json"), "--max-new-tokens", "32", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["finish_reason"] == "stop" and set(json.loads(out["text"])) == {"ok", "n"}
+    assert out["stats"]["forced_tokens"] > 0  # the default drafter (ngram) drafted the keys for free

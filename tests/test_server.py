@@ -430,3 +430,32 @@ def test_the_openai_client_logprobs_n_and_a_penalty(server):
     chunks = [c.choices[0] for c in stream if c.choices]
     assert "".join(c.delta.content or "" for c in chunks) == plain.text
     assert [e.token for c in chunks if c.logprobs for e in c.logprobs.content] == [e.token for e in content]
+
+
+def test_the_openai_client_parses_a_pydantic_model_and_calls_tools_streamed_or_not(server):
+    """`chat.completions.parse(response_format=Model)` gets an object that validates against Model; a required tool
+    call comes back as tool_calls, the same streamed (the client's own accumulation) as whole."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        answer: Literal["yes", "no"]
+        sure: bool
+
+    client = server.client()
+    messages = [{"role": "user", "content": "Is the sky blue?"}]
+    reply = client.chat.completions.parse(model=MODEL, messages=messages, response_format=Verdict, max_tokens=32,
+                                          temperature=0)
+    assert isinstance(reply.choices[0].message.parsed, Verdict)
+    tools = [{"type": "function", "function": {"name": "look", "parameters": {
+        "type": "object", "properties": {"where": {"enum": ["up", "down"]}}, "required": ["where"],
+        "additionalProperties": False}}}]
+    one = {"tools": tools, "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 32, "temperature": 0}
+    whole = client.chat.completions.create(model=MODEL, messages=messages, **one)
+    assert whole.choices[0].finish_reason == "tool_calls"
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in whole.choices[0].message.tool_calls]
+    assert len(calls) == 1 and calls[0][0] == "look" and calls[0][1]["where"] in ("up", "down")
+    with client.chat.completions.stream(model=MODEL, messages=messages, **one) as stream:
+        streamed = stream.get_final_completion()
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed.choices[0].message.tool_calls] == calls

@@ -159,7 +159,8 @@ def test_a_body_over_max_body_gets_413_before_it_is_read_whole(server):
     ({"prompt": "hi", "max_tokens": 4, "temperature": 1e-320}, "temperature"),
     ({"prompt": "hi", "max_tokens": 4, "top_k": 2**63}, "top_k"),
     ({"prompt": "hi", "max_tokens": 4, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"prompt": "hi", "max_tokens": 4, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "hi", "max_tokens": 4, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strin"}}}}}}, "response_format"),
     ({"prompt": "hi", "max_tokens": 4, "logit_bias": {"1": 500}}, "logit_bias"),
     ({"prompt": "hi", "max_tokens": 4, "best_of": 2}, "best_of"),
     ({"prompt": "hi", "max_tokens": 4, "suffix": "!"}, "suffix"),

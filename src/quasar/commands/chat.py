@@ -6,7 +6,14 @@ import argparse
 import signal
 import sys
 
-from quasar.commands.common import add_decode_args, add_model_args, add_sampling_args, build_engine, sampling_params
+from quasar.commands.common import (
+    add_decode_args,
+    add_model_args,
+    add_sampling_args,
+    add_structure_args,
+    build_engine,
+    sampling_params,
+)
 
 HELP = """/reset  forget the conversation (the system message stays)
 /stats  what the conversation has cost so far
@@ -24,6 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(parser)
     add_decode_args(parser)
     add_sampling_args(parser)
+    add_structure_args(parser, only_schema=True)
     parser.set_defaults(max_new_tokens=512)
     parser.add_argument("--system", help="a system message that opens the conversation")
     parser.set_defaults(run=run)

@@ -175,12 +175,48 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 
 
+def structure(kind: str, from_file: bool) -> Callable[[str], str]:
+    """An argparse type for a structured-output flag: its text (read from the file it names when `from_file` and
+    such a file exists), compiled once to check it (quasar.decoding.grammar): a bad one is exit status 2."""
+
+    def parse(text: str) -> str:
+        from pathlib import Path
+
+        from quasar.decoding.grammar import Constraint, GrammarError
+
+        path = Path(text)
+        if from_file and len(text) < 4096 and path.is_file():
+            text = path.read_text()
+        try:
+            Constraint(kind, text)
+        except GrammarError as e:
+            raise argparse.ArgumentTypeError(e.reason) from None
+        return text
+
+    parse.__name__ = kind
+    return parse
+
+
+def add_structure_args(parser: argparse.ArgumentParser, only_schema: bool = False) -> None:
+    group = parser.add_argument_group("structured output (at most one)").add_mutually_exclusive_group()
+    group.add_argument("--json-schema", type=structure("json_schema", from_file=True), metavar="FILE|JSON",
+                       help="answer with JSON that validates against this JSON schema (a file, or the JSON itself)")
+    if only_schema:
+        return
+    group.add_argument("--regex", type=structure("regex", from_file=False), metavar="R",
+                       help="answer with text that matches this regular expression whole")
+    group.add_argument("--grammar", type=structure("grammar", from_file=True), metavar="FILE",
+                       help="answer with text this grammar derives (Lark, as llguidance reads it, or llama.cpp's GBNF)")
+
+
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     from quasar.decoding.sampling import SamplingParams
 
     return SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
         max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+        json_schema=getattr(args, "json_schema", None), regex=getattr(args, "regex", None),
+        grammar=getattr(args, "grammar", None),
     )
 
 

@@ -7,7 +7,14 @@ import json
 import sys
 
 from quasar.commands.common import (
-    add_decode_args, add_model_args, add_sampling_args, build_engine, prompt, read_prompt, sampling_params,
+    add_decode_args,
+    add_model_args,
+    add_sampling_args,
+    add_structure_args,
+    build_engine,
+    prompt,
+    read_prompt,
+    sampling_params,
 )
 from quasar.decoding.stats import GenerationStats
 
@@ -23,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_model_args(parser)
     add_decode_args(parser)
     add_sampling_args(parser)
+    add_structure_args(parser)
     chat = parser.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="wrap the prompt in the model's chat template (default when the model has one)")
@@ -52,6 +60,7 @@ def summary(stats: GenerationStats, path: str) -> str:
     12 tokens in 0.05 s; 1.62 tokens a verify step) on kernels:dpbusd'."""
     parts = [f"prompt: {stats.prompt_tokens} tokens in {stats.prefill_s:.2f} s"]
     if stats.proposed_tokens:
-        parts.append(f"{stats.mean_accepted_tokens:.2f} tokens a verify step")
+        forced = f", {stats.forced_per_step:.2f} of them forced by the grammar" if stats.forced_tokens else ""
+        parts.append(f"{stats.mean_accepted_tokens:.2f} tokens a verify step{forced}")
     return (f"{stats.new_tokens} tokens in {stats.wall_s:.2f} s, {stats.tokens_per_s:.1f} tokens/s "
             f"({'; '.join(parts)}) on {path}")

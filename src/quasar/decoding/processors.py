@@ -44,8 +44,19 @@ class Vocab:
 
 ProcessorFactory = Callable[[SamplingParams, Vocab], "RowProcessor | None"]
 
-# each gives a request's processor of its kind, or None when its params do not ask for one
-FACTORIES: list[ProcessorFactory] = [rules.logit_bias, rules.min_tokens, rules.penalties]
+
+def grammar(params: SamplingParams, vocab: Vocab) -> RowProcessor | None:
+    """A structured-output request's grammar mask (quasar.decoding.grammar, imported only when one is asked for)."""
+    if params.constraint is None:
+        return None
+    from quasar.decoding.grammar import grammar_mask
+
+    return grammar_mask(params, vocab)
+
+
+# each gives a request's processor of its kind, or None when its params do not ask for one; the grammar comes last,
+# so that a row keeps exactly the tokens it allows whatever the rules before it added
+FACTORIES: list[ProcessorFactory] = [rules.logit_bias, rules.min_tokens, rules.penalties, grammar]
 
 
 def processors_for(params: SamplingParams, vocab: Vocab) -> list[RowProcessor]:

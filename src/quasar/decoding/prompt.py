@@ -10,12 +10,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-Messages = list[dict[str, str]]  # a conversation: [{"role": "user", "content": "..."}, ...]
+Messages = list[dict[str, Any]]  # a conversation: [{"role": "user", "content": "..."}, ...] (and tool calls)
 HOLDER = "\ue000{}\ue001"  # stands for message i's content while the template is rendered (a private-use pair)
 HOLDERS = re.compile("(\ue000\\d+\ue001)")
 
 
-def encode(tokenizer: Any, prompt: str | Messages, chat: bool | None = None, special: bool = False) -> list[int]:
+def encode(tokenizer: Any, prompt: str | Messages, chat: bool | None = None, special: bool = False,
+           tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Text or a conversation -> prompt token ids.
 
     A conversation goes through the tokenizer's chat template (with the generation prompt); a tokenizer
@@ -23,6 +24,7 @@ def encode(tokenizer: Any, prompt: str | Messages, chat: bool | None = None, spe
     conversation when `chat` is true (None: when the tokenizer has a chat template), else encoded as is,
     with the tokenizer's special tokens (BOS). So a one-turn conversation, and text with chat=None, give the same
     ids on every tokenizer. special: the control tokens written in the text are control tokens (else plain text).
+    tools: OpenAI tool definitions, given to the chat template (which may show them to the model or not).
     """
     if isinstance(prompt, str):
         if not (chat if chat is not None else bool(tokenizer.chat_template)):
@@ -30,10 +32,24 @@ def encode(tokenizer: Any, prompt: str | Messages, chat: bool | None = None, spe
         prompt = [{"role": "user", "content": prompt}]
     if not tokenizer.chat_template:
         return tokenizer.encode("\n\n".join(m["content"] for m in prompt), split_special_tokens=not special)
-    text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=False)
     if special or not any(holds_control_text(tokenizer, m.get("content")) for m in prompt):
         return tokenizer.encode(text, add_special_tokens=False)
-    return encode_contents_as_text(tokenizer, prompt)
+    return encode_contents_as_text(tokenizer, prompt, tools)
+
+
+def renders_tools(tokenizer: Any) -> bool:
+    """Whether the tokenizer's chat template shows the model the tools it is given (Qwen2.5's does; many ignore
+    them): a probe tool's name appears in the rendered prompt."""
+    if not tokenizer.chat_template:
+        return False
+    probe = {"type": "function", "function": {"name": "probe_tool_4f1c", "parameters": {"type": "object"}}}
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe],
+                                             add_generation_prompt=True, tokenize=False)
+    except Exception:  # noqa: BLE001 (a template that fails on tools does not take them)
+        return False
+    return "probe_tool_4f1c" in text
 
 
 def holds_control_text(tokenizer: Any, content: Any) -> bool:
@@ -43,13 +59,14 @@ def holds_control_text(tokenizer: Any, content: Any) -> bool:
     return any(t.special and t.content in content for t in tokenizer.added_tokens_decoder.values())
 
 
-def encode_contents_as_text(tokenizer: Any, messages: Messages) -> list[int]:
+def encode_contents_as_text(tokenizer: Any, messages: Messages, tools: list[dict[str, Any]] | None = None
+                            ) -> list[int]:
     """The conversation's ids with the template's own control tokens as control tokens and every message's content
     encoded as plain text: the template is rendered with a placeholder for each content, and the pieces between the
     placeholders are encoded one by one."""
     held = [{**m, "content": HOLDER.format(i)} if isinstance(m.get("content"), str) else m
             for i, m in enumerate(messages)]
-    skeleton = tokenizer.apply_chat_template(held, add_generation_prompt=True, tokenize=False)
+    skeleton = tokenizer.apply_chat_template(held, tools=tools, add_generation_prompt=True, tokenize=False)
     ids: list[int] = []
     for piece in HOLDERS.split(skeleton):
         if HOLDERS.fullmatch(piece):

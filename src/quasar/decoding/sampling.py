@@ -19,6 +19,7 @@ import torch
 from quasar.model.execution import ON_TORCH, ExecutionPlan
 
 if TYPE_CHECKING:
+    from quasar.decoding.grammar import Constraint
     from quasar.decoding.processors import Processing
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes (a negative seed wraps around)
@@ -47,7 +48,12 @@ class SamplingParams:
     generated so far; `min_tokens` bans EOS and `stop_token_ids` until that many tokens are generated.
     `stop_token_ids` end the output like EOS (even with ignore_eos); the stopping token counts among the
     output's tokens, its text is not part of the output's text. `logprobs` k: each output token's log-probability
-    and the k most likely tokens at its position (None: none kept)."""
+    and the k most likely tokens at its position (None: none kept).
+
+    Structured output (quasar.decoding.grammar), at most one of: `json_schema` (a dict, its JSON text or a pydantic
+    model class: the answer is JSON that validates against it), `json_object` (any JSON object), `regex` (the
+    answer matches it whole), `grammar` (a Lark grammar in llguidance's dialect, or GBNF). Checked when made: a bad one is a
+    ValueError naming the field. `constraint` holds it compiled."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -64,6 +70,11 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     logprobs: int | None = None
+    json_schema: Any = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    constraint: Constraint | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -81,6 +92,27 @@ class SamplingParams:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         self._check_rules()
+        object.__setattr__(self, "constraint", self._constraint())
+
+    def _constraint(self) -> Constraint | None:
+        """The structured-output fields, compiled (None when none is set)."""
+        given = {"json_schema": self.json_schema is not None, "regex": self.regex is not None,
+                 "grammar": self.grammar is not None, "json_object": bool(self.json_object)}
+        chosen = [name for name, on in given.items() if on]
+        if not chosen:
+            return None
+        if len(chosen) > 1:
+            raise ValueError(f"give at most one of json_schema, regex, grammar, json_object; got {', '.join(chosen)}")
+        if self.ignore_eos or self.min_tokens:
+            raise ValueError(f"{'ignore_eos' if self.ignore_eos else 'min_tokens'} cannot be combined with "
+                             f"{chosen[0]}: the answer ends where the grammar does")
+        from quasar.decoding.grammar import Constraint
+
+        kind = chosen[0]
+        text = {"json_schema": self.json_schema, "regex": self.regex, "grammar": self.grammar}.get(kind, "")
+        if kind in ("regex", "grammar") and not isinstance(text, str):
+            raise ValueError(f"{kind} must be a string, got {type(text).__name__}")
+        return Constraint(kind, text)
 
     def _check_rules(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

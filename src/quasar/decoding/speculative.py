@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from quasar.decoding.drafters.base import Draft, Drafter
+from quasar.decoding.drafters.forced import forced_draft
+from quasar.decoding.grammar import GrammarMask, grammar_of
 from quasar.decoding.autoregressive import Steps, StopRule
 from quasar.decoding.confidence_guard import ConfidenceGuard
 from quasar.model.kv_cache import KVCache
@@ -95,7 +97,7 @@ def verify_step(propose: Callable[[int], Draft], k: int, feed: list[int], cache:
     logits = yield Step([*feed, *draft.tokens], cache, cut=cut, chances=length.chances(len(draft)))
     logits = logits[len(feed) - 1 :]  # [scored, V] over [last, *draft]
     if len(logits) <= len(draft):
-        draft = Draft(draft.tokens[: len(logits) - 1], draft.probs)
+        draft = replace(draft, tokens=draft.tokens[: len(logits) - 1])  # a busy batch scored a prefix
     verdict, target = judge(draft, logits, params, sampler, generator)
     if guard is not None:
         verdict = guard.review(cache, [feed[-1], *draft.tokens], logits, verdict, sampler, stats)
@@ -112,6 +114,7 @@ class Speculative:
     drafter: Drafter
     k: int | str = AUTO
     guard: ConfidenceGuard | None = None  # re-scores positions the verifier is unsure of with the float model (approximate)
+    forced_drafts: bool = True  # with a grammar: draft its forced tokens first (quasar.decoding.drafters.forced)
 
     def __post_init__(self) -> None:
         self.idle: list[Drafter] = [self.drafter]  # drafters not serving a request now
@@ -136,6 +139,7 @@ class Speculative:
                params: SamplingParams, stop: StopRule, stats: GenerationStats,
                processing: Processing | None = None) -> Steps:
         sampler, length = Sampler(params, model.plan, processing), DraftLength(self.k)
+        grammar = grammar_of(processing)
         # A batch may score fewer draft tokens than proposed when it is full, unless that could change the
         # output: a seeded sampled request gives the same tokens as alone only with the same drafts.
         may_cut = params.greedy or params.seed is None
@@ -153,12 +157,23 @@ class Speculative:
                 stats.finish_reason = reason
                 return
             drafter.commit(pending)
-            k = min(length.k, cache.max_len - cache.length - 1, stop.budget - stop.emitted - 1)
+            room = min(MAX_DRAFT, cache.max_len - cache.length - 1, stop.budget - stop.emitted - 1)
+            k = min(length.k, room)
             before = cache.length
             draft, verdict, _ = yield from verify_step(
-                lambda n: drafter.propose(n, params, sampler.generator), k, [pending[-1]], cache, params, sampler,
-                sampler.generator, length, stats, cut=may_cut, guard=self.guard)
+                self.proposer(drafter, grammar, room, params, sampler.generator), k, [pending[-1]], cache, params,
+                sampler, sampler.generator, length, stats, cut=may_cut, guard=self.guard)
             cache.trim(cache.length - (before + verdict.accepted + 1))  # keep [last, *accepted]
             pending = draft.tokens[: verdict.accepted] + [verdict.token]
             tokens, reason = stop.cut(pending)
-            stats.record_step(proposed=len(draft), accepted=min(verdict.accepted, len(tokens)), emitted=len(tokens))
+            accepted = min(verdict.accepted, len(tokens))
+            stats.record_step(proposed=len(draft), accepted=accepted, emitted=len(tokens),
+                              forced=sum(i < accepted for i in draft.forced))
+
+    def proposer(self, drafter: Drafter, grammar: GrammarMask | None, room: int, params: SamplingParams,
+                 generator: torch.Generator) -> Callable[[int], Draft]:
+        """propose(k): the drafter's k tokens, or with a grammar (and `forced_drafts`) its forced tokens first, up
+        to `room` (quasar.decoding.drafters.forced)."""
+        if grammar is None or not self.forced_drafts:
+            return lambda k: drafter.propose(k, params, generator)
+        return lambda k: forced_draft(grammar, drafter, k, room, params, generator)

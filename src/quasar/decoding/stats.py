@@ -30,6 +30,7 @@ class GenerationStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per verify step
+    forced_tokens: int = 0  # of the accepted tokens, those a grammar forced (drafted without the drafter)
     finish_reason: str = "length"
     rechecked_tokens: int = 0  # --guard: positions the float model re-scored
     recheck_changed: int = 0  # of those, positions where its token differed from the verifier's
@@ -40,7 +41,8 @@ class GenerationStats:
         return {
             "verify_steps": self.verify_steps, "proposed_tokens": self.proposed_tokens,
             "accepted_tokens": self.accepted_tokens, "mean_accepted_tokens": self.mean_accepted_tokens,
-            "acceptance_rate": self.acceptance_rate, "draft_s": self.draft_s, "verify_s": self.verify_s,
+            "acceptance_rate": self.acceptance_rate, "forced_tokens": self.forced_tokens,
+            "draft_s": self.draft_s, "verify_s": self.verify_s,
         }
 
     @property
@@ -57,6 +59,11 @@ class GenerationStats:
         return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
 
     @property
+    def forced_per_step(self) -> float:
+        """Tokens a grammar forced per verify step (part of mean_accepted_tokens)."""
+        return self.forced_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
 
@@ -64,12 +71,14 @@ class GenerationStats:
     def other_s(self) -> float:
         return max(0.0, self.decode_s - self.draft_s - self.verify_s)
 
-    def record_step(self, proposed: int, accepted: int, emitted: int) -> None:
-        """One verify step: `proposed` draft tokens scored, `accepted` of them kept, `emitted` tokens out
-        (accepted + the corrected or bonus token, fewer when EOS or the token limit cut the step)."""
+    def record_step(self, proposed: int, accepted: int, emitted: int, forced: int = 0) -> None:
+        """One verify step: `proposed` draft tokens scored, `accepted` of them kept (`forced` of those forced by a
+        grammar), `emitted` tokens out (accepted + the corrected or bonus token, fewer when EOS or the token limit
+        cut the step)."""
         self.verify_steps += 1
         self.proposed_tokens += proposed
         self.accepted_tokens += accepted
+        self.forced_tokens += forced
         self.accept_lengths.append(emitted)
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,6 +89,7 @@ class GenerationStats:
             tokens_per_s=self.tokens_per_s,
             mean_accepted_tokens=self.mean_accepted_tokens,
             acceptance_rate=self.acceptance_rate,
+            forced_per_step=self.forced_per_step,
             other_s=self.other_s,
             peak_rss_mb=peak_rss_mb(),
         )

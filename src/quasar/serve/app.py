@@ -21,12 +21,23 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quasar.decoding.engine import Engine
 from quasar.decoding.engine import Request as EngineRequest
+from quasar.decoding.grammar import grammars_for
 from quasar.decoding.outputs import RequestOutput
-from quasar.decoding.prompt import encode
+from quasar.decoding.prompt import encode, renders_tools
 from quasar.serve.logprobs import TokenTexts
 from quasar.serve.metrics import Metrics
-from quasar.serve.protocol import BadRequest, ChatRequest, CompletionRequest, Envelope, budget, error_body, parse
+from quasar.serve.protocol import (
+    BadRequest,
+    ChatRequest,
+    CompletionRequest,
+    Envelope,
+    budget,
+    error_body,
+    finish_reason,
+    parse,
+)
 from quasar.serve.scheduler import Job, QueueFullError, Scheduler, ShuttingDownError, WorkerStoppedError, merged
+from quasar.serve.tools import ToolPlan, ToolReply
 
 log = logging.getLogger("quasar")
 RETRY_AFTER_S = 1  # what a 429 tells a client to wait before trying again
@@ -121,6 +132,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
         first = None if job.first_piece is None else job.first_piece - job.submitted
         metrics.record(completion.stats, time.perf_counter() - job.submitted, first, cancelled)
 
+    grammars_for(engine.vocab)  # the tokenizer bridged to the grammar engine here, not in a request's handler
     scheduler = Scheduler(engine, max_queue, max_batch, max_rows, kv_budget, on_finish=finished, own_thread=own_thread)
 
     @asynccontextmanager
@@ -176,8 +188,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
     async def chat_completions(request: Request) -> Any:
         req = parse(ChatRequest, await read_json(request))
         check_model(req.model)
-        ids = await prompts.encode([m.text() for m in req.messages], None, "messages")
-        return await serve(request, req, ids, chat=True)
+        tools = req.tool_plan()
+        if tools is not None and tools.mode == "auto" and not prompts.takes_tools:
+            raise BadRequest("this model's chat template takes no tools, so tool_choice 'auto' cannot offer them to "
+                             "it; 'required' or a named function holds the answer to the tools' schemas",
+                             param="tool_choice")
+        shown = list(tools.tools) if tools is not None and prompts.takes_tools else None
+        ids = await prompts.encode([m.text() for m in req.messages], None, "messages", shown)
+        return await serve(request, req, ids, chat=True, tools=tools)
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -198,18 +216,20 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             raise BadRequest("the prompt is empty", param="prompt")
         return await prompts.encode(str(prompt), False, "prompt")
 
-    async def serve(http: Request, req: CompletionRequest | ChatRequest, ids: list[int], chat: bool) -> Any:
+    async def serve(http: Request, req: CompletionRequest | ChatRequest, ids: list[int], chat: bool,
+                    tools: ToolPlan | None = None) -> Any:
         requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
         room = budget(requested, len(ids), engine.max_context, engine.caches.budget, engine.cache_slack)
-        params = req.sampling(room, engine.target.model.config.vocab_size)
+        params = req.sampling(room, engine.target.model.config.vocab_size, tools)
         try:  # the choices of `n`: as many requests, batched together
             requests = [engine.request(ids, params.for_choice(i)) for i in range(req.n)]
         except ValueError as e:
-            raise BadRequest(str(e)) from None
+            raise BadRequest(str(e), param=getattr(e, "field", None)) from None
         jobs = submit(requests)
         envelope = Envelope(model_name, chat, None if params.logprobs is None else await texts.get())
         if req.stream:
-            return StreamingResponse(sse(jobs, envelope, req.include_usage), media_type="text/event-stream")
+            replies = [ToolReply(tools) for _ in jobs] if tools is not None else None
+            return StreamingResponse(sse(jobs, envelope, req.include_usage, replies), media_type="text/event-stream")
         watcher = asyncio.create_task(cancel_on_hang_up(http, jobs))
         try:
             completions = [await job.completion() for job in jobs]
@@ -217,7 +237,13 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             watcher.cancel()
             for job in jobs:
                 scheduler.cancel(job)  # no-op once finished; frees the place if this handler was cancelled
-        return JSONResponse(envelope.full(completions))
+        replies = None
+        if tools is not None:  # each answer read as tool calls
+            replies = [ToolReply(tools) for _ in completions]
+            for reply, completion in zip(replies, completions):
+                reply.feed(completion.text)
+                reply.finish()
+        return JSONResponse(envelope.full(completions, replies))
 
     def submit(requests: list[EngineRequest]) -> list[Job]:
         """The requests' jobs, or none of them (HTTP 429 when the queue cannot take them all)."""
@@ -243,8 +269,18 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
         for job in jobs:
             scheduler.cancel(job)
 
-    async def sse(jobs: list[Job], envelope: Envelope, include_usage: bool) -> AsyncIterator[str]:
+    async def sse(jobs: list[Job], envelope: Envelope, include_usage: bool, replies: list[ToolReply] | None = None
+                  ) -> AsyncIterator[str]:
+        """The stream's events; with `replies` (tools), each choice's pieces read as content and tool-call deltas."""
         no_usage = {"usage": None} if include_usage else {}  # OpenAI's chunks say so before the usage chunk
+
+        def chunks(i: int, piece: str | None, logprobs: Any = None) -> list[dict[str, Any]]:
+            """Choice i's chunks of a piece of text (None: its end, before the finish reason)."""
+            if replies is None:
+                return [] if piece is None else [envelope.chunk(piece, index=i, logprobs=logprobs)]
+            deltas = replies[i].feed(piece) if piece is not None else replies[i].finish()
+            out = [envelope.delta_chunk(delta, i) for delta in deltas if delta.text or delta.name]
+            return out + ([envelope.chunk(None, index=i, logprobs=logprobs)] if logprobs else [])
         try:
             # the chat's role chunk goes out with a choice's first text, as vLLM's does: a client that times its
             # first chunk (vLLM's benchmark does) then measures the prefill, not the queue
@@ -254,11 +290,12 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
                     if i in roles:
                         yield event(envelope.chunk(None, role=True, index=i) | no_usage)
                         roles.discard(i)
+                    for chunk in chunks(i, None if delta is None else delta.text,
+                                        None if delta is None else delta.logprobs):
+                        yield event(chunk | no_usage)
                     if delta is None:
-                        reason = jobs[i].request.output.finish_reason
+                        reason = finish_reason(jobs[i].request.output, replies[i] if replies else None)
                         yield event(envelope.chunk(None, finish_reason=reason, index=i) | no_usage)
-                    else:
-                        yield event(envelope.chunk(delta.text, index=i, logprobs=delta.logprobs) | no_usage)
             except ShuttingDownError as e:  # the 200 went out: say so in the stream, and end it
                 yield event(error_body(str(e), "server_error", code="shutting_down"))
                 yield "data: [DONE]\n\n"
@@ -301,16 +338,20 @@ class PromptEncoder:
         self.lock = threading.Lock()
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
         self.max_chars = max_context * longest  # no text longer than this fits, whatever its tokens
+        self.takes_tools = renders_tools(self.tokenizer)  # whether the chat template shows the model tools
 
-    async def encode(self, prompt: str | list[dict[str, str]], chat: bool | None, param: str) -> list[int]:
+    async def encode(self, prompt: str | list[dict[str, Any]], chat: bool | None, param: str,
+                     tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt's ids; `tools`: shown to the model through its chat template."""
         chars = len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
+        chars += len(json.dumps(tools)) if tools else 0
         if chars > self.max_chars:
             raise BadRequest(f"the prompt has {chars} characters: more than the context window can hold",
                              param=param, code="context_length_exceeded")
 
         def locked() -> list[int]:
             with self.lock:
-                return encode(self.tokenizer, prompt, chat, self.special)
+                return encode(self.tokenizer, prompt, chat, self.special, tools)
 
         try:
             return await asyncio.to_thread(locked)

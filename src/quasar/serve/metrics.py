@@ -45,6 +45,7 @@ class Metrics:
         self.emitted_by_steps = 0
         self.proposed_tokens = 0
         self.accepted_tokens = 0
+        self.forced_tokens = 0
         self.middle: Counter[str] = Counter()  # a cascade's middle level: verify_steps, proposed, accepted tokens
         self.latency = Histogram()
         self.first_token = Histogram()
@@ -63,6 +64,7 @@ class Metrics:
             self.emitted_by_steps += sum(stats.accept_lengths)
             self.proposed_tokens += stats.proposed_tokens
             self.accepted_tokens += stats.accepted_tokens
+            self.forced_tokens += stats.forced_tokens
             if stats.middle is not None:
                 self.middle.update(verify_steps=stats.middle.verify_steps, emitted=sum(stats.middle.accept_lengths),
                                    proposed_tokens=stats.middle.proposed_tokens, accepted_tokens=stats.middle.accepted_tokens)
@@ -93,6 +95,8 @@ class Metrics:
                 ("quasar_verify_steps_total", self.verify_steps, "verifier forwards over [last, *draft]"),
                 ("quasar_proposed_tokens_total", self.proposed_tokens, "draft tokens proposed"),
                 ("quasar_accepted_tokens_total", self.accepted_tokens, "draft tokens accepted"),
+                ("quasar_forced_tokens_total", self.forced_tokens,
+                 "accepted draft tokens a structured answer's grammar forced (drafted for free)"),
                 ("quasar_middle_verify_steps_total", self.middle["verify_steps"],
                  "a cascade's middle verifier (w8a8 in w8a8+bf16): its forwards over [last, *draft]"),
                 ("quasar_middle_proposed_tokens_total", self.middle["proposed_tokens"],

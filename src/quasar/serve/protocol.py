@@ -4,6 +4,7 @@ Validation lives here so that every bad input becomes a 400 with an OpenAI error
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -11,11 +12,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from quasar.decoding.engine import CACHE_BUCKET
+from quasar.decoding.grammar import Constraint, GrammarError
 from quasar.decoding.outputs import RequestOutput
 from quasar.decoding.processors import TokenLogprob
 from quasar.decoding.sampling import MAX_BIAS, MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 from quasar.decoding.stats import GenerationStats
 from quasar.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from quasar.serve.tools import Delta, ToolPlan, ToolReply
 
 
 class BadRequest(ValueError):
@@ -44,12 +47,30 @@ TOP_K_MAX = 2**31 - 1
 # Fields the OpenAI API defines that this server does not implement: a request that sets one is refused with a
 # 400 naming it, rather than answered as if it had not asked (None, and the value meaning "off", are accepted).
 NOT_IMPLEMENTED = {
-    "tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "parallel_tool_calls": True,
-    "response_format": {"type": "text"}, "best_of": 1, "suffix": "", "echo": False, "prediction": None,
+    "functions": [], "function_call": "none", "best_of": 1, "suffix": "", "echo": False, "prediction": None,
     "audio": None, "modalities": ["text"], "reasoning_effort": None, "web_search_options": None,
 }
 MAX_CHOICES = 16  # `n`: the choices of one request run as that many requests in the batch
 IGNORED = ("user", "metadata", "store", "service_tier")  # bookkeeping fields with no effect on the output
+
+
+class JsonSchemaFormat(BaseModel):
+    """response_format.json_schema: the schema the answer follows. `strict` is accepted either way: the answer
+    always follows the schema (quasar.decoding.grammar)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Sampling(BaseModel):
@@ -76,6 +97,11 @@ class _Sampling(BaseModel):
     logit_bias: dict[str, float] | None = None  # {token id as a string: bias in [-100, 100]}
     min_tokens: int = Field(0, ge=0)  # extension (vLLM)
     stop_token_ids: list[int] | None = None  # extension (vLLM)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None  # extensions (vLLM): structured output
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1)
 
     @field_validator("temperature")
     @classmethod
@@ -111,9 +137,10 @@ class _Sampling(BaseModel):
             raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return value
 
-    def sampling(self, max_new_tokens: int, vocab_size: int) -> SamplingParams:
+    def sampling(self, max_new_tokens: int, vocab_size: int, tools: ToolPlan | None = None) -> SamplingParams:
         """The SamplingParams asked for, with at most `max_new_tokens` (BadRequest naming the field for a value the
-        model's vocabulary or the token budget refuses)."""
+        model's vocabulary or the token budget refuses); `tools`: the tool plan, whose schema (if any) holds the
+        answer."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         bias = {int(token): value for token, value in (self.logit_bias or {}).items()}
         for name, tokens in (("logit_bias", bias), ("stop_token_ids", self.stop_token_ids or ())):
@@ -122,18 +149,53 @@ class _Sampling(BaseModel):
         if self.min_tokens > max_new_tokens:
             raise BadRequest(f"min_tokens ({self.min_tokens}) is more than the request may generate "
                              f"({max_new_tokens})", param="min_tokens")
-        return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
-            seed=self.seed, max_new_tokens=max_new_tokens, stop=stop, ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=tuple(bias.items()), min_tokens=self.min_tokens,
-            stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=self.top_logprob_count,
-        )
+        param, structure = self.structure(tools)
+        try:
+            return SamplingParams(
+                temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0), min_p=self.min_p,
+                seed=self.seed, max_new_tokens=max_new_tokens, stop=stop, ignore_eos=self.ignore_eos,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty, logit_bias=tuple(bias.items()), min_tokens=self.min_tokens,
+                stop_token_ids=tuple(self.stop_token_ids or ()), logprobs=self.top_logprob_count, **structure,
+            )
+        except GrammarError as e:
+            raise BadRequest(f"invalid {param!r}: {e.reason}", param=param) from None
 
     @property
     def top_logprob_count(self) -> int | None:
         """How many of the most likely tokens to report at each position; None: no logprobs."""
         return None
+
+    def structure(self, tools: ToolPlan | None = None) -> tuple[str | None, dict[str, Any]]:
+        """The structured-output fields (and the tools' schema) as SamplingParams takes them, and the request field
+        they came from; BadRequest when more than one asks for a structure."""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        if tools is not None and tools.schema() is not None:
+            asked.append(("tool_choice", {"json_schema": tools.schema()}))
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise BadRequest("response_format of type 'json_schema' needs a 'json_schema' object",
+                                 param="response_format.json_schema")
+            asked.append(("response_format", {"json_schema": fmt.json_schema.json_schema}))
+        if self.guided_json is not None:
+            asked.append(("guided_json", {"json_schema": self.guided_json}))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", {"regex": self.guided_regex}))
+        if self.guided_grammar is not None:
+            asked.append(("guided_grammar", {"grammar": self.guided_grammar}))
+        if self.guided_choice is not None:
+            asked.append(("guided_choice", {"grammar": "start: " + " | ".join(map(json.dumps, self.guided_choice))}))
+        if len(asked) > 1:
+            raise BadRequest(f"at most one of {', '.join(name for name, _ in asked)} may ask for a structure",
+                             param=asked[1][0])
+        for name in ("ignore_eos", "min_tokens"):
+            if asked and getattr(self, name):
+                raise BadRequest(f"{name!r} cannot be combined with {asked[0][0]!r}: the answer ends where its "
+                                 "structure does", param=name)
+        return asked[0] if asked else (None, {})
 
     @property
     def include_usage(self) -> bool:
@@ -149,18 +211,88 @@ class CompletionRequest(_Sampling):
         return self.logprobs
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]]
+    content: str | list[dict[str, Any]] | None = None  # None: an assistant turn that only called tools
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
-    def text(self) -> dict[str, str]:
-        if isinstance(self.content, str):
-            return {"role": self.role, "content": self.content}
+    def text(self) -> dict[str, Any]:
+        """The message as a chat template takes it: text content; a call's arguments as an object (Qwen's template
+        writes them with `tojson`)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content_text()}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": arguments(call.function.arguments)}}
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+    def content_text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         if any(part.get("type") != "text" for part in self.content):
             raise BadRequest("only text content parts are supported", param="messages")
-        return {"role": self.role, "content": "".join(str(part.get("text", "")) for part in self.content)}
+        return "".join(str(part.get("text", "")) for part in self.content)
+
+
+def arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise BadRequest(f"a tool call's arguments are not JSON: {text[:80]!r}", param="messages") from None
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatRequest(_Sampling):
@@ -168,6 +300,9 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @field_validator("top_logprobs")
     @classmethod
@@ -179,6 +314,37 @@ class ChatRequest(_Sampling):
     @property
     def top_logprob_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def tool_plan(self) -> ToolPlan | None:
+        """What the tools ask (quasar.serve.tools), checked: a choice without tools, a named function that is not
+        among them, two tools of one name or a tool's parameters that are no usable schema is a 400 naming it."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice is not None and choice != "none":
+                raise BadRequest("'tool_choice' needs 'tools'", param="tool_choice")
+            return None
+        names = [tool.function.name for tool in self.tools]
+        for i, tool in enumerate(self.tools):
+            if names.index(tool.function.name) != i:
+                raise BadRequest(f"two tools are named {tool.function.name!r}", param=f"tools.{i}.function.name")
+            if tool.function.parameters is not None:
+                try:
+                    Constraint("json_schema", tool.function.parameters)
+                except GrammarError as e:
+                    raise BadRequest(f"invalid parameters of tool {tool.function.name!r}: {e.reason}",
+                                     param=f"tools.{i}.function.parameters") from None
+        if choice is None or choice == "none":
+            return None if choice == "none" else ToolPlan("auto", self.tool_dicts(), parallel=self.parallel_tool_calls)
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                                 param="tool_choice")
+            return ToolPlan("named", self.tool_dicts(), choice.function.name, self.parallel_tool_calls)
+        return ToolPlan(choice, self.tool_dicts(), parallel=self.parallel_tool_calls)
+
+    def tool_dicts(self) -> tuple[dict[str, Any], ...]:
+        return tuple(tool.model_dump(exclude_none=True) for tool in self.tools or ())
+
 
 
 def parse(model: type[CompletionRequest | ChatRequest], body: Any) -> Any:
@@ -246,6 +412,13 @@ def budget(requested: int | None, prompt_tokens: int, max_context: int, kv_budge
     return room
 
 
+def finish_reason(completion: RequestOutput, reply: ToolReply | None) -> str:
+    """The completion's, but "tool_calls" for an answer that ended in tool calls."""
+    if reply is not None and reply.calls and completion.finish_reason == "stop":
+        return "tool_calls"
+    return completion.finish_reason
+
+
 def usage(completions: list[RequestOutput]) -> dict[str, Any]:
     """OpenAI usage plus the speculative statistics of a request's choices: the prompt counted once, the
     completion tokens and the verify steps of every choice."""
@@ -255,6 +428,7 @@ def usage(completions: list[RequestOutput]) -> dict[str, Any]:
         total.new_tokens += stats.new_tokens
         total.proposed_tokens += stats.proposed_tokens
         total.accepted_tokens += stats.accepted_tokens
+        total.forced_tokens += stats.forced_tokens
         total.accept_lengths += stats.accept_lengths
         total.decode_s = max(total.decode_s, stats.wall_s)  # the choices run together
     return {
@@ -268,6 +442,7 @@ def usage(completions: list[RequestOutput]) -> dict[str, Any]:
             "accepted_tokens": total.accepted_tokens,
             "mean_accepted_tokens": total.mean_accepted_tokens,
             "acceptance_rate": total.acceptance_rate,
+            "forced_tokens": total.forced_tokens,
             "tokens_per_s": total.tokens_per_s,
         },
     }
@@ -296,15 +471,21 @@ class Envelope:
         self.offsets[index] = self.offsets.get(index, 0) + sum(len(token) for token in out["tokens"])
         return out
 
-    def full(self, completions: list[RequestOutput]) -> dict[str, Any]:
+    def full(self, completions: list[RequestOutput], replies: list[ToolReply] | None = None) -> dict[str, Any]:
+        """The whole response; `replies`: each choice's answer read as tool calls (quasar.serve.tools)."""
         choices = []
         for i, completion in enumerate(completions):
             choice: dict[str, Any] = {"index": i}
+            reply = replies[i] if replies else None
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": completion.text}
+                if reply is not None and reply.calls:
+                    choice["message"] = {"role": "assistant", "content": reply.content if reply.content.strip() else
+                                         None, "tool_calls": reply.calls}
             else:
                 choice["text"] = completion.text
-            choice |= {"logprobs": self.logprobs(completion.logprobs, i), "finish_reason": completion.finish_reason}
+            choice |= {"logprobs": self.logprobs(completion.logprobs, i),
+                       "finish_reason": finish_reason(completion, reply)}
             choices.append(choice)
         return self._wrap(choices, chunk=False) | {"usage": usage(completions)}
 
@@ -319,6 +500,18 @@ class Envelope:
         else:
             choice = {"index": index, "text": piece or ""}
         choice |= {"logprobs": self.logprobs(logprobs, index), "finish_reason": finish_reason}
+        return self._wrap([choice], chunk=True)
+
+    def delta_chunk(self, delta: Delta, index: int = 0) -> dict[str, Any]:
+        """A chat chunk of one piece of a choice's reply read as tool calls: content, a call's start, or its
+        arguments."""
+        if delta.index is None:
+            return self.chunk(delta.text, index=index)
+        call: dict[str, Any] = {"index": delta.index, "function": {"arguments": delta.text}}
+        if delta.name is not None:
+            call = {"index": delta.index, "id": delta.id, "type": "function",
+                    "function": {"name": delta.name, "arguments": ""}}
+        choice = {"index": index, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}
         return self._wrap([choice], chunk=True)
 
     def usage_chunk(self, completions: list[RequestOutput]) -> dict[str, Any]:

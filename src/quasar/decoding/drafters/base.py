@@ -16,6 +16,7 @@ from quasar.model.source import ModelSource
 class Draft:
     tokens: list[int]  # k proposed token ids (k may be 0)
     probs: DraftProbs | None = None  # the drafter's distributions (quasar.decoding.rejection); None for deterministic drafts
+    forced: tuple[int, ...] = ()  # the positions of tokens a grammar forced (quasar.decoding.drafters.forced)
 
     def __len__(self) -> int:
         return len(self.tokens)
