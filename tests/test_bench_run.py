@@ -200,7 +200,6 @@ def test_transformers_peer_counts_its_steps(tiny_model_dir, mode):
 
 def test_quantized_checkpoint_serves_the_int8_verifiers_only(monkeypatch):
     from quasar import builder
-
     from quasar.model.source import ModelSource
 
     model = ModelSource("float-model", Path("float-model"), "hf", "llama", ("float",))
@@ -247,3 +246,15 @@ def test_a_method_failing_mid_run_keeps_its_finished_answers(tmp_path):
     result = run([Flaky()], items, RunConfig(max_new_tokens=4), tmp_path / "a.jsonl")
     assert [r["question_id"] for r in result.records] == ["q0"]
     assert result.failed == {"flaky": "q1: RuntimeError: boom"}
+
+
+def test_the_summary_shows_only_the_baselines_that_ran():
+    from quasar.tools.bench.report import markdown
+
+    row = {"category": "all", "method": "ngram+gguf", "path": "kernels:x", "prompts": 1, "new_tokens": 8,
+           "tokens_per_s": 10.0, "mean_accepted_tokens": 2.0, "acceptance_rate": 0.5, "prompt_share": 0.1,
+           "speedup_vs_ar:bf16": None, "speedup_vs_ngram+bf16": None, "speedup_vs_plain": 1.5, "temperature": 0.0}
+    header = markdown([row], []).splitlines()[2]
+    assert "x plain" in header and "x ar:bf16" not in header and "x ngram+bf16" not in header
+    with_baseline = markdown([row | {"speedup_vs_ar:bf16": 2.0}], []).splitlines()[2]
+    assert "x ar:bf16" in with_baseline and "x ngram+bf16" not in with_baseline

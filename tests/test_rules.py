@@ -37,8 +37,8 @@ def rules(free: list[list[int]]) -> dict[str, dict]:
     common = max(set(free[0]), key=free[0].count)
     return {
         "logit_bias": {"logit_bias": {common: -100.0, free[1][3]: 5.0}},
-        "presence_penalty": {"presence_penalty": 2.0},
-        "frequency_penalty": {"frequency_penalty": 1.5},
+        "presence_penalty": {"presence_penalty": 0.1},  # about the gaps between the tiny model's top logits
+        "frequency_penalty": {"frequency_penalty": 0.05},
         "repetition_penalty": {"repetition_penalty": 2.0},
         "min_tokens": {"min_tokens": 6, "logit_bias": {2: 100.0}},  # EOS (2) the argmax, banned for 6 tokens
         "stop_token_ids": {"stop_token_ids": (free[0][5], free[2][4])},

@@ -158,3 +158,20 @@ def test_layers_packed_as_they_load_compute_what_layers_packed_after_compute():
     assert early.model.plan.paths == late.model.plan.paths
     with torch.inference_mode():
         assert torch.equal(early.model(ids, early.model.new_cache(16)), late.model(ids, late.model.new_cache(16)))
+
+
+def test_the_gguf_tokenizer_is_the_one_transformers_builds(tmp_path):
+    """The metadata conversion reads the tokenizer's keys alone; what it writes is what AutoTokenizer writes."""
+    from transformers import AutoTokenizer
+
+    from quasar.model.loading import gguf_config, write_metadata
+
+    path = default_source().path
+    ours, reference = tmp_path / "ours", tmp_path / "reference"
+    ours.mkdir()
+    write_metadata(path, gguf_config(read_gguf_header(path)), ours)
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(reference))
+    for file in sorted(reference.iterdir()):
+        text = (ours / file.name).read_text()
+        assert (json.loads(text) if file.suffix == ".json" else text) == (
+            json.loads(file.read_text()) if file.suffix == ".json" else file.read_text()), file.name

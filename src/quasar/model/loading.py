@@ -13,7 +13,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
@@ -99,20 +99,30 @@ def read_safetensors(files: list[Path], float_dtype: torch.dtype | None = None,
 
 
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
-                skip: Collection[str] = ()) -> Transformer:
+                skip: Collection[str] = (), prepare: Callable[[Transformer], Collection[str]] | None = None
+                ) -> Transformer:
     """A Transformer holding `state` (Hugging Face names), converted to dtype; the tensors named in `skip` stay on
-    the meta device, for the caller to replace."""
+    the meta device, for the caller to replace. prepare(model) swaps modules of the empty model before the state is
+    assigned (a quantized checkpoint's int8 linears) and names them: their tensors keep their dtype, which is
+    checked with every shape."""
     with torch.device("meta"):
         model = model_for(config)
-    expected = set(model.state_dict()) - set(skip)
-    if config.tie_word_embeddings:
-        expected.discard("lm_head.weight")
-    missing = sorted(expected - set(state))
+    kept = set(prepare(model)) if prepare else set()
+    expected = {k: v for k, v in model.state_dict().items() if k not in skip}
+    if config.tie_word_embeddings and "lm_head" not in kept:
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(state))
     if missing:
         raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    state = {k: v.to(dtype) for k, v in state.items() if k in expected}
+    for name, ref in expected.items():
+        tensor, module = state[name], name.rpartition(".")[0]
+        if tensor.dtype != ref.dtype and (module in kept or tensor.shape != ref.shape):
+            raise ModelLoadError(f"tensor {name} has dtype {tensor.dtype}, expected {ref.dtype}")
+        if tensor.shape != ref.shape:
+            raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(ref.shape)}")
+    state = {k: state[k] if k.rpartition(".")[0] in kept else state[k].to(dtype) for k in expected}
     model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and "lm_head" not in kept:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.reset_rope()
     return model.eval().requires_grad_(False)
@@ -298,12 +308,19 @@ def convert_gguf(path: Path, out: Path) -> None:
 
 def write_metadata(path: Path, config: dict[str, Any], out: Path) -> None:
     """config.json and the tokenizer files of the GGUF at path, into out."""
-    from transformers import AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     (out / "config.json").write_text(json.dumps(config, indent=2))
     log.info("converting the GGUF tokenizer (once)")
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # The backend class reads the tokenizer's keys alone: AutoTokenizer first parses every array of the file for
+    # its config (10 s on a 152k vocabulary) to pick the class, whose name is all it adds (written below).
+    tokenizer = TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name)
     tokenizer.save_pretrained(str(out))
+    family_class = TOKENIZER_MAPPING_NAMES.get(config["model_type"])
+    if isinstance(family_class, str):
+        settings = out / "tokenizer_config.json"
+        settings.write_text(json.dumps(json.loads(settings.read_text()) | {"tokenizer_class": family_class}, indent=2))
 
 
 def gguf_directory(source: ModelSource) -> Path:

@@ -18,9 +18,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from quasar.files import ModelLoadError, atomic_directory, sha256_file, sha256_memo
-from quasar.model.loading import LoadedModel, load_tokenizer, read_config, read_safetensors
+from quasar.model.loading import LoadedModel, build_model, load_tokenizer, read_config, read_safetensors
 from quasar.model.config import ModelConfig
-from quasar.model.families import model_for
 from quasar.model.llama import Transformer
 from quasar.quant.bf16 import use_bf16_linears_
 from quasar.quant.schemes import prepare_empty_, scheme_config
@@ -67,34 +66,6 @@ def _check(directory: Path, block: dict[str, Any]) -> None:
         )
 
 
-def _build(config: ModelConfig, block: dict[str, Any]) -> tuple[Transformer, set[str]]:
-    with torch.device("meta"):
-        model = model_for(config)
-    try:
-        quantized = set(prepare_empty_(model, scheme_config(block["scheme"], **block)))
-    except (ValueError, TypeError) as e:
-        raise ModelLoadError(f"unsupported quantization block: {e}") from e
-    return model, quantized
-
-
-def _prepare_state(model: Transformer, state: dict[str, torch.Tensor], quantized: set[str], dtype: torch.dtype):
-    expected = dict(model.state_dict())
-    if model.config.tie_word_embeddings and "lm_head" not in quantized:
-        expected.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise ModelLoadError(f"quantized checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    out = {}
-    for name, ref in expected.items():
-        tensor, module = state[name], name.rpartition(".")[0]
-        if tensor.dtype != ref.dtype and (module in quantized or tensor.shape != ref.shape):
-            raise ModelLoadError(f"tensor {name} has dtype {tensor.dtype}, expected {ref.dtype}")
-        if tensor.shape != ref.shape:
-            raise ModelLoadError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(ref.shape)}")
-        out[name] = tensor if module in quantized else tensor.to(dtype)
-    return out
-
-
 def load_quantized(directory: str | Path) -> LoadedModel:
     """Load a directory written by save_quantized: int8 layers, float32 embeddings and norms, and the lm_head
     in bf16 unless it is quantized (checkpoints store it so; older ones, in float32, are rounded here alike)."""
@@ -102,13 +73,18 @@ def load_quantized(directory: str | Path) -> LoadedModel:
     hf = read_config(directory)
     block = hf["quantization"]
     _check(directory, block)
-    model, quantized = _build(ModelConfig.from_hf(hf), block)
-    state = _prepare_state(model, read_safetensors([directory / WEIGHTS]), quantized, torch.float32)
-    model.load_state_dict(state, strict=False, assign=True)
-    if model.config.tie_word_embeddings and "lm_head" not in quantized:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.reset_rope()
-    model = model.eval().requires_grad_(False)
+    try:
+        scheme = scheme_config(block["scheme"], **block)
+    except (ValueError, TypeError, KeyError) as e:
+        raise ModelLoadError(f"unsupported quantization block: {e}") from e
+    quantized: set[str] = set()
+
+    def prepare(model: Transformer) -> set[str]:  # the scheme's int8 linears in the empty model, by name
+        quantized.update(prepare_empty_(model, scheme))
+        return quantized
+
+    model = build_model(ModelConfig.from_hf(hf), read_safetensors([directory / WEIGHTS]), torch.float32,
+                        prepare=prepare)
     if "lm_head" not in quantized:
         use_bf16_linears_(model, ["lm_head"])
     log.info("loaded a %s checkpoint (%d quantized linears) from %s", block["scheme"], len(quantized), directory)

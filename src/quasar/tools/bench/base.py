@@ -38,7 +38,7 @@ class Method(Protocol):
 class MethodOptions:
     model: str = "default"
     max_context: int | None = None
-    k: int | str = 5  # draft length for DRAFTER+V (the paper: 5)
+    k: int | str = "auto"  # draft length for DRAFTER+V: adaptive, as generate's; the paper used 5
     quantized: str | None = None  # a `quasar quantize` checkpoint for the w8a8 / w8a16 verifier
     pld_tokens: int = 10  # peers' prompt-lookup draft length (transformers' documented example)
 

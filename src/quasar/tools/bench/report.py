@@ -27,6 +27,11 @@ COLUMNS = (  # (row key, header, format)
 )
 
 
+def shown(rows: list[dict[str, Any]]) -> tuple[tuple[str, str, str], ...]:
+    """COLUMNS less the speedup columns that no row has a value for (a baseline method that did not run)."""
+    return tuple(c for c in COLUMNS if not c[0].startswith("speedup_vs") or any(r.get(c[0]) is not None for r in rows))
+
+
 def cell(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
@@ -39,14 +44,15 @@ def rich_tables(rows: list[dict[str, Any]]) -> list[Table]:
     tables = []
     for temperature in temperatures(rows):
         table = Table(title=f"quasar bench, temperature {temperature:g}")
-        for _, header, _ in COLUMNS:
+        columns = shown(rows)
+        for _, header, _ in columns:
             table.add_column(header, justify="left" if header in ("category", "method", "path") else "right")
         previous = None
         for row in (r for r in rows if r["temperature"] == temperature):
             if previous is not None and row["category"] != previous:
                 table.add_section()
             previous = row["category"]
-            table.add_row(*(cell(row[key], fmt) for key, _, fmt in COLUMNS))
+            table.add_row(*(cell(row[key], fmt) for key, _, fmt in columns))
         tables.append(table)
     return tables
 
@@ -67,10 +73,11 @@ def print_summary(rows: list[dict[str, Any]], divergent: list[dict[str, Any]], m
 
 def markdown(rows: list[dict[str, Any]], divergent: list[dict[str, Any]], header: str = "") -> str:
     lines = [header] if header else []
+    columns = shown(rows)
     for temperature in temperatures(rows):
-        lines += [f"## Temperature {temperature:g}", "", "| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
-                  "|" + "---|" * len(COLUMNS)]
-        lines += ["| " + " | ".join(cell(r[k], f) for k, _, f in COLUMNS) + " |"
+        lines += [f"## Temperature {temperature:g}", "", "| " + " | ".join(h for _, h, _ in columns) + " |",
+                  "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(cell(r[k], f) for k, _, f in columns) + " |"
                   for r in rows if r["temperature"] == temperature]
         lines.append("")
     lines += ["## Greedy divergence (DRAFTER+V vs ar:V)", ""]
