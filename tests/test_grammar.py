@@ -320,3 +320,17 @@ def test_a_batch_plan_takes_forced_tokens_as_certain():
     unforced, forced = length.chances(3), length.chances(3, forced=(0, 1))
     assert unforced[0] < 0.1 and forced[:2] == (1.0, 1.0)
     assert forced[2] == pytest.approx(length.hits[2] / length.tries[2])
+
+
+def test_each_turn_of_a_chat_is_held_to_the_schema(tiny_model):
+    """`quasar chat --json-schema`: every answer of the conversation validates."""
+    from quasar.decoding.conversation import Conversation
+
+    conversation = Conversation(Engine(tiny_model, decoder_for("ngram", tiny_model, k=4)))
+    params = SamplingParams(max_new_tokens=40, json_schema=BOUNDED)
+    for text in ("Is it raining?", "And tomorrow?"):
+        turn = conversation.send(text, params)
+        "".join(turn)
+        assert turn.output.finish_reason == "stop"
+        jsonschema.validate(json.loads(turn.output.text), BOUNDED)
+    assert len(conversation.messages) == 4  # both answers are in the conversation the next turn reads
