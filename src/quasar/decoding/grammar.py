@@ -144,8 +144,9 @@ class GrammarMask:
             self.matcher.unsafe_compute_mask_ptr(self.bits[i].data_ptr(), self.words * 4)
         if reached > 1:
             self.matcher.rollback(reached - 1)
-        allowed = np.unpackbits(self.bits[:reached].numpy().view(np.uint8), axis=1, count=self.V, bitorder="little")
-        logits[:reached].masked_fill_(torch.from_numpy(allowed) == 0, float("-inf"))  # [reached, V]
+        bits = np.unpackbits(self.bits[:reached].numpy().view(np.uint8), axis=1, count=self.V, bitorder="little")
+        allowed = torch.from_numpy(bits).view(torch.bool)  # [reached, V] (bytes of 0 or 1)
+        logits[:reached].masked_fill_(allowed.logical_not_(), float("-inf"))
 
     def commit(self, tokens: Sequence[int]) -> None:
         """The tokens a step emitted (each one allowed by its row's mask)."""
