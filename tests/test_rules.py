@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import decoder_for, drive
 from test_processors import PROMPTS, oracle_engine
-from test_speculative import DRAFTERS, PROMPT, V, small_model
+from test_speculative import DRAFTERS, PROMPT, V, one_thread, small_model  # noqa: F401 (one_thread: a fixture)
 from test_verify import chi_square_p
 
 from quasar.decoding.autoregressive import StopRule
@@ -23,6 +23,7 @@ from quasar.decoding.speculative import Speculative
 from quasar.decoding.stats import GenerationStats
 
 BASE = SamplingParams(max_new_tokens=24)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: thread syncs would cost more than they save
 
 
 @pytest.fixture(scope="module")
