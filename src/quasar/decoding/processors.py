@@ -54,9 +54,10 @@ def grammar(params: SamplingParams, vocab: Vocab) -> RowProcessor | None:
     return grammar_mask(params, vocab)
 
 
-# each gives a request's processor of its kind, or None when its params do not ask for one; the grammar comes last,
-# so that a row keeps exactly the tokens it allows whatever the rules before it added
-FACTORIES: list[ProcessorFactory] = [rules.logit_bias, rules.min_tokens, rules.penalties, grammar]
+# each gives a request's processor of its kind, or None when its params do not ask for one; the grammar comes after
+# the rules that add to logits, so that a row keeps exactly the tokens it allows, and min_tokens last, so that it
+# bans the end of the output only where something else may follow
+FACTORIES: list[ProcessorFactory] = [rules.logit_bias, rules.penalties, grammar, rules.min_tokens]
 
 
 def processors_for(params: SamplingParams, vocab: Vocab) -> list[RowProcessor]:
