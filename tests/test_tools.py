@@ -67,3 +67,15 @@ def test_the_schemas_hold_names_arguments_and_the_number_of_calls():
     no_arguments = {"type": "object", "properties": {}, "additionalProperties": False}
     assert ToolPlan("named", (WEATHER, ADD), "add").schema() == no_arguments
     assert ToolPlan("auto", (WEATHER,)).schema() is None
+
+
+def test_without_parallel_calls_the_first_tagged_call_alone_counts():
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "%s"}}</tool_call>'
+    text = call % "Oslo" + "\n" + call % "Rome"
+    assert read(ToolPlan("auto", (WEATHER,), parallel=False), [text]) == ("\n", [("get_weather", {"city": "Oslo"})])
+    assert read(ToolPlan("auto", (WEATHER,)), [text])[1] == [("get_weather", {"city": c}) for c in ("Oslo", "Rome")]
+
+
+def test_arguments_that_are_no_json_leave_the_call_as_text():
+    text = '<tool_call>{"name": "get_weather", "arguments": "city=Oslo"}</tool_call>'
+    assert read(ToolPlan("auto", (WEATHER,)), [text]) == (text, [])

@@ -122,7 +122,8 @@ def token_logprobs(rows: torch.Tensor, tokens: Sequence[int], top: int) -> list[
     chosen = logprobs.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()  # [n]
     if top > 0:
         values, ids = logprobs.topk(min(top, rows.shape[-1]), dim=-1)  # [n, top]
-        tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        tops = [tuple((t, lp) for t, lp in zip(i, v) if lp != float("-inf"))  # a banned token is no candidate
+                for i, v in zip(ids.tolist(), values.tolist())]
     else:
         tops = [()] * len(tokens)
     return [TokenLogprob(t, lp, tp) for t, lp, tp in zip(tokens, chosen, tops)]

@@ -182,6 +182,7 @@ class TaggedCalls:
 
     def __init__(self, plan: ToolPlan) -> None:
         self.pending, self.inside, self.calls = "", False, 0
+        self.single = not plan.parallel  # parallel_tool_calls false: the first call alone
 
     def feed(self, piece: str) -> list[Delta]:
         self.pending += piece
@@ -213,8 +214,12 @@ class TaggedCalls:
         except (json.JSONDecodeError, KeyError, TypeError):
             return [Delta(None, OPEN + body + CLOSE)]
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            arguments = json.loads(arguments) if is_json(arguments) else arguments
-        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+            if not is_json(arguments):  # no call a client could send back: text
+                return [Delta(None, OPEN + body + CLOSE)]
+            arguments = json.loads(arguments)
+        if self.single and self.calls:
+            return []
+        text = json.dumps(arguments, ensure_ascii=False)
         self.calls += 1
         return [Delta(self.calls - 1, id=call_id(), name=name), Delta(self.calls - 1, text)]
 
