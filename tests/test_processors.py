@@ -131,3 +131,11 @@ def test_each_verify_row_is_processed_after_its_own_draft_prefix(tiny_model, wit
     assert sum(s.accepted_tokens for s in stats) > len(stats) * 8 and sum(s.proposed_tokens for s in stats) > sum(
         s.accepted_tokens for s in stats
     )
+
+
+def test_a_banned_token_is_never_a_top_logprob():
+    from quasar.decoding.processors import token_logprobs
+
+    rows = torch.tensor([[0.0, float("-inf"), 1.0, float("-inf")]])  # [1, V]: two tokens banned
+    [entry] = token_logprobs(rows, [2], top=4)
+    assert [token for token, _ in entry.top] == [2, 0]

@@ -13,6 +13,7 @@ from test_processors import PROMPTS, oracle_engine
 from test_speculative import DRAFTERS, PROMPT, V, one_thread, small_model  # noqa: F401 (one_thread: a fixture)
 from test_verify import chi_square_p
 
+from quasar.decoding import processors
 from quasar.decoding.autoregressive import StopRule
 from quasar.decoding.batch import Batch
 from quasar.decoding.engine import Engine
@@ -201,3 +202,23 @@ def test_choices_are_seeded_apart_and_bad_rules_are_refused():
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="vocabulary"):
         processors_for(SamplingParams(logit_bias={V: 1.0}), Vocab(V))
+
+
+class OnlyEnd:
+    """Allows nothing but EOS (2), as a grammar whose answer is whole does."""
+
+    def apply(self, logits: torch.Tensor, history, draft) -> None:
+        logits[:, :2] = logits[:, 3:] = -float("inf")
+
+    def commit(self, tokens) -> None:
+        pass
+
+
+def test_min_tokens_yields_where_nothing_but_the_end_is_allowed(engines, monkeypatch):
+    """min_tokens comes after the grammar: where the grammar allows only the end, the output ends."""
+    plain, ngram, _ = engines
+    fake = [(lambda params, vocab: OnlyEnd()) if f is processors.grammar else f for f in processors.FACTORIES]
+    monkeypatch.setattr(processors, "FACTORIES", fake)
+    for engine in (plain, ngram):
+        out = engine.generate(PROMPTS[0], dataclasses.replace(BASE, min_tokens=5))
+        assert out.token_ids == [2] and out.finish_reason == "stop"

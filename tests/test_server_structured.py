@@ -96,6 +96,10 @@ def test_response_format_and_guided_fields_hold_the_answer(app):
         ({"guided_grammar": "start: nowhere"}, "guided_grammar"),
         ({"guided_json": BOUNDED, "guided_regex": "a"}, "guided_regex"),
         ({"guided_json": BOUNDED, "ignore_eos": True}, "ignore_eos"),
+        ({"guided_json": BOUNDED, "stop": ["}"]}, "stop"),  # a stop would cut the structure short of valid
+        ({"response_format": {"type": "json_object"}, "stop_token_ids": [3]}, "stop_token_ids"),
+        ({"logit_bias": {"\u00b2": 1.0}}, "logit_bias"),  # a digit to str.isdigit, not to int()
+        ({"n": 1000}, "n"),  # more choices than the queue holds
         ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),

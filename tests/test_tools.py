@@ -86,3 +86,15 @@ def test_a_bare_call_as_the_whole_answer_is_read_as_calls_in_any_pieces(text, ca
     for size in (1, 5, 1000):
         content, got = read(ToolPlan("auto", (WEATHER, ADD)), pieces_of(text, size))
         assert got == calls and content == ("" if calls else text)
+
+
+def test_without_parallel_calls_the_first_tagged_call_alone_counts():
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "%s"}}</tool_call>'
+    text = call % "Oslo" + "\n" + call % "Rome"
+    assert read(ToolPlan("auto", (WEATHER,), parallel=False), [text]) == ("\n", [("get_weather", {"city": "Oslo"})])
+    assert read(ToolPlan("auto", (WEATHER,)), [text])[1] == [("get_weather", {"city": c}) for c in ("Oslo", "Rome")]
+
+
+def test_arguments_that_are_no_json_leave_the_call_as_text():
+    text = '<tool_call>{"name": "get_weather", "arguments": "city=Oslo"}</tool_call>'
+    assert read(ToolPlan("auto", (WEATHER,)), [text]) == (text, [])

@@ -19,6 +19,7 @@ forced: the keys, quotes and separators are drafted for free.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import threading
@@ -65,6 +66,7 @@ def schema_text(schema: Any, what: str = "json_schema") -> str:
     return json.dumps(schema, ensure_ascii=False)
 
 
+@functools.lru_cache(maxsize=64)  # the n choices of a request, and clients that send one schema again and again
 def compile_grammar(kind: str, text: str) -> str:
     """llguidance's grammar for a constraint of `kind` (KINDS) with `text`; GrammarError naming the kind when
     llguidance refuses it (an unsupported schema keyword, an unclosed group, an unknown rule)."""

@@ -57,9 +57,10 @@ def grammar_of(processing: Processing | None) -> GrammarMask | None:
     return next((p for p in processors if isinstance(p, GrammarMask)), None)
 
 
-# each gives a request's processor of its kind, or None when its params do not ask for one; the grammar comes last,
-# so that a row keeps exactly the tokens it allows whatever the rules before it added
-FACTORIES: list[ProcessorFactory] = [rules.logit_bias, rules.min_tokens, rules.penalties, grammar]
+# each gives a request's processor of its kind, or None when its params do not ask for one; the grammar comes after
+# the rules that add to logits, so that a row keeps exactly the tokens it allows, and min_tokens last, so that it
+# bans the end of the output only where something else may follow
+FACTORIES: list[ProcessorFactory] = [rules.logit_bias, rules.penalties, grammar, rules.min_tokens]
 
 
 def processors_for(params: SamplingParams, vocab: Vocab) -> list[RowProcessor]:
@@ -124,7 +125,8 @@ def token_logprobs(rows: torch.Tensor, tokens: Sequence[int], top: int) -> list[
     chosen = logprobs.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()  # [n]
     if top > 0:
         values, ids = logprobs.topk(min(top, rows.shape[-1]), dim=-1)  # [n, top]
-        tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+        tops = [tuple((t, lp) for t, lp in zip(i, v) if lp != float("-inf"))  # a banned token is no candidate
+                for i, v in zip(ids.tolist(), values.tolist())]
     else:
         tops = [()] * len(tokens)
     return [TokenLogprob(t, lp, tp) for t, lp, tp in zip(tokens, chosen, tops)]

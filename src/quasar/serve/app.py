@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quasar.decoding.engine import Engine
 from quasar.decoding.engine import Request as EngineRequest
-from quasar.decoding.grammar import grammars_for
+from quasar.decoding.grammar import GrammarError, grammars_for
 from quasar.decoding.outputs import RequestOutput
 from quasar.decoding.prompt import encode, renders_tools
 from quasar.serve.logprobs import TokenTexts
@@ -220,9 +220,14 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
                     tools: ToolPlan | None = None) -> Any:
         requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
         room = budget(requested, len(ids), engine.max_context, engine.caches.budget, engine.cache_slack)
+        if req.n > max_queue:
+            raise BadRequest(f"n ({req.n}) is more choices than the server queues at once ({max_queue}, "
+                             "--max-queue)", param="n")
         params = req.sampling(room, engine.target.model.config.vocab_size, tools)
         try:  # the choices of `n`: as many requests, batched together
             requests = [engine.request(ids, params.for_choice(i)) for i in range(req.n)]
+        except GrammarError as e:  # the request's own field: response_format, guided_*, tool_choice
+            raise BadRequest(str(e), param=req.structure(tools)[0] or e.field) from None
         except ValueError as e:
             raise BadRequest(str(e), param=getattr(e, "field", None)) from None
         jobs = submit(requests)

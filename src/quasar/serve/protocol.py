@@ -114,7 +114,7 @@ class _Sampling(BaseModel):
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (value or {}).items():
-            if not token.isdigit():
+            if not (token.isascii() and token.isdigit()):
                 raise ValueError(f"keys must be token ids written as strings of digits, got {token!r}")
             if not -MAX_BIAS <= bias <= MAX_BIAS:
                 raise ValueError(f"biases must lie in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias}")
@@ -191,10 +191,10 @@ class _Sampling(BaseModel):
         if len(asked) > 1:
             raise BadRequest(f"at most one of {', '.join(name for name, _ in asked)} may ask for a structure",
                              param=asked[1][0])
-        for name in ("ignore_eos", "min_tokens"):
+        for name in ("ignore_eos", "min_tokens", "stop", "stop_token_ids"):
             if asked and getattr(self, name):
                 raise BadRequest(f"{name!r} cannot be combined with {asked[0][0]!r}: the answer ends where its "
-                                 "structure does", param=name)
+                                 "structure does, and a stop would cut it short of valid", param=name)
         return asked[0] if asked else (None, {})
 
     @property

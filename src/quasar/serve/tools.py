@@ -186,6 +186,7 @@ class TaggedCalls:
         self.pending, self.inside, self.calls = "", False, 0
         self.names = {tool["function"]["name"] for tool in plan.tools}
         self.bare: bool | None = None  # whether the answer starts as a bare call might (None: nothing written yet)
+        self.single = not plan.parallel  # parallel_tool_calls false: the first call alone
 
     def feed(self, piece: str) -> list[Delta]:
         self.pending += piece
@@ -222,8 +223,12 @@ class TaggedCalls:
         except (json.JSONDecodeError, KeyError, TypeError):
             return [Delta(None, OPEN + body + CLOSE)]
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            arguments = json.loads(arguments) if is_json(arguments) else arguments
-        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+            if not is_json(arguments):  # no call a client could send back: text
+                return [Delta(None, OPEN + body + CLOSE)]
+            arguments = json.loads(arguments)
+        if self.single and self.calls:
+            return []
+        text = json.dumps(arguments, ensure_ascii=False)
         self.calls += 1
         return [Delta(self.calls - 1, id=call_id(), name=name), Delta(self.calls - 1, text)]
 
