@@ -334,3 +334,12 @@ def test_each_turn_of_a_chat_is_held_to_the_schema(tiny_model):
         assert turn.output.finish_reason == "stop"
         jsonschema.validate(json.loads(turn.output.text), BOUNDED)
     assert len(conversation.messages) == 4  # both answers are in the conversation the next turn reads
+
+
+def test_min_tokens_past_a_whole_answer_yields_to_the_grammar(tiny_model):
+    """min_tokens beyond a bounded answer's length: where the grammar allows only the end, the answer ends."""
+    params = SamplingParams(max_new_tokens=40, json_schema=BOUNDED, min_tokens=30)
+    for engine in (Engine(tiny_model), Engine(tiny_model, decoder_for("ngram", tiny_model, k=4))):
+        out = engine.generate(PROMPTS[0], params)
+        assert out.finish_reason == "stop" and len(out.token_ids) < 30
+        jsonschema.validate(json.loads(out.text), BOUNDED)
