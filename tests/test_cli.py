@@ -221,3 +221,10 @@ def test_generate_answers_with_json_that_validates_against_a_schema_file(tiny_mo
     out = json.loads(result.stdout)
     assert out["finish_reason"] == "stop" and set(json.loads(out["text"])) == {"ok", "n"}
     assert out["stats"]["forced_tokens"] > 0  # the default drafter (ngram) drafted the keys for free
+
+
+def test_chat_takes_a_json_schema_and_refuses_a_bad_one_while_parsing(capsys, tmp_path):
+    code, err = run_main(capsys, "chat", "--model", str(tmp_path / "missing"), "--json-schema", '{"type": "strin"}')
+    assert_one_line_error(code, err, "--json-schema")
+    code, err = run_main(capsys, "chat", "--model", str(tmp_path / "missing"), "--regex", "a+")
+    assert code == 2 and "--regex" in err  # chat takes a schema only

@@ -26,7 +26,7 @@ from quasar.decoding.engine import Engine
 from quasar.decoding.grammar import Constraint, GrammarError, GrammarMask
 from quasar.decoding.processors import Processing
 from quasar.decoding.sampling import SamplingParams
-from quasar.decoding.speculative import Speculative
+from quasar.decoding.speculative import DraftLength, Speculative
 from quasar.decoding.stats import GenerationStats
 
 PROMPTS = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7, 8, 9, 7, 8, 9, 7], [5, 6, 5, 6, 5, 6, 5, 6]]
@@ -120,8 +120,9 @@ def test_greedy_constrained_speculative_equals_plain_and_batched_equals_alone(ti
     requests = [speculative.request(ids, params) for ids in PROMPTS]
     Batch(speculative).run_all(requests)
     assert [r.output.token_ids for r in requests] == [o.token_ids for o in want]
-    if kind in ("json_schema", "grammar"):  # keys, quotes, separators: forced tokens, drafted and accepted
-        assert sum(o.stats.forced_tokens for o in got) > 0
+    if kind in ("json_schema", "grammar"):  # keys, quotes, separators: forced tokens, drafted and accepted, and
+        assert all(o.stats.forced_tokens > 0 for o in got)  # a batch, which cuts unlikely drafts, keeps them
+        assert all(r.output.stats.forced_tokens > 0 for r in requests)
 
 
 def test_a_bounded_schema_is_answered_whole_and_validates(tiny_model):
@@ -308,3 +309,37 @@ def test_a_draft_past_the_end_of_the_answer_is_judged_and_cut_at_the_end(forced_
         assert toy_mask().accepted(tokens) == len(tokens)
         ends += tokens[-1] == V - 1
     assert ends > 0  # some answers ended on the drafted end of text
+
+
+def test_a_batch_plan_takes_forced_tokens_as_certain():
+    """A busy batch keeps the draft rows likeliest to be accepted: a forced token's row counts as certain, whatever
+    the drafter's recent acceptance (else a batch would cut the free tokens first)."""
+    length = DraftLength(4)
+    for _ in range(20):
+        length.update(proposed=4, accepted=0)  # the drafter's tokens are rejected at once
+    unforced, forced = length.chances(3), length.chances(3, forced=(0, 1))
+    assert unforced[0] < 0.1 and forced[:2] == (1.0, 1.0)
+    assert forced[2] == pytest.approx(length.hits[2] / length.tries[2])
+
+
+def test_each_turn_of_a_chat_is_held_to_the_schema(tiny_model):
+    """`quasar chat --json-schema`: every answer of the conversation validates."""
+    from quasar.decoding.conversation import Conversation
+
+    conversation = Conversation(Engine(tiny_model, decoder_for("ngram", tiny_model, k=4)))
+    params = SamplingParams(max_new_tokens=40, json_schema=BOUNDED)
+    for text in ("Is it raining?", "And tomorrow?"):
+        turn = conversation.send(text, params)
+        "".join(turn)
+        assert turn.output.finish_reason == "stop"
+        jsonschema.validate(json.loads(turn.output.text), BOUNDED)
+    assert len(conversation.messages) == 4  # both answers are in the conversation the next turn reads
+
+
+def test_min_tokens_past_a_whole_answer_yields_to_the_grammar(tiny_model):
+    """min_tokens beyond a bounded answer's length: where the grammar allows only the end, the answer ends."""
+    params = SamplingParams(max_new_tokens=40, json_schema=BOUNDED, min_tokens=30)
+    for engine in (Engine(tiny_model), Engine(tiny_model, decoder_for("ngram", tiny_model, k=4))):
+        out = engine.generate(PROMPTS[0], params)
+        assert out.finish_reason == "stop" and len(out.token_ids) < 30
+        jsonschema.validate(json.loads(out.text), BOUNDED)

@@ -4,6 +4,7 @@ re-scores every step's first position: the float model decoding over W8A8's prom
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -104,3 +105,14 @@ def test_the_guard_model_is_the_float_model_with_the_verifiers_value_basis(answe
     folded, plain = (m(ids, m.new_cache(len(prompts[0]) + FIXED_ROWS))[0] for m in (guard, float_))
     assert float((folded - plain).norm() / plain.norm()) < 0.02  # bf16 rounding of the folded v/o weights
     assert (folded.argmax(-1) == plain.argmax(-1)).float().mean() > 0.9
+
+
+def test_a_rescored_position_keeps_the_requests_rules(answers):
+    """The float model's re-score goes through the request's row processors as the verifier's rows do: the token
+    the float model picks at the first re-scored position, banned by logit_bias, is not emitted there."""
+    prompts, _, _, float_ = answers
+    banned = float_[0][1]  # the first token comes from the prefill, the second from a re-score
+    assert float_[0][0] != banned
+    engine = engine_for("ngram+w8a8", k=5, guard=math.inf)
+    got = engine.generate(prompts[0], dataclasses.replace(PARAMS, logit_bias={banned: -100.0}))
+    assert got.token_ids[0] == float_[0][0] and banned not in got.token_ids and got.stats.rechecked_tokens > 0

@@ -10,6 +10,7 @@ from itertools import pairwise
 import pytest
 import torch
 from helpers import decoder_for
+from test_speculative import one_thread  # noqa: F401 (a fixture)
 
 from quasar.decoding import processors
 from quasar.decoding.batch import Batch
@@ -18,6 +19,7 @@ from quasar.decoding.engine import Engine
 from quasar.decoding.sampling import SamplingParams
 from quasar.decoding.speculative import Speculative
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: thread syncs would cost more than they save
 PROMPTS = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7, 8, 9, 7, 8, 9, 7], [5, 6, 5, 6, 5, 6, 5, 6]]
 
 

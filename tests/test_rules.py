@@ -10,9 +10,10 @@ import pytest
 import torch
 from helpers import decoder_for, drive
 from test_processors import PROMPTS, oracle_engine
-from test_speculative import DRAFTERS, PROMPT, V, small_model
+from test_speculative import DRAFTERS, PROMPT, V, one_thread, small_model  # noqa: F401 (one_thread: a fixture)
 from test_verify import chi_square_p
 
+from quasar.decoding import processors
 from quasar.decoding.autoregressive import StopRule
 from quasar.decoding.batch import Batch
 from quasar.decoding.engine import Engine
@@ -23,6 +24,7 @@ from quasar.decoding.speculative import Speculative
 from quasar.decoding.stats import GenerationStats
 
 BASE = SamplingParams(max_new_tokens=24)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: thread syncs would cost more than they save
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +39,8 @@ def rules(free: list[list[int]]) -> dict[str, dict]:
     common = max(set(free[0]), key=free[0].count)
     return {
         "logit_bias": {"logit_bias": {common: -100.0, free[1][3]: 5.0}},
-        "presence_penalty": {"presence_penalty": 2.0},
-        "frequency_penalty": {"frequency_penalty": 1.5},
+        "presence_penalty": {"presence_penalty": 0.1},  # about the gaps between the tiny model's top logits
+        "frequency_penalty": {"frequency_penalty": 0.05},
         "repetition_penalty": {"repetition_penalty": 2.0},
         "min_tokens": {"min_tokens": 6, "logit_bias": {2: 100.0}},  # EOS (2) the argmax, banned for 6 tokens
         "stop_token_ids": {"stop_token_ids": (free[0][5], free[2][4])},
@@ -200,3 +202,23 @@ def test_choices_are_seeded_apart_and_bad_rules_are_refused():
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="vocabulary"):
         processors_for(SamplingParams(logit_bias={V: 1.0}), Vocab(V))
+
+
+class OnlyEnd:
+    """Allows nothing but EOS (2), as a grammar whose answer is whole does."""
+
+    def apply(self, logits: torch.Tensor, history, draft) -> None:
+        logits[:, :2] = logits[:, 3:] = -float("inf")
+
+    def commit(self, tokens) -> None:
+        pass
+
+
+def test_min_tokens_yields_where_nothing_but_the_end_is_allowed(engines, monkeypatch):
+    """min_tokens comes after the grammar: where the grammar allows only the end, the output ends."""
+    plain, ngram, _ = engines
+    fake = [(lambda params, vocab: OnlyEnd()) if f is processors.grammar else f for f in processors.FACTORIES]
+    monkeypatch.setattr(processors, "FACTORIES", fake)
+    for engine in (plain, ngram):
+        out = engine.generate(PROMPTS[0], dataclasses.replace(BASE, min_tokens=5))
+        assert out.token_ids == [2] and out.finish_reason == "stop"

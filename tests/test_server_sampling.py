@@ -66,7 +66,8 @@ def test_bad_values_get_a_400_naming_the_field(app):
 
 def test_chat_logprobs_and_n_streamed_and_not(app, tiny_model):
     body = CHAT | {"temperature": 0, "n": 2, "logprobs": True, "top_logprobs": 2, "presence_penalty": 0.5}
-    [(status, answer), (streamed, chunks)] = post(app, "/v1/chat/completions", body, body | {"stream": True})
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+    [(status, answer), (streamed, chunks)] = post(app, "/v1/chat/completions", body, body | stream)
     assert status == 200 and streamed == 200
     reply = json.loads(answer)
     choices = reply["choices"]
@@ -80,13 +81,17 @@ def test_chat_logprobs_and_n_streamed_and_not(app, tiny_model):
         assert entry["logprob"] == pytest.approx(entry["top_logprobs"][0]["logprob"]) and entry["logprob"] <= 0
     text = bytes(b for entry in content for b in entry["bytes"]).decode("utf-8", errors="replace")
     assert text.startswith(choices[0]["message"]["content"])  # the text, and EOS's bytes if it ended so
-    texts, logprobs = ["", ""], [[], []]
-    for chunk in events(chunks):
+    texts, logprobs, reasons = ["", ""], [[], []], [[], []]
+    for chunk in events(chunks)[:-1]:
         for c in chunk["choices"]:
             texts[c["index"]] += c["delta"].get("content") or ""
             logprobs[c["index"]] += c["logprobs"]["content"] if c["logprobs"] else []
+            reasons[c["index"]] += [c["finish_reason"]] if c["finish_reason"] else []
     assert texts == [c["message"]["content"] for c in choices]
     assert logprobs == [c["logprobs"]["content"] for c in choices]
+    assert reasons == [[c["finish_reason"]] for c in choices]  # one finish chunk per choice
+    usage = events(chunks)[-1]["usage"]  # the last chunk: the usage of both choices
+    assert usage["completion_tokens"] == reply["usage"]["completion_tokens"]
 
 
 def test_completion_logprobs_streamed_and_not(app):

@@ -173,3 +173,28 @@ def test_a_named_tool_and_a_round_trip_with_the_tool_result(app):
     [(status, final)] = post(app, {"messages": history, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 4})
     assert status == 200, final
     assert final["choices"][0]["message"]["content"] is not None
+
+
+def test_each_of_n_choices_is_read_as_its_own_tool_calls(app):
+    body = {
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "n": 2,
+        "temperature": 1.0,
+        "seed": 3,
+    }
+    (status, whole), (_, chunks) = post(app, body, body | {"stream": True})
+    assert status == 200, whole
+    assert [c["index"] for c in whole["choices"]] == [0, 1]
+    for choice in whole["choices"]:
+        [call] = choice["message"]["tool_calls"]
+        assert choice["finish_reason"] == "tool_calls" and json.loads(call["function"]["arguments"])["unit"] in "CF"
+    streamed = {i: "" for i in (0, 1)}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            for delta in choice["delta"].get("tool_calls") or ():
+                streamed[choice["index"]] += delta["function"]["arguments"]
+    assert [streamed[i] for i in (0, 1)] == [
+        c["message"]["tool_calls"][0]["function"]["arguments"] for c in whole["choices"]
+    ]

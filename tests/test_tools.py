@@ -69,6 +69,25 @@ def test_the_schemas_hold_names_arguments_and_the_number_of_calls():
     assert ToolPlan("auto", (WEATHER,)).schema() is None
 
 
+@pytest.mark.parametrize(
+    "text, calls",
+    [
+        (
+            '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris"}\n}\n```',
+            [("get_weather", {"city": "Paris"})],
+        ),
+        ('[{"name": "add", "arguments": {}}, {"name": "add", "arguments": {}}]', [("add", {}), ("add", {})]),
+        ('{{"name": "get_weather", "arguments": {"city": "Oslo"}}}', [("get_weather", {"city": "Oslo"})]),
+        ('{"name": "unknown", "arguments": {}}', []),
+        ('{"a": 1} is JSON', []),
+    ],
+)
+def test_a_bare_call_as_the_whole_answer_is_read_as_calls_in_any_pieces(text, calls):
+    for size in (1, 5, 1000):
+        content, got = read(ToolPlan("auto", (WEATHER, ADD)), pieces_of(text, size))
+        assert got == calls and content == ("" if calls else text)
+
+
 def test_without_parallel_calls_the_first_tagged_call_alone_counts():
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "%s"}}</tool_call>'
     text = call % "Oslo" + "\n" + call % "Rome"

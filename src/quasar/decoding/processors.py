@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from quasar.decoding import rules
+from quasar.decoding.grammar import GrammarMask, grammars_for
 from quasar.decoding.sampling import SamplingParams
 
 
@@ -46,17 +47,20 @@ ProcessorFactory = Callable[[SamplingParams, Vocab], "RowProcessor | None"]
 
 
 def grammar(params: SamplingParams, vocab: Vocab) -> RowProcessor | None:
-    """A structured-output request's grammar mask (quasar.decoding.grammar, imported only when one is asked for)."""
-    if params.constraint is None:
-        return None
-    from quasar.decoding.grammar import grammar_mask
-
-    return grammar_mask(params, vocab)
+    """A structured-output request's grammar mask (quasar.decoding.grammar)."""
+    return None if params.constraint is None else grammars_for(vocab).mask(params.constraint)
 
 
-# each gives a request's processor of its kind, or None when its params do not ask for one; the grammar comes last,
-# so that a row keeps exactly the tokens it allows whatever the rules before it added
-FACTORIES: list[ProcessorFactory] = [rules.logit_bias, rules.min_tokens, rules.penalties, grammar]
+def grammar_of(processing: Processing | None) -> GrammarMask | None:
+    """A request's grammar among its row processors, for drafting (None when it has none)."""
+    processors = processing.processors if processing is not None else ()
+    return next((p for p in processors if isinstance(p, GrammarMask)), None)
+
+
+# each gives a request's processor of its kind, or None when its params do not ask for one; the grammar comes after
+# the rules that add to logits, so that a row keeps exactly the tokens it allows, and min_tokens last, so that it
+# bans the end of the output only where something else may follow
+FACTORIES: list[ProcessorFactory] = [rules.logit_bias, rules.penalties, grammar, rules.min_tokens]
 
 
 def processors_for(params: SamplingParams, vocab: Vocab) -> list[RowProcessor]:

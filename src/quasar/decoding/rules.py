@@ -36,7 +36,8 @@ class LogitBias:
 
 
 class MinTokens:
-    """Bans the tokens that would end the output (`banned`) until `count` tokens are generated."""
+    """Bans the tokens that would end the output (`banned`) until `count` tokens are generated, but in a row where
+    the processors before it allow nothing else (a grammar whose answer is whole): there the output may end."""
 
     def __init__(self, count: int, banned: tuple[int, ...]) -> None:
         self.count, self.banned = count, list(banned)
@@ -44,8 +45,12 @@ class MinTokens:
 
     def apply(self, logits: torch.Tensor, history: Sequence[int], draft: Sequence[int]) -> None:
         rows = min(len(logits), self.count - self.generated)  # row i follows generated + i tokens
-        if rows > 0:
-            logits[:rows, self.banned] = -float("inf")
+        if rows <= 0:
+            return
+        ends = logits[:rows, self.banned].clone()  # [rows, n]
+        logits[:rows, self.banned] = -float("inf")
+        for i in torch.isneginf(logits[:rows]).all(-1).nonzero()[:, 0].tolist():  # nothing else allowed
+            logits[i, self.banned] = ends[i]
 
     def commit(self, tokens: Sequence[int]) -> None:
         self.generated += len(tokens)

@@ -103,9 +103,8 @@ class SamplingParams:
             return None
         if len(chosen) > 1:
             raise ValueError(f"give at most one of json_schema, regex, grammar, json_object; got {', '.join(chosen)}")
-        if self.ignore_eos or self.min_tokens:
-            raise ValueError(f"{'ignore_eos' if self.ignore_eos else 'min_tokens'} cannot be combined with "
-                             f"{chosen[0]}: the answer ends where the grammar does")
+        if self.ignore_eos:  # (min_tokens may: it yields where the grammar allows only the end, quasar.decoding.rules)
+            raise ValueError(f"ignore_eos cannot be combined with {chosen[0]}: the answer ends where the grammar does")
         from quasar.decoding.grammar import Constraint
 
         kind = chosen[0]

@@ -14,13 +14,13 @@ import torch
 
 from quasar.decoding.drafters.base import Draft, Drafter
 from quasar.decoding.drafters.forced import forced_draft
-from quasar.decoding.grammar import GrammarMask, grammar_of
+from quasar.decoding.grammar import GrammarMask
 from quasar.decoding.autoregressive import Steps, StopRule
 from quasar.decoding.confidence_guard import ConfidenceGuard
 from quasar.model.kv_cache import KVCache
 from quasar.decoding.step import Step
 from quasar.model.llama import Transformer
-from quasar.decoding.processors import Processing
+from quasar.decoding.processors import Processing, grammar_of
 from quasar.decoding.sampling import Sampler, SamplingParams, TargetRows
 from quasar.decoding.stats import GenerationStats
 from quasar.spec import AUTO, MAX_DRAFT
@@ -50,13 +50,14 @@ class DraftLength:
         # drafts most likely to be accepted, and a few lucky steps must not make a draft look certain
         self.hits, self.tries = [self.PRIOR_HITS] * self.K_MAX, [self.PRIOR_TRIES] * self.K_MAX
 
-    def chances(self, n: int) -> tuple[float, ...]:
+    def chances(self, n: int, forced: tuple[int, ...] = ()) -> tuple[float, ...]:
         """The chance that each of n draft tokens is accepted: the product of the acceptance rates of the
         positions up to it (n-gram drafts tend to be all right or wrong early, so later positions that are
-        reached are accepted more often than the first)."""
+        reached are accepted more often than the first); a token a grammar forced (at a position in `forced`) is
+        taken as certain."""
         out, chance = [], 1.0
-        for hits, tries in zip(self.hits[:n], self.tries[:n]):
-            chance *= hits / tries
+        for i, (hits, tries) in enumerate(zip(self.hits[:n], self.tries[:n])):
+            chance *= 1.0 if i in forced else hits / tries
             out.append(chance)
         return tuple(out)
 
@@ -94,7 +95,7 @@ def verify_step(propose: Callable[[int], Draft], k: int, feed: list[int], cache:
     start = time.perf_counter()
     draft = propose(k)
     verifying = time.perf_counter()
-    logits = yield Step([*feed, *draft.tokens], cache, cut=cut, chances=length.chances(len(draft)))
+    logits = yield Step([*feed, *draft.tokens], cache, cut=cut, chances=length.chances(len(draft), draft.forced))
     logits = logits[len(feed) - 1 :]  # [scored, V] over [last, *draft]
     if len(logits) <= len(draft):
         draft = replace(draft, tokens=draft.tokens[: len(logits) - 1])  # a busy batch scored a prefix

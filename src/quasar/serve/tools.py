@@ -178,14 +178,23 @@ class CallArray:
 class TaggedCalls:
     """Text with calls as `<tool_call>{"name": ..., "arguments": ...}</tool_call>` (Qwen2.5, Hermes): the text
     outside them is content (held back while it could be the start of a tag); a call is read whole at its closing
-    tag, and one that does not parse stays content."""
+    tag, and one that does not parse stays content. A small model may write its call bare instead, as the whole
+    answer: a JSON object (or a list of them) with a tool's name and arguments, maybe in a ```json fence. An answer
+    that starts like that is held back to its end and read as calls when it is one."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.pending, self.inside, self.calls = "", False, 0
+        self.names = {tool["function"]["name"] for tool in plan.tools}
+        self.bare: bool | None = None  # whether the answer starts as a bare call might (None: nothing written yet)
         self.single = not plan.parallel  # parallel_tool_calls false: the first call alone
 
     def feed(self, piece: str) -> list[Delta]:
         self.pending += piece
+        head = self.pending.lstrip()
+        if self.bare is None and head and (len(head) >= 3 or not "```".startswith(head)):
+            self.bare = head.startswith(("{", "[", "```"))
+        if self.bare is not False:  # held back to the end (or until something is written)
+            return []
         out: list[Delta] = []
         while True:
             tag = CLOSE if self.inside else OPEN
@@ -224,9 +233,34 @@ class TaggedCalls:
         return [Delta(self.calls - 1, id=call_id(), name=name), Delta(self.calls - 1, text)]
 
     def finish(self) -> list[Delta]:
+        if self.bare:
+            calls = self.bare_calls(self.pending)
+            if calls:
+                self.pending = ""
+                return [
+                    d
+                    for name, arguments in calls
+                    for d in self.call(json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False))
+                ]
+            self.bare = False
+            return self.feed("") + self.finish()
         rest = (OPEN if self.inside else "") + self.pending
         self.pending = ""
         return [Delta(None, rest)] if rest else []
+
+    def bare_calls(self, text: str) -> list[tuple[str, Any]]:
+        """The whole answer as (name, arguments) calls of the request's tools, or [] when it is not that."""
+        text = re.sub(r"^```(?:json)?\s*|\s*```$", "", text.strip())
+        doubled = text.startswith("{{")  # Qwen2.5's template shows the call as {{"name": ...}}: a model may copy it
+        for candidate in (text, text[1:] if doubled else None, text[1:-1] if doubled else None):
+            try:
+                value = json.loads(candidate) if candidate else None
+            except json.JSONDecodeError:
+                continue
+            calls = value if isinstance(value, list) else [value]
+            if calls and all(isinstance(c, dict) and c.get("name") in self.names and "arguments" in c for c in calls):
+                return [(c["name"], c["arguments"]) for c in calls]
+        return []
 
 
 def partial_tag(text: str, tag: str) -> int:
