@@ -3,6 +3,8 @@ rows, the verify step's shape) follow the filtered distribution, for top-k / top
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -90,7 +92,7 @@ def test_rows_sample_the_filtered_distribution(name):
     params, V, n = COMBINATIONS[name], 60, 3000
     logits = torch.randn(6, V, generator=torch.Generator().manual_seed(1)) * 2.0  # [k + 1, V]
     expected = logits_to_probs(logits, params)
-    sampler = Sampler(SamplingParams(**{**params.__dict__, "seed": 5}))
+    sampler = Sampler(replace(params, seed=5))
     counts = torch.zeros(6, V)
     for _ in range(n):
         rows = sampler.rows(logits)

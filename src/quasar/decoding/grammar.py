@@ -220,7 +220,7 @@ class Bridges:
         )
 
     def __call__(self, vocab: Any) -> Grammars:
-        """The Grammars of a quasar.decoding.processors.Vocab (its tokenizer, size and EOS ids)."""
+        """The Grammars of a quasar.decoding.rules.Vocab (its tokenizer, size and EOS ids)."""
         if vocab.tokenizer is None:
             raise ValueError("a grammar needs the model's tokenizer")
         key = (vocab.size, tuple(vocab.eos))

@@ -14,13 +14,13 @@ gets the log-softmax of the row each emitted token was picked from (computed onl
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from quasar.decoding import rules
 from quasar.decoding.grammar import GrammarMask, grammars_for
+from quasar.decoding.rules import Vocab
 from quasar.decoding.sampling import SamplingParams
 
 
@@ -32,15 +32,6 @@ class RowProcessor(Protocol):
 
     def commit(self, tokens: Sequence[int]) -> None:
         """The tokens this step emitted (after acceptance), in order."""
-
-
-@dataclass(frozen=True)
-class Vocab:
-    """What a processor may need to know of the verifier's vocabulary."""
-
-    size: int  # V, the width of a logits row
-    eos: tuple[int, ...] = ()  # the tokens that end a stream (the model's EOS ids)
-    tokenizer: Any = None  # the model's Hugging Face tokenizer (None where a test has none)
 
 
 ProcessorFactory = Callable[[SamplingParams, Vocab], "RowProcessor | None"]

@@ -12,13 +12,21 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from quasar.decoding.processors import Vocab
-    from quasar.decoding.sampling import SamplingParams
+from quasar.decoding.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """What a processor may need to know of the verifier's vocabulary."""
+
+    size: int  # V, the width of a logits row
+    eos: tuple[int, ...] = ()  # the tokens that end a stream (the model's EOS ids)
+    tokenizer: Any = None  # the model's Hugging Face tokenizer (None where a test has none)
 
 
 class LogitBias:

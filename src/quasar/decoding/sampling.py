@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -20,7 +20,6 @@ from quasar.model.execution import ON_TORCH, ExecutionPlan
 
 if TYPE_CHECKING:
     from quasar.decoding.grammar import Constraint
-    from quasar.decoding.processors import Processing
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes (a negative seed wraps around)
 MAX_LOGPROBS = 20  # the most likely tokens a request may ask to see at each position (OpenAI's limit)
@@ -329,13 +328,21 @@ class TargetRows:
         return self.sample(i, generator) if token is None else token
 
 
+class RowsProcessing(Protocol):
+    """A request's row processors as the sampler calls them (quasar.decoding.processors.Processing)."""
+
+    def apply(self, logits: torch.Tensor, draft: Sequence[int] = ()) -> torch.Tensor: ...
+
+    def apply_at(self, logits: torch.Tensor, draft: Sequence[int]) -> torch.Tensor: ...
+
+
 class Sampler:
     """Per-request sampling state: the generator and the buffers every step reuses (no per-step allocation of
     vocabulary-sized tensors). `plan`: the verifier's, whose kernel module (if any) runs the row operations;
     `processing`: the request's row processors, which every row passes through before a token is picked."""
 
     def __init__(self, params: SamplingParams, plan: ExecutionPlan = ON_TORCH,
-                 processing: Processing | None = None) -> None:
+                 processing: RowsProcessing | None = None) -> None:
         self.params = params
         self.processing = processing
         self.kernel = plan.kernel
