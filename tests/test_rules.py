@@ -222,3 +222,17 @@ def test_min_tokens_yields_where_nothing_but_the_end_is_allowed(engines, monkeyp
     for engine in (plain, ngram):
         out = engine.generate(PROMPTS[0], dataclasses.replace(BASE, min_tokens=5))
         assert out.token_ids == [2] and out.finish_reason == "stop"
+
+
+def test_a_cascade_keeps_the_rules(engines, tiny_model):
+    """A cascade's top level judges its middle level's blocks on processed rows: greedy, plain decoding's output
+    under the rules (the middle level drafts without them, so more of its drafts are rejected)."""
+    from quasar.decoding.cascade import CascadeDrafter
+    from quasar.decoding.drafters.ngram import NgramDrafter
+
+    plain, _, free = engines
+    params = dataclasses.replace(BASE, **rules([out.token_ids for out in free])["all"])
+    cascade = Engine(tiny_model, Speculative(CascadeDrafter(tiny_model.model, NgramDrafter(1, 3), k=3), k=4))
+    got = [cascade.generate(ids, params) for ids in PROMPTS]
+    assert [g.token_ids for g in got] == [plain.generate(ids, params).token_ids for ids in PROMPTS]
+    assert sum(g.stats.accepted_tokens for g in got) > 0
