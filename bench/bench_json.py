@@ -24,11 +24,11 @@ import time
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string"},
-        "age": {"type": "integer"},
-        "city": {"type": "string"},
-        "occupation": {"type": "string"},
-        "hobbies": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+        "name": {"type": "string", "maxLength": 40},  # bounded: a small model that loops in a string still ends
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "maxLength": 40},
+        "occupation": {"type": "string", "maxLength": 40},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 3},
     },
     "required": ["name", "age", "city", "occupation", "hobbies"],
     "additionalProperties": False,
