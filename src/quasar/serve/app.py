@@ -30,12 +30,11 @@ from quasar.serve.protocol import (
     BadRequest,
     ChatRequest,
     CompletionRequest,
-    Envelope,
     budget,
     error_body,
-    finish_reason,
     parse,
 )
+from quasar.serve.responses import Envelope, finish_reason
 from quasar.serve.scheduler import Job, QueueFullError, Scheduler, ShuttingDownError, WorkerStoppedError, merged
 from quasar.serve.tools import ToolPlan, ToolReply
 

@@ -1,24 +1,18 @@
-"""OpenAI request bodies -> (prompt ids, SamplingParams), and the response / chunk / error objects.
+"""OpenAI request bodies -> (prompt ids, SamplingParams), and the error object (the responses: serve/responses.py).
 
 Validation lives here so that every bad input becomes a 400 with an OpenAI error object."""
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from quasar.decoding.engine import CACHE_BUCKET
 from quasar.decoding.grammar import Constraint, GrammarError
-from quasar.decoding.outputs import RequestOutput
-from quasar.decoding.processors import TokenLogprob
 from quasar.decoding.sampling import MAX_BIAS, MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
-from quasar.decoding.stats import GenerationStats
-from quasar.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from quasar.serve.tools import Delta, ToolPlan, ToolReply
+from quasar.serve.tools import ToolPlan
 
 
 class BadRequest(ValueError):
@@ -410,109 +404,3 @@ def budget(requested: int | None, prompt_tokens: int, max_context: int, kv_budge
             raise BadRequest(f"the prompt's {prompt_tokens} tokens leave no room in the server's KV budget of "
                              f"{kv_budget} positions", param="messages", code="context_length_exceeded")
     return room
-
-
-def finish_reason(completion: RequestOutput, reply: ToolReply | None) -> str:
-    """The completion's, but "tool_calls" for an answer that ended in tool calls."""
-    if reply is not None and reply.calls and completion.finish_reason == "stop":
-        return "tool_calls"
-    return completion.finish_reason
-
-
-def usage(completions: list[RequestOutput]) -> dict[str, Any]:
-    """OpenAI usage plus the speculative statistics of a request's choices: the prompt counted once, the
-    completion tokens and the verify steps of every choice."""
-    first = completions[0].stats  # the other choices start from its prefill (quasar.decoding.batch.Batch.admit)
-    total = GenerationStats(prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens)
-    for stats in (c.stats for c in completions):
-        total.new_tokens += stats.new_tokens
-        total.proposed_tokens += stats.proposed_tokens
-        total.accepted_tokens += stats.accepted_tokens
-        total.forced_tokens += stats.forced_tokens
-        total.accept_lengths += stats.accept_lengths
-        total.decode_s = max(total.decode_s, stats.wall_s)  # the choices run together
-    return {
-        "prompt_tokens": total.prompt_tokens,
-        "completion_tokens": total.new_tokens,
-        "total_tokens": total.prompt_tokens + total.new_tokens,
-        "prompt_tokens_details": {"cached_tokens": total.cached_tokens},  # prefix caching (kv_cache.CachePool)
-        "speculative": {
-            "verify_steps": len(total.accept_lengths),
-            "proposed_tokens": total.proposed_tokens,
-            "accepted_tokens": total.accepted_tokens,
-            "mean_accepted_tokens": total.mean_accepted_tokens,
-            "acceptance_rate": total.acceptance_rate,
-            "forced_tokens": total.forced_tokens,
-            "tokens_per_s": total.tokens_per_s,
-        },
-    }
-
-
-class Envelope:
-    """Builds the response objects of one request (same id and timestamp in every chunk); `texts` writes the
-    tokens of logprobs."""
-
-    def __init__(self, model: str, chat: bool, texts: TokenTexts | None = None) -> None:
-        self.model, self.chat, self.texts = model, chat, texts
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.offsets: dict[int, int] = {}  # a streamed completion choice's characters so far (text_offset)
-
-    def _wrap(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
-        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
-
-    def logprobs(self, logprobs: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any] | None:
-        if logprobs is None or self.texts is None:
-            return None
-        if self.chat:
-            return chat_logprobs(logprobs, self.texts)
-        out = completion_logprobs(logprobs, self.texts, self.offsets.get(index, 0))
-        self.offsets[index] = self.offsets.get(index, 0) + sum(len(token) for token in out["tokens"])
-        return out
-
-    def full(self, completions: list[RequestOutput], replies: list[ToolReply] | None = None) -> dict[str, Any]:
-        """The whole response; `replies`: each choice's answer read as tool calls (quasar.serve.tools)."""
-        choices = []
-        for i, completion in enumerate(completions):
-            choice: dict[str, Any] = {"index": i}
-            reply = replies[i] if replies else None
-            if self.chat:
-                choice["message"] = {"role": "assistant", "content": completion.text}
-                if reply is not None and reply.calls:
-                    choice["message"] = {"role": "assistant", "content": reply.content if reply.content.strip() else
-                                         None, "tool_calls": reply.calls}
-            else:
-                choice["text"] = completion.text
-            choice |= {"logprobs": self.logprobs(completion.logprobs, i),
-                       "finish_reason": finish_reason(completion, reply)}
-            choices.append(choice)
-        return self._wrap(choices, chunk=False) | {"usage": usage(completions)}
-
-    def chunk(self, piece: str | None, finish_reason: str | None = None, role: bool = False, index: int = 0,
-              logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        """One choice's chunk: text, the role (chat's first), the finish reason, the logprobs of new tokens."""
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-            if piece is not None:
-                delta["content"] = piece
-            choice = {"index": index, "delta": delta}
-        else:
-            choice = {"index": index, "text": piece or ""}
-        choice |= {"logprobs": self.logprobs(logprobs, index), "finish_reason": finish_reason}
-        return self._wrap([choice], chunk=True)
-
-    def delta_chunk(self, delta: Delta, index: int = 0) -> dict[str, Any]:
-        """A chat chunk of one piece of a choice's reply read as tool calls: content, a call's start, or its
-        arguments."""
-        if delta.index is None:
-            return self.chunk(delta.text, index=index)
-        call: dict[str, Any] = {"index": delta.index, "function": {"arguments": delta.text}}
-        if delta.name is not None:
-            call = {"index": delta.index, "id": delta.id, "type": "function",
-                    "function": {"name": delta.name, "arguments": ""}}
-        choice = {"index": index, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}
-        return self._wrap([choice], chunk=True)
-
-    def usage_chunk(self, completions: list[RequestOutput]) -> dict[str, Any]:
-        return self._wrap([], chunk=True) | {"usage": usage(completions)}
