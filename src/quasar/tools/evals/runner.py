@@ -320,8 +320,8 @@ def evaluate(config: EvalConfig, on_score: Callable[[EvalReport], None] | None =
         raise ValueError(f"the batch must be >= 1 items, got {batch}")
     check_verifiers(config.verifiers)
     check_drafter(drafter)
-    for name in config.tasks:
-        get_task(name)
+    for name in config.tasks:  # unknown names before the model path
+        lookup(TASKS, name, "eval task")
     source = model_source(config.model)
     items = {name: get_task(name).load(config.limit) for name in config.tasks}
     report = EvalReport(config, run={"batch": batch, "drafter": drafter})
