@@ -53,10 +53,10 @@ void maddubs_tile(const BlockCall& call, int64_t m0, int64_t p0, int64_t k0, int
   const auto [x, xsum, xsum16, x_scale, wp, sp, B, unit, y, M, N, K] = call;  // by value: no aliasing
   const int64_t groups = K / kGroup, per = B / kGroup, blocks = K / B, block_bytes = kBlockHead + (unit ? 0 : B);
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 facc[R][H];
+  if (!k0)
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < H; ++h) facc[r][h] = k0 ? _mm256_loadu_ps(y + (m0 + r) * N + 16 * p0 + 8 * h) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < H; ++h) _mm256_storeu_ps(y + (m0 + r) * N + 16 * p0 + 8 * h, _mm256_setzero_ps());
   for (int64_t g = k0 / kGroup; g < k1 / kGroup; ++g) {
     __m256i acc[R][H];
 #pragma GCC unroll 8
@@ -113,13 +113,11 @@ void maddubs_tile(const BlockCall& call, int64_t m0, int64_t p0, int64_t k0, int
         const __m256 sums = _mm256_set1_ps(static_cast<float>(xsum[(m0 + r) * groups + g]));
         const __m256 dot = _mm256_cvtepi32_ps(Five ? acc[r][h] : _mm256_madd_epi16(acc[r][h], ones));
         const __m256 part = _mm256_mul_ps(_mm256_sub_ps(_mm256_mul_ps(dot, s), _mm256_mul_ps(mn, sums)), xs);
-        facc[r][h] = _mm256_add_ps(facc[r][h], part);
+        float* out = y + (m0 + r) * N + 16 * p0 + 8 * h;
+        _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), part));
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < H; ++h) _mm256_storeu_ps(y + (m0 + r) * N + 16 * p0 + 8 * h, facc[r][h]);
 }
 
 }  // namespace
@@ -245,7 +243,9 @@ void panels(Int8Path path, const BlockCall& call, int64_t p0, int64_t p1) {
     const auto tile = [&](auto rows, auto, int64_t m, int64_t p, int64_t k0, int64_t k1) {
       maddubs_tile<Five, decltype(rows)::value, decltype(policy)::value>(call, m, p, k0, k1);
     };
-    panel_tiles<2, 1>(call.M, p0, p1, call.K, 8, call.B, tile);  // 2 rows: 8 accumulators, 4 weight registers
+    // 4 rows: 8 int accumulators and 4 weight registers; each group's float part is added to y in place (L1), which
+    // leaves the registers to the rows (docs/kernels.md: 8-19% less time than 2-row tiles at 4 to 8 rows)
+    panel_tiles<4, 1>(call.M, p0, p1, call.K, 8, call.B, tile);
   });
 }
 

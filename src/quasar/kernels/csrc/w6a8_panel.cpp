@@ -34,11 +34,10 @@ void maddubs_tile(const BlockCall& call, int64_t m0, int64_t p0, int64_t k0, int
   constexpr int H = 2;
   const int64_t K = call.K, N = call.N, groups = K / kGroup, blocks = K / kBlock;
   const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
-  __m256 facc[R][H];
+  if (!k0)
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < H; ++h)
-      facc[r][h] = k0 ? _mm256_loadu_ps(call.y + (m0 + r) * N + 16 * p0 + 8 * h) : _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < H; ++h) _mm256_storeu_ps(call.y + (m0 + r) * N + 16 * p0 + 8 * h, _mm256_setzero_ps());
   for (int64_t g = k0 / kGroup; g < k1 / kGroup; ++g) {
     const uint8_t* group = call.wp + (p0 * groups + g) * kGroupBytes;
     const uint8_t* block = call.sp + (p0 * blocks + g * kGroup / kBlock) * kBlockBytes;
@@ -95,12 +94,12 @@ void maddubs_tile(const BlockCall& call, int64_t m0, int64_t p0, int64_t k0, int
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 xs = _mm256_set1_ps(call.x_scale[(m0 + r) * groups + g]);
-      for (int h = 0; h < H; ++h) facc[r][h] = _mm256_add_ps(facc[r][h], _mm256_mul_ps(part[r][h], xs));
+      for (int h = 0; h < H; ++h) {
+        float* out = call.y + (m0 + r) * N + 16 * p0 + 8 * h;
+        _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), _mm256_mul_ps(part[r][h], xs)));
+      }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < H; ++h) _mm256_storeu_ps(call.y + (m0 + r) * N + 16 * p0 + 8 * h, facc[r][h]);
 }
 
 }  // namespace
@@ -201,6 +200,6 @@ void w6a8_panels(Int8Path path, const BlockCall& call, int64_t p0, int64_t p1) {
     const auto tile = [&](auto rows, auto, int64_t m, int64_t p, int64_t k0, int64_t k1) {
       maddubs_tile<decltype(rows)::value, decltype(policy)::value>(call, m, p, k0, k1);
     };
-    panel_tiles<2, 1>(call.M, p0, p1, call.K, 12, kBlock, tile);
+    panel_tiles<4, 1>(call.M, p0, p1, call.K, 12, kBlock, tile);  // 4 rows, y as the float accumulator (w4a8_panel.cpp)
   });
 }
