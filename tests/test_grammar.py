@@ -278,6 +278,8 @@ def test_the_default_model_extracts_an_object_that_validates(default_model):
 class PastTheEnd:
     """A deterministic drafter that always proposes "c", the end of text, then more text."""
 
+    free = False
+
     def spawn(self):
         return self
 

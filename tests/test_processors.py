@@ -55,6 +55,8 @@ class Oracle:
     """A drafter that knows the answers (prompt -> tokens): it drafts what follows, wrong from its third token on
     every other step, so that verify steps accept whole drafts and reject inside them."""
 
+    free = False  # it drafts every step
+
     def __init__(self, answers: dict[tuple[int, ...], list[int]], vocab_size: int) -> None:
         self.answers, self.vocab_size = answers, vocab_size
         self.reset()

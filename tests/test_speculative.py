@@ -16,7 +16,9 @@ from quasar.decoding.autoregressive import StopRule
 from quasar.model.config import ModelConfig
 from quasar.model.llama import Transformer
 from quasar.decoding.sampling import SamplingParams, logits_to_probs
-from quasar.decoding.speculative import DraftLength, Speculative
+from quasar.decoding.autoregressive import autoregressive
+from quasar.decoding.costs import CostModel
+from quasar.decoding.speculative import AUTO, DraftLength, Speculative
 from quasar.spec import parse_k
 from quasar.decoding.stats import GenerationStats
 from test_verify import chi_square_p
@@ -131,20 +133,67 @@ def test_draft_never_runs_past_the_cache():
     assert len(tokens) == 40 and cache.length <= cache.max_len
 
 
+def costs(a: float, b: float) -> CostModel:
+    """A cost model fitted on steps of a + b * rows seconds."""
+    model = CostModel()
+    for rows in [1, 2, 4, 6, 8] * 4:
+        model.add(rows, a + b * rows)
+    return model
+
+
 def test_adaptive_draft_length():
     length = DraftLength(parse_k("auto"))
     assert length.k == DraftLength.K_START
     for _ in range(10):
         length.update(proposed=length.k, accepted=length.k)
     assert length.k == DraftLength.K_MAX
+    length = DraftLength(AUTO, costs(1.0, 0.5))
     for _ in range(10):
         length.update(proposed=length.k, accepted=0)
-    assert length.k == DraftLength.K_MIN
+    assert length.k == 1  # k_min: a drafter that costs something keeps drafting one
     length.update(proposed=0, accepted=0)  # no draft: no evidence, k unchanged
-    assert length.k == DraftLength.K_MIN
+    assert length.k == 1
     assert DraftLength(3).k == 3
     with pytest.raises(ValueError):
         parse_k("0")
+
+
+def test_draft_length_follows_what_rows_cost():
+    """The same acceptance (1 in 3 at every position) drafts where an extra row is cheap (AVX-512 VNNI: a 6-row step
+    about 1.1 one-row steps) and not where it is dear (AVX2: about 3)."""
+    lengths = {}
+    for name, b in {"cheap rows": 0.02, "dear rows": 0.5}.items():
+        length = DraftLength(AUTO, costs(1.0, b), k_min=0)
+        for _ in range(30):
+            length.update(proposed=max(length.k, 1), accepted=0)
+            length.update(proposed=3, accepted=3)
+            length.update(proposed=3, accepted=0)
+        lengths[name] = length.best()
+    assert lengths["cheap rows"] >= 2 and lengths["dear rows"] == 0
+
+
+def test_a_plain_step_watches_the_drafters_guess():
+    length = DraftLength(AUTO, costs(1.0, 0.5), k_min=0)
+    for _ in range(20):
+        length.update(proposed=1, accepted=0)
+    assert length.k == 0
+    for _ in range(20):
+        length.guessed(True)
+    assert length.k >= 1
+
+
+@pytest.mark.parametrize("b", [0.02, 0.5])
+def test_greedy_output_is_plain_whatever_the_draft_length(b, one_thread):
+    """Steps that draft nothing (rows dear, drafts missed) and steps that draft give greedy decoding's tokens."""
+    model = small_model(seed=0)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    decoder = Speculative(NgramDrafter(1, 3), k=AUTO)
+    decoder.costs = costs(1.0, b)
+    tokens, _, stats = run(model, decoder, PROMPT, params, budget=40)
+    plain, _, _ = run(model, autoregressive, PROMPT, params, budget=40)
+    assert tokens == plain
+    drafted = stats.proposed_tokens / stats.verify_steps  # draft tokens a step
+    assert drafted < 0.5 if b == 0.5 else drafted > 1
 
 
 def test_a_draft_longer_than_the_exact_path_takes_is_refused():

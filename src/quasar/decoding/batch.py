@@ -29,6 +29,7 @@ from collections import deque
 
 import torch
 
+from quasar.decoding.costs import CostModel
 from quasar.decoding.engine import Engine, Request
 from quasar.decoding.step import Step, run_steps
 
@@ -43,41 +44,6 @@ def worth(step: Step) -> tuple[float, ...]:
     for i in range(1, len(chances)):
         chances[i] = min(chances[i], chances[i - 1])
     return tuple(chances)
-
-
-class CostModel:
-    """What a forward costs as a function of its rows, fitted on the recent ones: seconds ~ a + b * rows by
-    least squares with exponentially decaying weights, so it follows the batch and the machine as they change.
-    (Default model, W8A8, kernels:dpbusd: a ~ 5 ms, the weights' read; b ~ 0.5-1 ms, a row's compute.)"""
-
-    DECAY, MIN_WEIGHT, MIN_SPREAD, PRIOR = 0.97, 4.0, 0.5, 0.125
-
-    def __init__(self) -> None:
-        self.w = self.x = self.y = self.xx = self.xy = 0.0
-        self.last: tuple[float, float] | None = None
-
-    def add(self, rows: int, seconds: float) -> None:
-        d = self.DECAY
-        self.w, self.x, self.y = d * self.w + 1, d * self.x + rows, d * self.y + seconds
-        self.xx, self.xy = d * self.xx + rows * rows, d * self.xy + rows * seconds
-
-    def fit(self) -> tuple[float, float] | None:
-        """(a, b) from the recent forwards; while they hardly vary in rows, the last fit that could tell them
-        apart (None before there is one)."""
-        if self.w >= self.MIN_WEIGHT:
-            mx, my = self.x / self.w, self.y / self.w
-            spread = self.xx / self.w - mx * mx
-            if spread >= self.MIN_SPREAD:
-                b = max(0.0, (self.xy / self.w - mx * my) / spread)
-                self.last = (max(0.0, my - b * mx), b)
-        return self.last
-
-    def pays(self, value: float, tokens: float, rows: int) -> bool:
-        """Whether one more row worth `value` expected tokens raises the tokens per second of a forward that
-        now holds `rows` rows worth `tokens`: value / b > tokens / (a + b * rows). Before the first fit, a row
-        is taken to cost PRIOR of the weights' read (about what it does on the default model)."""
-        a, b = self.fit() or (1.0, self.PRIOR)
-        return value * (a + b * rows) > b * tokens
 
 
 class Batch:

@@ -31,6 +31,8 @@ from quasar.decoding.rejection import DenseDraft
 
 
 class CascadeDrafter:
+    free = False  # (Drafter): its proposals run the middle model
+
     def __init__(self, model: Transformer, inner: Drafter | None, k: int | str = AUTO, initial_len: int = 1024) -> None:
         self.model = model  # the middle level (W8A8)
         self.inner = inner  # the bottom level; None drafts nothing (the middle level decodes plainly)

@@ -17,6 +17,7 @@ from quasar.decoding.drafters.forced import forced_draft
 from quasar.decoding.grammar import GrammarMask
 from quasar.decoding.autoregressive import Steps, StopRule
 from quasar.decoding.confidence_guard import ConfidenceGuard
+from quasar.decoding.costs import CostModel
 from quasar.model.kv_cache import KVCache
 from quasar.decoding.step import Step
 from quasar.model.llama import Transformer
@@ -33,18 +34,23 @@ VerifyStep = Generator[Step, torch.Tensor, tuple[Draft, Verdict, TargetRows | No
 
 
 class DraftLength:
-    """How many tokens to draft. Fixed k, or adaptive ('auto'): start at 4 and after each non-empty
-    draft set k = clamp(round(ema) + 1, 1, 7), where ema is an exponential moving average (weight 0.5)
-    of the accepted draft tokens per step. Drafting one more than recently accepted keeps a cheap
-    chance to accept longer runs while short acceptance keeps wasted verify rows few."""
+    """How many tokens to draft. Fixed k, or adaptive ('auto'): the k that promises the most tokens per second of
+    a verify step, (1 + the summed chances of its k draft tokens) / cost(k + 1 rows), from the acceptance seen at
+    each draft position (`chances`) and what steps of each size cost on this machine (`costs`, fitted on the
+    decoder's recent verify steps); one more than that after a draft accepted whole (longer runs get their chance).
+    On a CPU whose extra rows are dear (AVX2 without VNNI: six rows cost about three one-row steps) and a text the
+    drafts miss, that is 0: the step is a plain one. With k_min 0 (a free drafter, greedy) such a step still asks
+    the drafter for one token and counts whether the verifier chose it (`guessed`), so drafting resumes where it
+    pays again."""
 
-    K_MIN, K_MAX, K_START, WEIGHT = 1, MAX_DRAFT, 4, 0.5  # k + 1 rows per verify step
+    K_MAX, K_START = MAX_DRAFT, 4  # k + 1 rows per verify step
     DECAY, PRIOR_HITS, PRIOR_TRIES = 0.9, 1.0, 4.0  # the acceptance counts behind `chances`
 
-    def __init__(self, k: int | str) -> None:
+    def __init__(self, k: int | str, costs: CostModel | None = None, k_min: int = 1) -> None:
         self.adaptive = k == AUTO
         self.k = self.K_START if self.adaptive else int(k)
-        self.ema = float(self.k - 1)
+        self.k_min = k_min
+        self.costs = costs if costs is not None else CostModel()
         # per draft position: tokens accepted / judged there (a position is judged once the ones before it
         # were accepted), recent steps weighing more, from a cautious prior (1 in 4): a batch spends rows on the
         # drafts most likely to be accepted, and a few lucky steps must not make a draft look certain
@@ -64,13 +70,37 @@ class DraftLength:
     def update(self, proposed: int, accepted: int) -> None:
         if proposed == 0:
             return
+        self.count(proposed, accepted)
+        if self.adaptive:
+            self.k = min(self.K_MAX, max(self.best(), proposed + 1 if accepted == proposed else 0))
+
+    def guessed(self, right: bool) -> None:
+        """A plain step's outcome for the drafter's one-token guess: the first position's acceptance, as a draft of
+        it would have been judged (a greedy verdict accepts exactly the tokens the verifier picks)."""
+        self.count(1, int(right))
+        if self.adaptive:
+            self.k = self.best()
+
+    def count(self, proposed: int, accepted: int) -> None:
         for position in range(min(accepted + 1, proposed)):  # the judged positions
             self.hits[position] = self.DECAY * self.hits[position] + (position < accepted)
             self.tries[position] = self.DECAY * self.tries[position] + 1
-        if not self.adaptive:
-            return
-        self.ema = self.WEIGHT * accepted + (1 - self.WEIGHT) * self.ema
-        self.k = min(self.K_MAX, max(self.K_MIN, int(self.ema + 0.5) + 1))
+
+    def timed(self, rows: int, seconds: float) -> None:
+        """A verify step of `rows` rows took `seconds` (the forward and what ran beside it in its batch)."""
+        self.costs.add(rows, seconds)
+
+    def best(self) -> int:
+        """The draft length (k_min to K_MAX) that promises the most tokens per second."""
+        a, b = self.costs.fit() or (1.0, CostModel.PRIOR)
+        if a + b <= 0:  # no time measured at all
+            a, b = 1.0, CostModel.PRIOR
+        best, rate, expected = 0, 1.0 / (a + b), 1.0
+        for k, chance in enumerate(self.chances(self.K_MAX), 1):
+            expected += chance
+            if expected / (a + b * (k + 1)) > rate:
+                best, rate = k, expected / (a + b * (k + 1))
+        return max(self.k_min, best)
 
 
 def judge(draft: Draft, logits: torch.Tensor, params: SamplingParams, sampler: Sampler,
@@ -96,6 +126,7 @@ def verify_step(propose: Callable[[int], Draft], k: int, feed: list[int], cache:
     draft = propose(k)
     verifying = time.perf_counter()
     logits = yield Step([*feed, *draft.tokens], cache, cut=cut, chances=length.chances(len(draft), draft.forced))
+    length.timed(len(logits), time.perf_counter() - verifying)
     logits = logits[len(feed) - 1 :]  # [scored, V] over [last, *draft]
     if len(logits) <= len(draft):
         draft = replace(draft, tokens=draft.tokens[: len(logits) - 1])  # a busy batch scored a prefix
@@ -119,6 +150,7 @@ class Speculative:
 
     def __post_init__(self) -> None:
         self.idle: list[Drafter] = [self.drafter]  # drafters not serving a request now
+        self.costs = CostModel()  # what verify steps of each size cost: every request's draft length reads it
 
     def __call__(
         self,
@@ -139,7 +171,9 @@ class Speculative:
     def decode(self, model: Transformer, drafter: Drafter, cache: KVCache, prompt_ids: list[int],
                params: SamplingParams, stop: StopRule, stats: GenerationStats,
                processing: Processing | None = None) -> Steps:
-        sampler, length = Sampler(params, model.plan, processing), DraftLength(self.k)
+        sampler = Sampler(params, model.plan, processing)
+        guessing = drafter.free and params.greedy  # may stop drafting and still watch its guesses
+        length = DraftLength(self.k, self.costs, k_min=0 if guessing else 1)
         grammar = grammar_of(processing)
         # A batch may score fewer draft tokens than proposed when it is full, unless that could change the
         # output: a seeded sampled request gives the same tokens as alone only with the same drafts.
@@ -160,10 +194,13 @@ class Speculative:
             drafter.commit(pending)
             room = min(MAX_DRAFT, cache.max_len - cache.length - 1, stop.budget - stop.emitted - 1)
             k = min(length.k, room)
+            guess = drafter.propose(1, params, sampler.generator) if k == 0 and guessing and room > 0 else None
             before = cache.length
             draft, verdict, _ = yield from verify_step(
                 self.proposer(drafter, grammar, room, params, sampler.generator), k, [pending[-1]], cache, params,
                 sampler, sampler.generator, length, stats, cut=may_cut, guard=self.guard)
+            if guess is not None and guess.tokens and not draft.tokens:
+                length.guessed(guess.tokens[0] == verdict.token)
             cache.trim(cache.length - (before + verdict.accepted + 1))  # keep [last, *accepted]
             pending = draft.tokens[: verdict.accepted] + [verdict.token]
             tokens, reason = stop.cut(pending)

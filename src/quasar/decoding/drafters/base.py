@@ -23,6 +23,10 @@ class Draft:
 
 
 class Drafter(Protocol):
+    # proposing costs next to nothing (no model runs): while drafting does not pay, a greedy request still asks for
+    # one token a step and compares it with the verifier's, so that it notices when drafting would pay again
+    free: bool
+
     def spawn(self) -> Drafter:
         """A drafter of the same kind for another request in flight at the same time (sharing what may be
         shared, such as a model's weights; never a token stream)."""

@@ -21,6 +21,8 @@ from quasar.verifiers.registry import load_verifier
 
 
 class ModelDrafter:
+    free = False  # (Drafter)
+
     def __init__(self, model: Transformer, vocab_size: int, initial_len: int = 1024) -> None:
         self.model = model
         self.vocab_size = vocab_size  # the verifier's V: draft probs are padded / cut to it

@@ -99,6 +99,8 @@ class NgramIndex:
 class NgramDrafter:
     """Prompt lookup over the current request's prompt + generated tokens."""
 
+    free = True  # (Drafter)
+
     def __init__(self, ngram_min: int = 1, ngram_max: int = 3) -> None:
         self.index = NgramIndex(ngram_min, ngram_max, keep="first")
         self.tokens: list[int] = []

@@ -18,6 +18,8 @@ from quasar.decoding.sampling import SamplingParams
 
 
 class SuffixDrafter:
+    free = True  # (Drafter)
+
     def __init__(self, ngram_min: int = 1, max_depth: int = 8, max_history: int = 1 << 16) -> None:
         self.index = NgramIndex(ngram_min, max_depth, keep="last")
         self.docs: list[list[int]] = [[]]  # earlier requests, then the current one (last)
