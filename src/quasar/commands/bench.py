@@ -50,8 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--limit", type=positive_int, help="prompts per category (default: the suite's)")
     parser.add_argument("--categories", type=csv, help=f"only these categories, from: {', '.join(CATEGORIES)}")
     parser.add_argument("--k", type=draft_length, default="auto",
-                        help="draft length for DRAFTER+V: a number (the paper: 5) or 'auto', adapted to the acceptance "
-                        "as generate's (default: %(default)s)")
+                        help="draft length for DRAFTER+V: a number (the paper: 5) or 'auto', chosen from the acceptance "
+                        "and the measured step costs as generate's (default: %(default)s)")
     parser.add_argument("--seed", type=seed, default=0, help="base seed for sampled runs (default: 0)")
     parser.add_argument("--out", default="bench-out", help="output directory, replaced as a whole when the run ends "
                         "(default: %(default)s)")

@@ -157,7 +157,9 @@ def add_decode_args(parser: argparse.ArgumentParser, drafter_default: str = "ngr
                        help="approximate: where the verifier's top-1 logit leads the runner-up by less than MARGIN, "
                        "take the float (bf16) model's token instead, scored over the verifier's cache; 0.1 agrees "
                        "with bf16 on ~99.5%% of positions at ~0.9x the speed (docs/cascade.md)")
-    group.add_argument("--k", default="auto", type=draft_length, help="draft tokens per verify step, or 'auto' to adapt to recent acceptance (default: %(default)s)")
+    group.add_argument("--k", default="auto", type=draft_length, help="draft tokens per verify step, or 'auto': the length that promises the most tokens per second from "
+                       "the recent acceptance and the measured cost of each step size, 0 where drafts do not pay "
+                       "(default: %(default)s)")
     group.add_argument("--ngram-min", type=positive_int, default=1, help="shortest n-gram the ngram/suffix drafters match (default: %(default)s)")
     group.add_argument("--ngram-max", type=positive_int, default=3, help="longest n-gram the ngram drafter matches (default: %(default)s)")
 
