@@ -116,3 +116,13 @@ def test_a_rescored_position_keeps_the_requests_rules(answers):
     engine = engine_for("ngram+w8a8", k=5, guard=math.inf)
     got = engine.generate(prompts[0], dataclasses.replace(PARAMS, logit_bias={banned: -100.0}))
     assert got.token_ids[0] == float_[0][0] and banned not in got.token_ids and got.stats.rechecked_tokens > 0
+
+
+def test_the_margin_is_that_of_the_rows_after_the_requests_rules(answers):
+    """A token that logit_bias lifts far above the rest makes every position sure: nothing is re-scored, although
+    the verifier's own rows leave some positions unsure at this margin (test_a_finite_margin_rechecks_some_positions)."""
+    prompts, _, w8a8, _ = answers
+    engine = engine_for("ngram+w8a8", k=5, guard=2.0)
+    lifted = w8a8[0][0]
+    got = engine.generate(prompts[0], dataclasses.replace(PARAMS, logit_bias={lifted: 100.0}))
+    assert set(got.token_ids) == {lifted} and got.stats.rechecked_tokens == 0

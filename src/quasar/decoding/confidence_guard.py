@@ -87,7 +87,9 @@ class ConfidenceGuard:
         token at the first unsure position among those the verdict emits (then the cache ends at that position,
         its rows written by the float model)."""
         emitted = [*scored[1 : verdict.accepted + 1], verdict.token]
-        top2 = logits[: len(emitted)].float().topk(2, dim=-1).values  # [a + 1, 2]
+        # the margin of the rows the verdict was reached on: after the request's rules (a banned or masked token
+        # neither makes a position unsure nor sure)
+        top2 = sampler.picked_from(logits)[: len(emitted)].float().topk(2, dim=-1).values  # [a + 1, 2]
         unsure = ((top2[:, 0] - top2[:, 1]) < self.margin).nonzero()
         if len(unsure) == 0:
             return verdict

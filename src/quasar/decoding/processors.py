@@ -81,9 +81,9 @@ class Processing:
 
     def apply(self, logits: torch.Tensor, draft: Sequence[int] = ()) -> torch.Tensor:
         """logits [R, V] (row i: after the tokens so far and draft[:i]) -> the rows every processor has changed, float32
-        on CPU (a copy when there is a processor: the forward's logits stay as they were)."""
+        on CPU (a copy when there is a processor or logprobs are kept: the forward's logits stay as they were)."""
         rows = logits.float().cpu()
-        if self.processors:
+        if self.processors or self.top_logprobs is not None:  # kept for logprobs: never the forward's own memory
             rows = rows.clone()
             for processor in self.processors:
                 processor.apply(rows, self.history, draft)

@@ -373,6 +373,13 @@ class Sampler:
         """logits [V] of the position after the tokens so far -> one token id (the argmax when greedy)."""
         return self.pick(self.processed(logits[None])[0])
 
+    def picked_from(self, logits: torch.Tensor) -> torch.Tensor:
+        """The rows a step's tokens were picked from: its logits [R, V] as the processors left them (`processed`
+        ran on them already; without processors the logits themselves)."""
+        if self.processing is None or self.processing.rows is None:
+            return logits
+        return self.processing.rows
+
     def repick(self, logits: torch.Tensor, draft: Sequence[int]) -> int:
         """next_token for the position after the tokens so far and `draft` of a step whose rows were processed
         already, from other logits [V] (a re-score); that row takes the place of the step's row there."""
