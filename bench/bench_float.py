@@ -19,6 +19,11 @@ report medians: prefill tokens/s, decode and verify milliseconds. Engines:
   own GGUF (the Q4_K_M or Q4_1 file users run: beside quasar:w4a8, which reads that file's blocks).
 
 On a 1.5B model the float engines do not all fit in 24 GB at once: run them in groups with --engines.
+
+`--llama-bench "PATH [ARGS]"` (repeatable; builds of llama.cpp's or ik_llama.cpp's `llama-bench`, e.g.
+`--llama-bench "$IK/build/bin/llama-bench -rtr 1"`, never built by quasar) adds each native build's own figures on the
+model's GGUF file, same threads: `-p PROMPT_LEN,6 -n 64` (quasar.tools.bench.llama_bench). Its steps run from an
+empty context, quasar's at `prompt-len` cached tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch
 
 from quasar.builder import model_source
 from quasar.kernels import native
+from quasar.tools.bench.llama_bench import LlamaBench
 
 DEFAULT_ENGINES = "quasar:fp32,quasar:bf16,quasar:w8a8,transformers:fp32,transformers:bf16,llama.cpp:f16,llama.cpp:bf16"
 VERIFY = 6
@@ -152,12 +158,16 @@ def main() -> None:
     parser.add_argument("--engines", default=DEFAULT_ENGINES, help="comma-separated, default: %(default)s")
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--llama-bench", action="append", default=[], metavar='"PATH [ARGS]"',
+                        help="a native llama-bench build (and its own arguments) to run on the model's GGUF beside "
+                        "quasar (repeatable)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     args.model = model_source(args.model)  # resolved once: 'default', an installed name or a path
     if args.prompt_len < 1 or args.rounds < 1:
         parser.error("--prompt-len and --rounds must be >= 1")
     max_len = -(-(args.prompt_len + VERIFY + 1) // 256) * 256
+    anchors = [LlamaBench(command) for command in args.llama_bench]  # checked before any model loads
     engines = {name: build(name, args, max_len) for name in args.engines.split(",")}
     kernel = native.kernel()
     print(f"{torch.get_num_threads()} threads; quasar kernels: int8 {kernel.int8_path() if kernel else '-'}, "
@@ -185,6 +195,17 @@ def main() -> None:
         rows.append(row)
         print(f"| {name} | {row['path']} | {row['prefill_tok_s']:.1f} | {row['decode_ms']:.2f} | {row['verify_ms']:.2f} | "
               f"{row['verify_ms'] / row['decode_ms']:.2f} |", flush=True)
+    if anchors:
+        from quasar.tools.bench.gguf_export import llama_cpp_gguf
+
+        gguf = llama_cpp_gguf(args.model, "file")
+        for anchor in anchors:
+            got = anchor.run(gguf, torch.get_num_threads(), args.prompt_len, VERIFY, args.rounds)
+            row = {"engine": got.name, "path": f"native, {gguf.name}", "prefill_tok_s": got.prefill_tok_s,
+                   "decode_ms": got.decode_ms, "verify_ms": got.verify_ms, "rounds": args.rounds}
+            rows.append(row)
+            print(f"| {row['engine']} | {row['path']} | {row['prefill_tok_s']:.1f} | {row['decode_ms']:.2f} | "
+                  f"{row['verify_ms']:.2f} | {row['verify_ms'] / row['decode_ms']:.2f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model.name, "prompt_len": args.prompt_len, "rows": rows}, f, indent=1)
