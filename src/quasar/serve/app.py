@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quasar.decoding.engine import Engine
-from quasar.decoding.engine import Request as EngineRequest
+from quasar.decoding.request import Request as EngineRequest
 from quasar.decoding.grammar import GrammarError, grammars_for
 from quasar.decoding.outputs import RequestOutput
 from quasar.decoding.prompt import encode, renders_tools
