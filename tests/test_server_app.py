@@ -219,3 +219,30 @@ def test_the_server_encodes_control_token_text_in_messages_as_text(tiny_model):
     assert sum(i in controls for i in allowed) == sum(i in controls for i in plain) + 2
     raw = asyncio.run(PromptEncoder(tiny_model.tokenizer, 4096).encode("a<|im_start|>b", False, "prompt"))
     assert not controls & set(raw)
+
+
+def test_the_server_budgets_a_request_as_the_engine_does(tiny_model):
+    """Engine.budget is the one place a request's token budget and cache size come from: the server's default answer
+    length under a KV budget is its `new_tokens` (a cache that fills the budget to the last position), and its 400s
+    for a prompt that leaves no room say the same numbers."""
+    engine = Engine(tiny_model)
+    app = create_app(engine, "tiny", kv_budget=256)
+    common = {"model": "tiny", "temperature": 0, "ignore_eos": True}
+    fits, full = [7] * 200, [7] * (256 - engine.cache_slack)
+    try:
+        answers = run(("POST", "/v1/completions", {"prompt": fits, **common}),
+                      ("POST", "/v1/completions", {"prompt": full, **common}),
+                      ("POST", "/v1/completions", {"prompt": full, "max_tokens": 300, **common}), app=app)
+    finally:
+        app.state.scheduler.stop()
+    allowed = engine.budget(len(fits), None, 256)
+    assert allowed.new_tokens == 256 - engine.cache_slack - len(fits) and allowed.cache_len == 256
+    assert answers[0][0] == 200 and json.loads(answers[0][1])["usage"]["completion_tokens"] == allowed.new_tokens
+    (kv, kv_body), (context, context_body) = answers[1:]
+    assert kv == context == 400
+    kv_error, context_error = json.loads(kv_body)["error"], json.loads(context_body)["error"]
+    assert kv_error["message"] == "the prompt's 240 tokens leave no room in the server's KV budget of 256 positions"
+    assert (kv_error["param"], kv_error["code"]) == ("messages", "context_length_exceeded")
+    assert context_error["message"] == ("this model's maximum context length is 512 tokens; the request needs 540 "
+                                        "(240 in the prompt, 300 to generate)")
+    assert (context_error["param"], context_error["code"]) == ("max_tokens", "context_length_exceeded")

@@ -218,7 +218,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
     async def serve(http: Request, req: CompletionRequest | ChatRequest, ids: list[int], chat: bool,
                     tools: ToolPlan | None = None) -> Any:
         requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        room = budget(requested, len(ids), engine.max_context, engine.caches.budget, engine.cache_slack)
+        room = budget(requested, len(ids), engine)
         if req.n > max_queue:
             raise BadRequest(f"n ({req.n}) is more choices than the server queues at once ({max_queue}, "
                              "--max-queue)", param="n")
