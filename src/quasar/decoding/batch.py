@@ -19,11 +19,12 @@ Rows: a forward holds at most `max_rows`. Each request's first row always runs. 
 of their chance of acceptance (from each decoder's recent acceptance at each draft position) while they
 pay for themselves: past ~8 rows a CPU forward costs about linearly more per row, so a row is added only if
 its expected tokens raise the forward's tokens per second under a cost model fitted on the recent forwards
-(CostModel). Alone, nearly every draft pays; in a full batch only the likely ones do. A cut draft is still a
+(CostModel). With few requests in the batch nearly every draft pays; in a full batch only the likely ones do. A cut draft is still a
 valid draft (output unchanged at temperature 0, its distribution unchanged otherwise), but it changes which
 random numbers a sampled request draws, so a seeded sampled request keeps its whole draft. Prompt chunks
-come before drafts (they are certain work), at least MIN_CHUNK tokens a step. On the torch path (CUDA, fp32) rows are not independent of their
-neighbours, so each request gets a forward of its own, prompts whole: the same answers, without the gain.
+come before drafts (they are certain work), at least MIN_CHUNK tokens a step. On the torch path (CUDA, fp32)
+rows are not independent of their neighbours, so each request gets a forward of its own, prompts whole: the same
+answers, without the gain.
 """
 
 from __future__ import annotations
