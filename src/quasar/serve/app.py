@@ -287,15 +287,17 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             return out + ([envelope.chunk(None, index=i, logprobs=logprobs)] if logprobs else [])
         try:
             # the chat's role chunk goes out with a choice's first text, as vLLM's does: a client that times its
-            # first chunk (vLLM's benchmark does) then measures the prefill, not the queue
+            # first chunk (vLLM's benchmark does) then measures the prefill, not the queue. With tools it waits for
+            # the reply's first delta: a reply that opens with a tool call has no content (null, as OpenAI's)
             roles = set(range(len(jobs))) if envelope.chat else set()
             try:
                 async for i, delta in merged(jobs):
-                    if i in roles:
-                        yield event(envelope.chunk(None, role=True, index=i) | no_usage)
+                    out = chunks(i, None if delta is None else delta.text, None if delta is None else delta.logprobs)
+                    if i in roles and (replies is None or out or delta is None):
+                        calls = bool(out) and "tool_calls" in out[0]["choices"][0]["delta"]
+                        yield event(envelope.role_chunk(i, None if calls else "") | no_usage)
                         roles.discard(i)
-                    for chunk in chunks(i, None if delta is None else delta.text,
-                                        None if delta is None else delta.logprobs):
+                    for chunk in out:
                         yield event(chunk | no_usage)
                     if delta is None:
                         reason = finish_reason(jobs[i].request.output, replies[i] if replies else None)

@@ -90,17 +90,20 @@ class Envelope:
             choices.append(choice)
         return self._wrap(choices, chunk=False) | {"usage": usage(completions)}
 
-    def chunk(self, piece: str | None, finish_reason: str | None = None, role: bool = False, index: int = 0,
+    def chunk(self, piece: str | None, finish_reason: str | None = None, index: int = 0,
               logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        """One choice's chunk: text, the role (chat's first), the finish reason, the logprobs of new tokens."""
+        """One choice's chunk: text, the finish reason, the logprobs of new tokens."""
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-            if piece is not None:
-                delta["content"] = piece
-            choice = {"index": index, "delta": delta}
+            choice: dict[str, Any] = {"index": index, "delta": {} if piece is None else {"content": piece}}
         else:
             choice = {"index": index, "text": piece or ""}
         choice |= {"logprobs": self.logprobs(logprobs, index), "finish_reason": finish_reason}
+        return self._wrap([choice], chunk=True)
+
+    def role_chunk(self, index: int, content: str | None = "") -> dict[str, Any]:
+        """A chat choice's first chunk: the role, and content "" (None where the reply opens with a tool call)."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": content}, "logprobs": None,
+                  "finish_reason": None}
         return self._wrap([choice], chunk=True)
 
     def delta_chunk(self, delta: Delta, index: int = 0) -> dict[str, Any]:
