@@ -104,6 +104,13 @@ class _Sampling(BaseModel):
             raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
         return value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true (as OpenAI's API)")
+        return value
+
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
