@@ -246,3 +246,31 @@ def test_the_server_budgets_a_request_as_the_engine_does(tiny_model):
     assert context_error["message"] == ("this model's maximum context length is 512 tokens; the request needs 540 "
                                         "(240 in the prompt, 300 to generate)")
     assert (context_error["param"], context_error["code"]) == ("max_tokens", "context_length_exceeded")
+
+
+def test_every_response_and_chunk_carries_one_system_fingerprint(tiny_model):
+    """Chat and completion answers, whole and streamed, name what computed them: one fingerprint, from quasar's
+    version, the weights and the kernel paths."""
+    from quasar.serve.responses import system_fingerprint
+
+    engine = Engine(tiny_model)
+    app = create_app(engine, "tiny")
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    completion = {"model": "tiny", "prompt": "hi", "max_tokens": 3}
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+    try:
+        answers = run(("POST", "/v1/chat/completions", chat), ("POST", "/v1/chat/completions", chat | stream),
+                      ("POST", "/v1/completions", completion), ("POST", "/v1/completions", completion | stream), app=app)
+    finally:
+        app.state.scheduler.stop()
+    objects = []
+    for status, body in answers:
+        assert status == 200, body
+        events = [line[6:] for line in body.splitlines() if line.startswith("data: ")]
+        objects += [json.loads(e) for e in events[:-1]] if events else [json.loads(body)]
+    fingerprint = system_fingerprint(tiny_model.source_sha256, engine.path)
+    assert len(objects) > 4 and {o["system_fingerprint"] for o in objects} == {fingerprint}
+    assert fingerprint.startswith("fp_") and len(fingerprint) == 13
+    assert fingerprint == system_fingerprint(tiny_model.source_sha256, engine.path)  # stable
+    assert system_fingerprint(tiny_model.source_sha256, "torch") != system_fingerprint("0" * 64, "torch")
+    assert system_fingerprint("0" * 64, "torch") != system_fingerprint("0" * 64, "kernels:dpbusd")

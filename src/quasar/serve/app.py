@@ -34,7 +34,7 @@ from quasar.serve.protocol import (
     error_body,
     parse,
 )
-from quasar.serve.responses import Envelope, finish_reason
+from quasar.serve.responses import Envelope, finish_reason, system_fingerprint
 from quasar.serve.scheduler import Job, QueueFullError, Scheduler, ShuttingDownError, WorkerStoppedError, merged
 from quasar.serve.tools import ToolPlan, ToolReply
 
@@ -174,6 +174,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
                 "max_model_len": engine.max_context}
         return {"object": "list", "data": [card]}
 
+    fingerprint = system_fingerprint(engine.target.source_sha256, engine.path)
     prompts = PromptEncoder(engine.tokenizer, engine.max_context, allow_special_tokens)
     texts = LazyTokenTexts(prompts, engine.target.model.config.vocab_size)
 
@@ -230,7 +231,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
         except ValueError as e:
             raise BadRequest(str(e), param=getattr(e, "field", None)) from None
         jobs = submit(requests)
-        envelope = Envelope(model_name, chat, None if params.logprobs is None else await texts.get())
+        envelope = Envelope(model_name, chat, None if params.logprobs is None else await texts.get(), fingerprint)
         if req.stream:
             replies = [ToolReply(tools) for _ in jobs] if tools is not None else None
             return StreamingResponse(sse(jobs, envelope, req.include_usage, replies), media_type="text/event-stream")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from typing import Any
@@ -11,6 +12,13 @@ from quasar.decoding.processors import TokenLogprob
 from quasar.decoding.stats import GenerationStats
 from quasar.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from quasar.serve.tools import Delta, ToolReply
+from quasar.version import __version__
+
+
+def system_fingerprint(weights: str, engine_path: str) -> str:
+    """OpenAI's `system_fingerprint`: what computes the answers (quasar's version, the weights' sha256, the kernel
+    paths), so that a client can tell when the same request may be answered otherwise."""
+    return "fp_" + hashlib.sha256(f"{__version__}\n{weights}\n{engine_path}".encode()).hexdigest()[:10]
 
 
 def finish_reason(completion: RequestOutput, reply: ToolReply | None) -> str:
@@ -50,18 +58,20 @@ def usage(completions: list[RequestOutput]) -> dict[str, Any]:
 
 
 class Envelope:
-    """Builds the response objects of one request (same id and timestamp in every chunk); `texts` writes the
-    tokens of logprobs."""
+    """Builds the response objects of one request (same id, timestamp and system fingerprint in every chunk);
+    `texts` writes the tokens of logprobs."""
 
-    def __init__(self, model: str, chat: bool, texts: TokenTexts | None = None) -> None:
-        self.model, self.chat, self.texts = model, chat, texts
+    def __init__(self, model: str, chat: bool, texts: TokenTexts | None = None, fingerprint: str | None = None
+                 ) -> None:
+        self.model, self.chat, self.texts, self.fingerprint = model, chat, texts, fingerprint
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.offsets: dict[int, int] = {}  # a streamed completion choice's characters so far (text_offset)
 
     def _wrap(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint, "choices": choices}
 
     def logprobs(self, logprobs: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any] | None:
         if logprobs is None or self.texts is None:
