@@ -164,10 +164,33 @@ def test_cancel_frees_the_place_and_the_cache(tiny_model):
     batch.step()
     assert batch.active == [first] and list(batch.waiting) == [second]
     batch.cancel(first)
-    assert first.finished and 0 < len(first.output.token_ids) < 10 and engine.caches.taken == 0
+    assert first.finished and first.cancelled and first.error is None
+    assert 0 < len(first.output.token_ids) < 10 and engine.caches.taken == 0
     while not batch.idle:
         batch.step()
-    assert len(second.output.token_ids) == 4
+    assert len(second.output.token_ids) == 4 and not second.cancelled
+    batch.cancel(second)  # once it ended, there is nothing to cancel
+    assert not second.cancelled
+
+
+def test_a_request_flagged_cancelled_leaves_at_the_next_step_and_gives_its_cache_back(tiny_model):
+    """The server's scheduler flags a request from another thread; the batch drops it, running or waiting."""
+    engine = Engine(tiny_model)
+    batch = Batch(engine, max_batch=2)
+    params = SamplingParams(max_new_tokens=50, ignore_eos=True)
+    running, waiting, other = (engine.request([1, 2, i], params) for i in range(3))
+    for request in (running, other, waiting):
+        batch.add(request)
+    batch.step()
+    assert batch.active == [running, other] and list(batch.waiting) == [waiting]
+    running.cancelled = waiting.cancelled = True
+    ended = batch.step()
+    assert set(ended) == {running, waiting} and batch.active == [other] and not batch.waiting
+    assert running.finished and waiting.finished and waiting.cache is None and running.error is None
+    assert engine.caches.taken == other.cache_len
+    while not batch.idle:
+        batch.step()
+    assert len(other.output.token_ids) == 50 and not other.cancelled and engine.caches.taken == 0
 
 
 def test_requests_wait_until_their_cache_fits_the_kv_budget(tiny_model):
@@ -215,9 +238,9 @@ def test_a_request_that_fails_inside_a_batch_fails_alone(tiny_model):
         batch.add(request)
     while not batch.idle:
         batch.step()
-    assert all(len(r.output.token_ids) == 5 for r in good)
-    assert isinstance(batch.failures[id(bad)], RuntimeError)
-    assert "context window" in str(batch.failures[id(overflow)])
+    assert all(len(r.output.token_ids) == 5 and r.finished and r.error is None for r in good)
+    assert isinstance(bad.error, RuntimeError) and bad.finished and not bad.cancelled
+    assert "context window" in str(overflow.error)
     assert engine.caches.taken == 0
     with pytest.raises(RuntimeError, match="breaks"):
         batch.run_all([engine.request([99], params)])
@@ -248,13 +271,7 @@ def test_a_seeded_request_keeps_its_drafts_uncut_and_an_unseeded_one_may_lose_th
 def test_the_choices_of_one_prompt_prefill_it_once_and_answer_as_alone(tiny_model_dir):
     """n choices of a prompt (sampled, seeded apart): the first prefills it, the others wait for that prefill and
     start from a copy of its cache; each answers as alone from an empty cache."""
-    from quasar.kernels import plan
-    from quasar.model.loading import load
-    from quasar.quant.schemes import W8A8Config, quantize_
-
-    target = load(tiny_model_dir, "fp32")
-    quantize_(target.model, W8A8Config(group_size=32))
-    assert plan.prepare_(target.model).paths.startswith("kernels:")
+    target = tiny_on_the_kernels(tiny_model_dir)
     engine = Engine(target, decoder_for("ngram", target, k=3))
     ids = engine.encode("Once upon a time " * 8, chat=False)
     params = SamplingParams(max_new_tokens=16, temperature=0.9, seed=4, ignore_eos=True)
@@ -268,3 +285,67 @@ def test_the_choices_of_one_prompt_prefill_it_once_and_answer_as_alone(tiny_mode
     assert [c.output.token_ids for c in choices] == [a.token_ids for a in alone]
     assert len({tuple(a.token_ids) for a in alone}) == 3
     assert [c.output.stats.cached_tokens for c in choices] == [0, len(ids) - 1, len(ids) - 1]
+
+
+def tiny_on_the_kernels(tiny_model_dir):
+    """The tiny model in W8A8 on quasar's kernels (rows computed apart: a batch shares forwards and cuts drafts)."""
+    from quasar.kernels import plan
+    from quasar.model.loading import load
+    from quasar.quant.schemes import W8A8Config, quantize_
+
+    target = load(tiny_model_dir, "fp32")
+    quantize_(target.model, W8A8Config(group_size=32))
+    assert plan.prepare_(target.model).paths.startswith("kernels:")
+    return target
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_a_run_is_a_batch_of_one_on_the_cache_pool_as_it_is(tiny_model, drafter):
+    """Engine.run gives the tokens a Batch gives the same requests, alone or with others, and leaves the engine's
+    cache pool as it found it: its settings and the caches it keeps."""
+    engine = Engine(tiny_model, decoder_for(drafter, tiny_model, k=3))
+    engine.caches.configure(None, 8)
+    kept = [tiny_model.model.new_cache(n) for n in (1024, 1280)]  # sizes no request here takes
+    engine.caches.free.extend(kept)
+    ids, params = [engine.encode(t, chat=False) for t in TEXTS[:5]], mixed_params()[:5]
+    alone = [engine.run(i, p).result() for i, p in zip(ids, params)]
+    assert (engine.caches.budget, engine.caches.spare, engine.caches.taken) == (None, 8, 0)
+    assert all(any(c is k for c in engine.caches.free) for k in kept)
+    for max_batch, max_rows in ((1, 64), (3, 2)):
+        batch = Batch(engine, max_batch, max_rows)
+        requests = [engine.request(i, p) for i, p in zip(ids, params)]
+        batch.run_all(requests)
+        batch.close()
+        assert_same(alone, [r.output for r in requests])
+    assert (engine.caches.budget, engine.caches.spare) == (None, 8)
+
+
+def test_a_run_closed_early_stops_at_once_and_one_that_fails_raises(tiny_model):
+    engine = Engine(tiny_model, failing_on(99))
+    run = engine.run([1, 2, 3], SamplingParams(max_new_tokens=200, ignore_eos=True))
+    next(iter(run))
+    run.close()
+    assert 0 < len(run.output.token_ids) < 200 and engine.caches.taken == 0
+    with pytest.raises(RuntimeError, match="breaks"):
+        engine.run([1, 99, 3], SamplingParams(max_new_tokens=5)).result()
+    assert engine.caches.taken == 0
+
+
+@needs_kernels
+def test_a_batch_of_one_runs_each_step_whole(tiny_model_dir):
+    """A lone request prefills its prompt at once and keeps its whole draft, however few rows a shared forward would
+    take and whatever the cost model says."""
+    target = tiny_on_the_kernels(tiny_model_dir)
+    engine = Engine(target, decoder_for("layerskip:1", target, k=3))  # a drafter that always drafts
+    batch = Batch(engine, max_batch=1, max_rows=2)
+    batch.cost.pays = lambda *args: False  # a cost model for which no draft row pays
+    request = engine.request(engine.encode("1, 2, 1, 2, 1, 2," * 4, chat=False),
+                             SamplingParams(max_new_tokens=24, ignore_eos=True))
+    batch.add(request)
+    batch.admit()
+    drafts = 0
+    while request.step is not None:
+        assert batch.plan()[request] is request.step
+        drafts += not request.step.last_only and len(request.step.tokens) > 1
+        batch.step()
+    assert drafts > 0 and len(request.output.token_ids) == 24

@@ -219,3 +219,58 @@ def test_the_server_encodes_control_token_text_in_messages_as_text(tiny_model):
     assert sum(i in controls for i in allowed) == sum(i in controls for i in plain) + 2
     raw = asyncio.run(PromptEncoder(tiny_model.tokenizer, 4096).encode("a<|im_start|>b", False, "prompt"))
     assert not controls & set(raw)
+
+
+def test_the_server_budgets_a_request_as_the_engine_does(tiny_model):
+    """Engine.budget is the one place a request's token budget and cache size come from: the server's default answer
+    length under a KV budget is its `new_tokens` (a cache that fills the budget to the last position), and its 400s
+    for a prompt that leaves no room say the same numbers."""
+    engine = Engine(tiny_model)
+    app = create_app(engine, "tiny", kv_budget=256)
+    common = {"model": "tiny", "temperature": 0, "ignore_eos": True}
+    fits, full = [7] * 200, [7] * (256 - engine.cache_slack)
+    try:
+        answers = run(("POST", "/v1/completions", {"prompt": fits, **common}),
+                      ("POST", "/v1/completions", {"prompt": full, **common}),
+                      ("POST", "/v1/completions", {"prompt": full, "max_tokens": 300, **common}), app=app)
+    finally:
+        app.state.scheduler.stop()
+    allowed = engine.budget(len(fits), None, 256)
+    assert allowed.new_tokens == 256 - engine.cache_slack - len(fits) and allowed.cache_len == 256
+    assert answers[0][0] == 200 and json.loads(answers[0][1])["usage"]["completion_tokens"] == allowed.new_tokens
+    (kv, kv_body), (context, context_body) = answers[1:]
+    assert kv == context == 400
+    kv_error, context_error = json.loads(kv_body)["error"], json.loads(context_body)["error"]
+    assert kv_error["message"] == "the prompt's 240 tokens leave no room in the server's KV budget of 256 positions"
+    assert (kv_error["param"], kv_error["code"]) == ("messages", "context_length_exceeded")
+    assert context_error["message"] == ("this model's maximum context length is 512 tokens; the request needs 540 "
+                                        "(240 in the prompt, 300 to generate)")
+    assert (context_error["param"], context_error["code"]) == ("max_tokens", "context_length_exceeded")
+
+
+def test_every_response_and_chunk_carries_one_system_fingerprint(tiny_model):
+    """Chat and completion answers, whole and streamed, name what computed them: one fingerprint, from quasar's
+    version, the weights and the kernel paths."""
+    from quasar.serve.responses import system_fingerprint
+
+    engine = Engine(tiny_model)
+    app = create_app(engine, "tiny")
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    completion = {"model": "tiny", "prompt": "hi", "max_tokens": 3}
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+    try:
+        answers = run(("POST", "/v1/chat/completions", chat), ("POST", "/v1/chat/completions", chat | stream),
+                      ("POST", "/v1/completions", completion), ("POST", "/v1/completions", completion | stream), app=app)
+    finally:
+        app.state.scheduler.stop()
+    objects = []
+    for status, body in answers:
+        assert status == 200, body
+        events = [line[6:] for line in body.splitlines() if line.startswith("data: ")]
+        objects += [json.loads(e) for e in events[:-1]] if events else [json.loads(body)]
+    fingerprint = system_fingerprint(tiny_model.source_sha256, engine.path)
+    assert len(objects) > 4 and {o["system_fingerprint"] for o in objects} == {fingerprint}
+    assert fingerprint.startswith("fp_") and len(fingerprint) == 13
+    assert fingerprint == system_fingerprint(tiny_model.source_sha256, engine.path)  # stable
+    assert system_fingerprint(tiny_model.source_sha256, "torch") != system_fingerprint("0" * 64, "torch")
+    assert system_fingerprint("0" * 64, "torch") != system_fingerprint("0" * 64, "kernels:dpbusd")

@@ -54,6 +54,8 @@ BAD = [
     ("/v1/chat/completions", {"logprobs": "yes"}, "logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
+    ("/v1/completions", {"stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
 ]
 
 

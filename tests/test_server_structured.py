@@ -151,6 +151,14 @@ def test_a_required_tool_call_comes_back_as_tool_calls_streamed_or_whole(app):
         (c["function"]["name"], c["function"]["arguments"]) for c in calls
     ]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}  # as OpenAI's: no content
+
+
+def test_a_streamed_reply_without_tool_calls_opens_with_empty_content(app):
+    [(status, chunks)] = post(app, {"stream": True, "max_tokens": 4})
+    assert status == 200
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
 
 
 def test_a_named_tool_and_a_round_trip_with_the_tool_result(app):

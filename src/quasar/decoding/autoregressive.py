@@ -2,8 +2,8 @@
 
 A decoder (this loop, or quasar.decoding.speculative's) is a generator of `Steps`: it yields a `Step` when it needs the
 target model's forward and is sent that step's logits back; it yields a list of token ids when they are
-final. Whoever drives it runs the forwards: alone (Engine.run) or together with other requests' steps in
-one forward (quasar.decoding.batch), which gives every request bitwise the logits it gets alone.
+final. A quasar.decoding.batch.Batch drives it: it runs the forward of one request alone (Engine.run) or of
+several requests' steps together, which gives every request bitwise the logits it gets alone.
 """
 
 from __future__ import annotations

@@ -4,7 +4,12 @@ Every step, each active request contributes the forward its decoder waits for (a
 [last, *draft] rows, a decode row, or the next chunk of its prompt); one forward runs all those rows, each
 request attending over its own KV cache; then each request's decoder judges its rows, trims its cache and
 emits its tokens. Requests join between steps while the batch has room (`max_batch` requests, KV
-positions within the cache pool's budget) and leave as soon as they finish or are cancelled.
+positions within the cache pool's budget) and leave as soon as they finish, fail or are cancelled. Each request
+carries its own outcome (quasar.decoding.request.Request: `finished`, `error`, `cancelled`): a request that fails
+fails alone, its error on it, and one flagged `cancelled` (by another thread, say) leaves at the next step.
+
+A request alone is a batch of one (Engine.run): it runs each step whole, as its decoder asked for it, with nothing
+to share a forward with and no draft row cut.
 
 Same answers as alone: on quasar's kernels every row is computed from its own input only, so a request's
 logits are bitwise those it gets alone, whatever else is in the batch, and prompts can be prefilled in
@@ -14,11 +19,12 @@ Rows: a forward holds at most `max_rows`. Each request's first row always runs. 
 of their chance of acceptance (from each decoder's recent acceptance at each draft position) while they
 pay for themselves: past ~8 rows a CPU forward costs about linearly more per row, so a row is added only if
 its expected tokens raise the forward's tokens per second under a cost model fitted on the recent forwards
-(CostModel). Alone, nearly every draft pays; in a full batch only the likely ones do. A cut draft is still a
+(CostModel). With few requests in the batch nearly every draft pays; in a full batch only the likely ones do. A cut draft is still a
 valid draft (output unchanged at temperature 0, its distribution unchanged otherwise), but it changes which
 random numbers a sampled request draws, so a seeded sampled request keeps its whole draft. Prompt chunks
-come before drafts (they are certain work), at least MIN_CHUNK tokens a step. On the torch path (CUDA, fp32) rows are not independent of their
-neighbours, so each request gets a forward of its own, prompts whole: the same answers, without the gain.
+come before drafts (they are certain work), at least MIN_CHUNK tokens a step. On the torch path (CUDA, fp32)
+rows are not independent of their neighbours, so each request gets a forward of its own, prompts whole: the same
+answers, without the gain.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from collections import deque
 import torch
 
 from quasar.decoding.costs import CostModel
-from quasar.decoding.engine import Engine, Request
+from quasar.decoding.request import Host, Request
 from quasar.decoding.step import Step, run_steps
 
 log = logging.getLogger("quasar")
@@ -47,9 +53,13 @@ def worth(step: Step) -> tuple[float, ...]:
 
 
 class Batch:
-    """Requests served together by one engine: `add` them, call `step` until `idle`."""
+    """Requests served together by one engine: `add` them, call `step` until `idle`; `close` when done.
 
-    def __init__(self, engine: Engine, max_batch: int = 16, max_rows: int = 64, kv_budget: int | None = None) -> None:
+    The batch sets the engine's cache pool to its KV budget, keeping a spare cache per place, and `close` gives the pool
+    back its settings; configure_pool=False leaves the pool as it is (a lone run borrows it)."""
+
+    def __init__(self, engine: Host, max_batch: int = 16, max_rows: int = 64, kv_budget: int | None = None,
+                 configure_pool: bool = True) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_rows < 1:
@@ -58,10 +68,10 @@ class Batch:
             raise ValueError(f"the KV budget must be a positive number of tokens, got {kv_budget}")
         self.engine, self.max_batch, self.max_rows = engine, max_batch, max_rows
         self.cost = CostModel()
-        self.pool_settings = engine.caches.configure(kv_budget, max_batch)  # the engine's own, for close()
+        caches = engine.caches
+        self.pool_settings = caches.configure(kv_budget, max_batch) if configure_pool else (caches.budget, caches.spare)
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
-        self.failures: dict[int, BaseException] = {}  # id(request) -> what made it fail
 
     @property
     def idle(self) -> bool:
@@ -75,15 +85,22 @@ class Batch:
         self.waiting.append(request)
 
     def cancel(self, request: Request) -> None:
-        """Stop a request (its client went away): it leaves the batch now and its cache is freed."""
+        """Stop a request (its client went away): it leaves the batch now, flagged `cancelled` unless it had already
+        ended, and its cache is freed."""
+        if not request.finished:
+            request.cancelled = True
+            request.finish()
         if request in self.waiting:
             self.waiting.remove(request)
-        request.finish()
         self.retire([request])
 
     def step(self) -> list[Request]:
-        """Admit what fits, run one forward over every active request's rows, advance each request; returns
-        the requests that finished in this step (done, failed or cancelled; see `failures`)."""
+        """Drop the requests flagged `cancelled`, admit what fits, run one forward over every active request's rows,
+        advance each request; returns the requests that ended in this step (done, failed or cancelled: each says
+        which)."""
+        cancelled = [r for r in (*self.waiting, *self.active) if r.cancelled]
+        for request in cancelled:
+            self.cancel(request)
         self.admit()
         steps = self.plan()
         if steps:
@@ -98,7 +115,7 @@ class Batch:
                 self.guarded(request, request.advance, logits)
         done = [r for r in self.active if r.finished]
         self.retire(done)
-        return done
+        return cancelled + done if cancelled else done
 
     def admit(self) -> None:
         """Start the waiting requests that fit, in order. One whose prompt an active request is prefilling waits for
@@ -121,11 +138,13 @@ class Batch:
 
     def plan(self) -> dict[Request, Step]:
         """The rows each request runs in this step: every decode step's first row and the uncut steps whole, then
-        prompt chunks, then draft rows in order of their chance of acceptance while they pay for themselves."""
+        prompt chunks, then draft rows in order of their chance of acceptance while they pay for themselves. A batch
+        of one, or one on the torch path (a forward per request anyway), has nothing to share or cut: each step runs
+        whole."""
+        if self.max_batch == 1 or not self.engine.target.model.plan.batches_rows:
+            return {r: r.step for r in self.active if r.step is not None}
         decoding = [r for r in self.active if r.step is not None and not r.step.last_only]
         prefilling = [r for r in self.active if r.step is not None and r.step.last_only]
-        if not self.engine.target.model.plan.batches_rows:  # one forward per request anyway: nothing to share or cut
-            return {r: r.step for r in decoding + prefilling}  # type: ignore[misc]
         rows = {r: (1 if r.step.cut else len(r.step.tokens)) for r in decoding}  # type: ignore[union-attr]
         drafts = sorted(((chance, depth, i, r) for i, r in enumerate(decoding) if r.step.cut  # type: ignore[union-attr]
                          for depth, chance in enumerate(worth(r.step), 1)), key=lambda d: (-d[0], d[1], d[2]))
@@ -181,7 +200,7 @@ class Batch:
 
     def fail(self, request: Request, error: BaseException) -> None:
         log.error("a request failed: %s: %s", type(error).__name__, error)
-        self.failures[id(request)] = error
+        request.error = error
         request.finish()
 
     def retire(self, done: list[Request]) -> None:
@@ -202,5 +221,5 @@ class Batch:
         while not self.idle:
             self.step()
         for request in requests:
-            if id(request) in self.failures:
-                raise self.failures.pop(id(request))
+            if request.error is not None:
+                raise request.error

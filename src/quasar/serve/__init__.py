@@ -1,1 +1,2 @@
-"""OpenAI-compatible HTTP server: a thin adapter over Engine.run(); no generation logic lives here."""
+"""OpenAI-compatible HTTP server: a thin adapter that hands Engine.request()s to a quasar.decoding.batch.Batch
+(quasar.serve.scheduler); no generation logic lives here."""

@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quasar.decoding.engine import Engine
-from quasar.decoding.engine import Request as EngineRequest
+from quasar.decoding.request import Request as EngineRequest
 from quasar.decoding.grammar import GrammarError, grammars_for
 from quasar.decoding.outputs import RequestOutput
 from quasar.decoding.prompt import encode, renders_tools
@@ -34,7 +34,7 @@ from quasar.serve.protocol import (
     error_body,
     parse,
 )
-from quasar.serve.responses import Envelope, finish_reason
+from quasar.serve.responses import Envelope, finish_reason, system_fingerprint
 from quasar.serve.scheduler import Job, QueueFullError, Scheduler, ShuttingDownError, WorkerStoppedError, merged
 from quasar.serve.tools import ToolPlan, ToolReply
 
@@ -174,6 +174,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
                 "max_model_len": engine.max_context}
         return {"object": "list", "data": [card]}
 
+    fingerprint = system_fingerprint(engine.target.source_sha256, engine.path)
     prompts = PromptEncoder(engine.tokenizer, engine.max_context, allow_special_tokens)
     texts = LazyTokenTexts(prompts, engine.target.model.config.vocab_size)
 
@@ -218,7 +219,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
     async def serve(http: Request, req: CompletionRequest | ChatRequest, ids: list[int], chat: bool,
                     tools: ToolPlan | None = None) -> Any:
         requested = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        room = budget(requested, len(ids), engine.max_context, engine.caches.budget, engine.cache_slack)
+        room = budget(requested, len(ids), engine)
         if req.n > max_queue:
             raise BadRequest(f"n ({req.n}) is more choices than the server queues at once ({max_queue}, "
                              "--max-queue)", param="n")
@@ -230,7 +231,7 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
         except ValueError as e:
             raise BadRequest(str(e), param=getattr(e, "field", None)) from None
         jobs = submit(requests)
-        envelope = Envelope(model_name, chat, None if params.logprobs is None else await texts.get())
+        envelope = Envelope(model_name, chat, None if params.logprobs is None else await texts.get(), fingerprint)
         if req.stream:
             replies = [ToolReply(tools) for _ in jobs] if tools is not None else None
             return StreamingResponse(sse(jobs, envelope, req.include_usage, replies), media_type="text/event-stream")
@@ -287,15 +288,17 @@ def create_app(engine: Engine, model_name: str, api_key: str | None = None, max_
             return out + ([envelope.chunk(None, index=i, logprobs=logprobs)] if logprobs else [])
         try:
             # the chat's role chunk goes out with a choice's first text, as vLLM's does: a client that times its
-            # first chunk (vLLM's benchmark does) then measures the prefill, not the queue
+            # first chunk (vLLM's benchmark does) then measures the prefill, not the queue. With tools it waits for
+            # the reply's first delta: a reply that opens with a tool call has no content (null, as OpenAI's)
             roles = set(range(len(jobs))) if envelope.chat else set()
             try:
                 async for i, delta in merged(jobs):
-                    if i in roles:
-                        yield event(envelope.chunk(None, role=True, index=i) | no_usage)
+                    out = chunks(i, None if delta is None else delta.text, None if delta is None else delta.logprobs)
+                    if i in roles and (replies is None or out or delta is None):
+                        calls = bool(out) and "tool_calls" in out[0]["choices"][0]["delta"]
+                        yield event(envelope.role_chunk(i, None if calls else "") | no_usage)
                         roles.discard(i)
-                    for chunk in chunks(i, None if delta is None else delta.text,
-                                        None if delta is None else delta.logprobs):
+                    for chunk in out:
                         yield event(chunk | no_usage)
                     if delta is None:
                         reason = finish_reason(jobs[i].request.output, replies[i] if replies else None)

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from quasar.decoding.engine import CACHE_BUCKET
+from quasar.decoding.engine import Engine, KVBudgetError, PromptTooLongError
 from quasar.decoding.grammar import Constraint, GrammarError
 from quasar.decoding.sampling import MAX_BIAS, MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
 from quasar.serve.tools import ToolPlan
@@ -102,6 +102,13 @@ class _Sampling(BaseModel):
     def _temperature(cls, value: float) -> float:
         if 0 < value < MIN_TEMPERATURE:
             raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed with stream: true (as OpenAI's API)")
         return value
 
     @field_validator("logit_bias")
@@ -383,24 +390,23 @@ def valid_text(value: Any) -> bool:
     return True
 
 
-def budget(requested: int | None, prompt_tokens: int, max_context: int, kv_budget: int | None = None,
-           slack: int = 0, bucket: int = CACHE_BUCKET) -> int:
-    """The tokens a request may generate. Without `max_tokens`: what the context window holds, and no more than
-    its KV cache (prompt, answer and `slack`, rounded up to `bucket`) fits in `kv_budget`; `max_tokens` beyond
-    the context window is refused."""
-    room = max_context - prompt_tokens
-    if room < 1 or (requested is not None and requested > room):
-        asked = requested if requested is not None else 1
-        raise BadRequest(
-            f"this model's maximum context length is {max_context} tokens; the request needs "
-            f"{prompt_tokens + asked} ({prompt_tokens} in the prompt, {asked} to generate)",
-            param="max_tokens", code="context_length_exceeded",
-        )
-    if requested is not None:
-        return requested
-    if kv_budget is not None:
-        room = min(room, kv_budget // bucket * bucket - slack - prompt_tokens)
-        if room < 1:
-            raise BadRequest(f"the prompt's {prompt_tokens} tokens leave no room in the server's KV budget of "
-                             f"{kv_budget} positions", param="messages", code="context_length_exceeded")
-    return room
+def budget(requested: int | None, prompt_tokens: int, engine: Engine) -> int:
+    """The tokens a request may generate, as the engine budgets them (Engine.budget): without `max_tokens`, what the
+    context window holds, and no more than its KV cache fits in the server's KV budget; `max_tokens` beyond the
+    context window is refused."""
+    try:
+        allowed = engine.budget(prompt_tokens, requested, engine.caches.budget)
+        if requested is None or requested <= allowed.room:
+            return allowed.new_tokens
+    except KVBudgetError:
+        raise BadRequest(f"the prompt's {prompt_tokens} tokens leave no room in the server's KV budget of "
+                         f"{engine.caches.budget} positions", param="messages",
+                         code="context_length_exceeded") from None
+    except PromptTooLongError:
+        pass
+    asked = requested if requested is not None else 1
+    raise BadRequest(
+        f"this model's maximum context length is {engine.max_context} tokens; the request needs "
+        f"{prompt_tokens + asked} ({prompt_tokens} in the prompt, {asked} to generate)",
+        param="max_tokens", code="context_length_exceeded",
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from typing import Any
@@ -11,6 +12,13 @@ from quasar.decoding.processors import TokenLogprob
 from quasar.decoding.stats import GenerationStats
 from quasar.serve.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from quasar.serve.tools import Delta, ToolReply
+from quasar.version import __version__
+
+
+def system_fingerprint(weights: str, engine_path: str) -> str:
+    """OpenAI's `system_fingerprint`: what computes the answers (quasar's version, the weights' sha256, the kernel
+    paths), so that a client can tell when the same request may be answered otherwise."""
+    return "fp_" + hashlib.sha256(f"{__version__}\n{weights}\n{engine_path}".encode()).hexdigest()[:10]
 
 
 def finish_reason(completion: RequestOutput, reply: ToolReply | None) -> str:
@@ -50,18 +58,20 @@ def usage(completions: list[RequestOutput]) -> dict[str, Any]:
 
 
 class Envelope:
-    """Builds the response objects of one request (same id and timestamp in every chunk); `texts` writes the
-    tokens of logprobs."""
+    """Builds the response objects of one request (same id, timestamp and system fingerprint in every chunk);
+    `texts` writes the tokens of logprobs."""
 
-    def __init__(self, model: str, chat: bool, texts: TokenTexts | None = None) -> None:
-        self.model, self.chat, self.texts = model, chat, texts
+    def __init__(self, model: str, chat: bool, texts: TokenTexts | None = None, fingerprint: str | None = None
+                 ) -> None:
+        self.model, self.chat, self.texts, self.fingerprint = model, chat, texts, fingerprint
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.offsets: dict[int, int] = {}  # a streamed completion choice's characters so far (text_offset)
 
     def _wrap(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "system_fingerprint": self.fingerprint, "choices": choices}
 
     def logprobs(self, logprobs: list[TokenLogprob] | None, index: int = 0) -> dict[str, Any] | None:
         if logprobs is None or self.texts is None:
@@ -90,17 +100,20 @@ class Envelope:
             choices.append(choice)
         return self._wrap(choices, chunk=False) | {"usage": usage(completions)}
 
-    def chunk(self, piece: str | None, finish_reason: str | None = None, role: bool = False, index: int = 0,
+    def chunk(self, piece: str | None, finish_reason: str | None = None, index: int = 0,
               logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        """One choice's chunk: text, the role (chat's first), the finish reason, the logprobs of new tokens."""
+        """One choice's chunk: text, the finish reason, the logprobs of new tokens."""
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-            if piece is not None:
-                delta["content"] = piece
-            choice = {"index": index, "delta": delta}
+            choice: dict[str, Any] = {"index": index, "delta": {} if piece is None else {"content": piece}}
         else:
             choice = {"index": index, "text": piece or ""}
         choice |= {"logprobs": self.logprobs(logprobs, index), "finish_reason": finish_reason}
+        return self._wrap([choice], chunk=True)
+
+    def role_chunk(self, index: int, content: str | None = "") -> dict[str, Any]:
+        """A chat choice's first chunk: the role, and content "" (None where the reply opens with a tool call)."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": content}, "logprobs": None,
+                  "finish_reason": None}
         return self._wrap([choice], chunk=True)
 
     def delta_chunk(self, delta: Delta, index: int = 0) -> dict[str, Any]:

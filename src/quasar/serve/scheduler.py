@@ -3,10 +3,12 @@ Batch, step after step; requests join it between steps and leave as soon as they
 
 The HTTP handlers (asyncio) submit an engine Request and read its pieces from an asyncio queue; the worker (a
 plain thread, because generation is blocking torch code) runs the steps and hands each request's new pieces
-over with `call_soon_threadsafe`. At most `max_batch` requests run at once (and only as many as the KV
-budget holds); up to `max_queue` more wait, and beyond that `submit` raises QueueFullError (HTTP 429). A
-cancelled job (client gone) leaves the queue at once, or the batch at the next step, freeing its cache. A
-request that fails inside a batch fails alone.
+over with `call_soon_threadsafe`. A Job is the request and that channel; the scheduler keeps its jobs in a list
+and reads everything else off the request: its pieces, whether it ended, its `error`, whether it was `cancelled`.
+At most `max_batch` requests run at once (and only as many as the KV budget holds); up to `max_queue` more wait,
+and beyond that `submit` raises QueueFullError (HTTP 429). A cancelled job (client gone) leaves the queue at once;
+once in the batch, its request is flagged `cancelled` and leaves at the next step, freeing its cache. A request
+that fails inside a batch fails alone.
 
 The engine is used under one lock, which the worker holds for each step (the HTTP side encodes prompts with a
 tokenizer of its own: quasar.serve.app.PromptEncoder). If the worker thread dies, every job it held fails and
@@ -30,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from quasar.decoding.batch import Batch
-from quasar.decoding.engine import Engine, Request
+from quasar.decoding.engine import Engine
+from quasar.decoding.request import Request
 from quasar.decoding.outputs import RequestOutput
 from quasar.decoding.processors import TokenLogprob
 
@@ -58,14 +61,13 @@ class Delta(NamedTuple):
     logprobs: list[TokenLogprob]
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
-    """One request: the engine Request to run and the channel its pieces come back on."""
+    """One request: the engine Request to run (which holds its state) and the channel its pieces come back on."""
 
     request: Request
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     first_piece: float | None = None
 
@@ -134,9 +136,8 @@ class Scheduler:
         self.max_queue = max_queue
         self.on_finish = on_finish
         self.batch = Batch(engine, max_batch, max_rows, kv_budget)
-        self._jobs: dict[int, Job] = {}  # id(request) -> job, for every job submitted and not yet ended
+        self._jobs: list[Job] = []  # every job submitted and not yet ended, in order
         self._incoming: deque[Job] = deque()  # submitted, not yet handed to the batch
-        self._leaving: list[Job] = []  # cancelled while in the batch: to drop at the next step
         self._cond = threading.Condition()
         self._stopped = False
         self._deadline: float | None = None  # draining: when the requests still running are ended
@@ -178,25 +179,25 @@ class Scheduler:
                 raise WorkerStoppedError(self.unavailable)
             if self.waiting >= self.max_queue:
                 raise QueueFullError(f"the server is busy: {self.waiting} requests are already waiting")
-            self._jobs[id(request)] = job
+            self._jobs.append(job)
             self._incoming.append(job)
             self._cond.notify()
         return job
 
     def cancel(self, job: Job) -> None:
-        """The client went away: free its place in the queue now, or its slot in the batch at the next step."""
+        """The client went away: free its place in the queue now, or its slot in the batch at the next step (the
+        batch drops a request flagged `cancelled`)."""
         with self._cond:
-            if job.cancelled.is_set() or id(job.request) not in self._jobs:
+            if job.request.cancelled or job not in self._jobs:
                 return  # already ended
-            job.cancelled.set()
+            job.request.cancelled = True
             if job in self._incoming:
                 self._incoming.remove(job)
-                del self._jobs[id(job.request)]
+                self._jobs.remove(job)
                 if self.on_finish is not None:  # counted as cancelled, though it never ran
                     self.on_finish(job, job.request.output, True)
                 job.emit("done", None)
             else:
-                self._leaving.append(job)
                 self._cond.notify()
 
     def stop(self) -> None:
@@ -219,18 +220,18 @@ class Scheduler:
         try:
             while self._next():
                 with self._engine_lock:
-                    done = self.batch.step()
-                self._deliver(done)
+                    self.batch.step()
+                self._deliver()
             self._end_all(ShuttingDownError("the server is shutting down"))
         except BaseException as e:  # not a failed generation (those fail their request): the thread ends here
             log.critical("the generation worker stopped", exc_info=True)
             self._abandon(f"{type(e).__name__}: {e}")
 
     def _next(self) -> bool:
-        """Wait for work; hand new jobs to the batch and drop cancelled ones. False once stopped."""
+        """Wait for work and hand new jobs to the batch. False once stopped."""
         idle_since = time.monotonic()
         with self._cond:
-            while not self._incoming and not self._leaving and self.batch.idle and not self._stopped:
+            while not self._incoming and self.batch.idle and not self._stopped:
                 if self._deadline is not None:
                     return False  # drained
                 self._cond.wait(timeout=1.0)  # a timeout lets a signal handler on this thread run
@@ -239,26 +240,20 @@ class Scheduler:
             if self._stopped or (self._deadline is not None and time.monotonic() >= self._deadline):
                 return False
             incoming, self._incoming = list(self._incoming), deque()
-            leaving, self._leaving = self._leaving, []
             self._busy_since_release = True
         for job in incoming:
             try:
                 self.batch.add(job.request)
             except ValueError as e:  # more KV positions than the whole budget: it could never run
                 self._end(job, error=e)
-        with self._engine_lock:
-            for job in leaving:
-                self.batch.cancel(job.request)
-        for job in leaving:
-            self._end(job)
         return True
 
-    def _deliver(self, done: list[Request]) -> None:
-        """Each running request's new pieces to its client; the finished ones end."""
-        for request in list(self.batch.active) + done:
-            job = self._jobs.get(id(request))
-            if job is None:
-                continue
+    def _deliver(self) -> None:
+        """Each job's new pieces to its client; the jobs whose requests ended (done, failed or cancelled) end."""
+        with self._cond:
+            jobs = list(self._jobs)
+        for job in jobs:
+            request = job.request
             pieces, logprobs = request.take(), request.take_logprobs()
             if pieces and job.first_piece is None:
                 job.first_piece = time.perf_counter()
@@ -266,20 +261,19 @@ class Scheduler:
                 pieces = [""]  # logprobs of tokens whose text is not whole yet
             for i, piece in enumerate(pieces):  # the step's logprobs go with its last piece
                 job.emit("piece", Delta(piece, logprobs if i == len(pieces) - 1 else []))
-        for request in done:
-            job = self._jobs.get(id(request))
-            if job is not None:
-                self._end(job, self.batch.failures.pop(id(request), None))
+            if request.finished:
+                self._end(job, request.error)
 
     def _end(self, job: Job, error: BaseException | None = None) -> None:
         with self._cond:
-            if self._jobs.pop(id(job.request), None) is None:
+            if job not in self._jobs:
                 return
+            self._jobs.remove(job)
         if error is not None:
             job.emit("error", error)
             return
         if self.on_finish is not None:
-            self.on_finish(job, job.request.output, job.cancelled.is_set())
+            self.on_finish(job, job.request.output, job.request.cancelled)
         job.emit("done", None)
 
     def _release_memory(self) -> None:
@@ -298,7 +292,7 @@ class Scheduler:
     def _end_all(self, error: BaseException) -> None:
         """End every job still queued or running with `error` (the server stops), freeing their caches."""
         with self._cond:
-            jobs = list(self._jobs.values())
+            jobs = list(self._jobs)
             self._incoming.clear()
         with self._engine_lock:
             for job in jobs:
@@ -311,7 +305,7 @@ class Scheduler:
         """Fail every job: no one else will run them."""
         with self._cond:
             self._failure = failure
-            jobs = list(self._jobs.values())
+            jobs = list(self._jobs)
             self._jobs.clear()
             self._incoming.clear()
         for job in jobs:

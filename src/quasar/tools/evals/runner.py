@@ -28,7 +28,8 @@ import torch
 from quasar.builder import Verifiers, build_engine, model_source
 from quasar.spec import NO_DRAFTER, EngineSpec, VerifierSpec, check_drafter
 from quasar.decoding.batch import Batch
-from quasar.decoding.engine import Engine, PromptTooLongError, Request
+from quasar.decoding.engine import Engine, PromptTooLongError
+from quasar.decoding.request import Request
 from quasar.tools.evals.task import ForwardTask, GenerativeTask, ItemResult, Task, TaskOptions, is_generative
 from quasar.progress import progress
 from quasar.registry import lookup
@@ -240,9 +241,8 @@ def generated(task: GenerativeTask, engine: Engine, items: list[Any], options: T
                 return
             for request in running.step():
                 i, item = flying.pop(request)
-                error = running.failures.pop(id(request), None)
-                if error is not None:
-                    raise error
+                if request.error is not None:
+                    raise request.error
                 finished[i] = task.judge(item, request.output.text, options)
             launch()
     finally:
