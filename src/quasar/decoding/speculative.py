@@ -47,10 +47,13 @@ class DraftLength:
     DECAY, PRIOR_HITS, PRIOR_TRIES = 0.9, 1.0, 4.0  # the acceptance counts behind `chances`
 
     def __init__(self, k: int | str, costs: CostModel | None = None, k_min: int = 1) -> None:
+        """costs None: the prior costs, never measured (a seeded sampled request's draft lengths, and so the random
+        numbers it draws, must not depend on how fast the machine ran)."""
         self.adaptive = k == AUTO
         self.k = self.K_START if self.adaptive else int(k)
         self.k_min = k_min
         self.costs = costs if costs is not None else CostModel()
+        self.measured = costs is not None
         # per draft position: tokens accepted / judged there (a position is judged once the ones before it
         # were accepted), recent steps weighing more, from a cautious prior (1 in 4): a batch spends rows on the
         # drafts most likely to be accepted, and a few lucky steps must not make a draft look certain
@@ -88,7 +91,8 @@ class DraftLength:
 
     def timed(self, rows: int, seconds: float) -> None:
         """A verify step of `rows` rows took `seconds` (the forward and what ran beside it in its batch)."""
-        self.costs.add(rows, seconds)
+        if self.measured:
+            self.costs.add(rows, seconds)
 
     def best(self) -> int:
         """The draft length (k_min to K_MAX) that promises the most tokens per second."""
@@ -173,7 +177,10 @@ class Speculative:
                processing: Processing | None = None) -> Steps:
         sampler = Sampler(params, model.plan, processing)
         guessing = drafter.free and params.greedy  # may stop drafting and still watch its guesses
-        length = DraftLength(self.k, self.costs, k_min=0 if guessing else 1)
+        # a seeded sampled request draws the same random numbers alone or in any batch only if its draft lengths
+        # follow its own tokens alone: it weighs rows by the prior costs, not by timings
+        costs = None if not params.greedy and params.seed is not None else self.costs
+        length = DraftLength(self.k, costs, k_min=0 if guessing else 1)
         grammar = grammar_of(processing)
         # A batch may score fewer draft tokens than proposed when it is full, unless that could change the
         # output: a seeded sampled request gives the same tokens as alone only with the same drafts.
