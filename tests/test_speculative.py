@@ -17,7 +17,7 @@ from quasar.model.config import ModelConfig
 from quasar.model.llama import Transformer
 from quasar.decoding.sampling import SamplingParams, logits_to_probs
 from quasar.decoding.autoregressive import autoregressive
-from quasar.decoding.costs import CostModel
+from quasar.decoding.costs import StepCosts
 from quasar.decoding.speculative import AUTO, DraftLength, Speculative
 from quasar.spec import parse_k
 from quasar.decoding.stats import GenerationStats
@@ -133,9 +133,9 @@ def test_draft_never_runs_past_the_cache():
     assert len(tokens) == 40 and cache.length <= cache.max_len
 
 
-def costs(a: float, b: float) -> CostModel:
-    """A cost model fitted on steps of a + b * rows seconds."""
-    model = CostModel()
+def costs(a: float, b: float) -> StepCosts:
+    """Step costs measured on steps of a + b * rows seconds."""
+    model = StepCosts()
     for rows in [1, 2, 4, 6, 8] * 4:
         model.add(rows, a + b * rows)
     return model
@@ -279,3 +279,19 @@ def test_a_seeded_sampled_request_drafts_alike_however_fast_rows_ran(one_thread)
         decoder.costs = costs(1.0, b)
         outputs.append(run(model, decoder, PROMPT, params, budget=30)[0])
     assert outputs[0] == outputs[1]
+
+
+def test_step_costs_keep_each_sizes_own_time():
+    """Kernels work in tiles of rows: 1 to 4 rows cost alike here, 5 to 8 twice that. A line through them would make
+    a 2-row step dearer than it is; each size's own mean does not, and sizes never timed follow the line."""
+    steps = StepCosts()
+    for _ in range(5):
+        for rows in (1, 2, 4, 6, 8):
+            steps.add(rows, 1.0 if rows <= 4 else 2.0)
+    assert steps.cost(2) == pytest.approx(1.0) and steps.cost(6) == pytest.approx(2.0)
+    a, b = steps.fit()
+    assert steps.cost(3) == pytest.approx(a + 3 * b)
+    alone = StepCosts()
+    alone.add(1, 0.03)  # no line yet: the prior's shape through the size seen
+    assert alone.cost(5) == pytest.approx(0.03 * (1 + 5 * StepCosts.PRIOR) / (1 + StepCosts.PRIOR))
+    assert StepCosts().cost(1) is None

@@ -37,3 +37,34 @@ class CostModel:
         is taken to cost PRIOR of the weights' read (about what it does on the default model)."""
         a, b = self.fit() or (1.0, self.PRIOR)
         return value * (a + b * rows) > b * tokens
+
+
+class StepCosts(CostModel):
+    """A CostModel that also keeps the recent mean time of each step size it has seen (decaying like the fit): CPU
+    kernels work in tiles of rows, so a verify step of 2 or 4 rows may cost what one of 1 does, which a line
+    through all sizes misses. `cost(rows)` is that size's own mean once it was timed MIN_SEEN times, else the line
+    (before the line exists, the prior line a + PRIOR * a * rows through the size seen most; None before any
+    step)."""
+
+    MIN_SEEN = 2.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[int, float] = {}  # rows -> decayed count of steps of that size
+        self.total: dict[int, float] = {}  # rows -> decayed sum of their seconds
+
+    def add(self, rows: int, seconds: float) -> None:
+        super().add(rows, seconds)
+        self.seen[rows] = self.DECAY * self.seen.get(rows, 0.0) + 1
+        self.total[rows] = self.DECAY * self.total.get(rows, 0.0) + seconds
+
+    def cost(self, rows: int) -> float | None:
+        if self.seen.get(rows, 0.0) >= self.MIN_SEEN:
+            return self.total[rows] / self.seen[rows]
+        line = self.fit()
+        if line is not None:
+            return line[0] + line[1] * rows
+        if not self.seen:
+            return None
+        known = max(self.seen, key=self.seen.__getitem__)
+        return self.total[known] / self.seen[known] * (1 + self.PRIOR * rows) / (1 + self.PRIOR * known)

@@ -17,7 +17,7 @@ from quasar.decoding.drafters.forced import forced_draft
 from quasar.decoding.grammar import GrammarMask
 from quasar.decoding.autoregressive import Steps, StopRule
 from quasar.decoding.confidence_guard import ConfidenceGuard
-from quasar.decoding.costs import CostModel
+from quasar.decoding.costs import StepCosts
 from quasar.model.kv_cache import KVCache
 from quasar.decoding.step import Step
 from quasar.model.llama import Transformer
@@ -46,13 +46,13 @@ class DraftLength:
     K_MAX, K_START = MAX_DRAFT, 4  # k + 1 rows per verify step
     DECAY, PRIOR_HITS, PRIOR_TRIES = 0.9, 1.0, 4.0  # the acceptance counts behind `chances`
 
-    def __init__(self, k: int | str, costs: CostModel | None = None, k_min: int = 1) -> None:
+    def __init__(self, k: int | str, costs: StepCosts | None = None, k_min: int = 1) -> None:
         """costs None: the prior costs, never measured (a seeded sampled request's draft lengths, and so the random
         numbers it draws, must not depend on how fast the machine ran)."""
         self.adaptive = k == AUTO
         self.k = self.K_START if self.adaptive else int(k)
         self.k_min = k_min
-        self.costs = costs if costs is not None else CostModel()
+        self.costs = costs if costs is not None else StepCosts()
         self.measured = costs is not None
         # per draft position: tokens accepted / judged there (a position is judged once the ones before it
         # were accepted), recent steps weighing more, from a cautious prior (1 in 4): a batch spends rows on the
@@ -96,14 +96,15 @@ class DraftLength:
 
     def best(self) -> int:
         """The draft length (k_min to K_MAX) that promises the most tokens per second."""
-        a, b = self.costs.fit() or (1.0, CostModel.PRIOR)
-        if a + b <= 0:  # no time measured at all
-            a, b = 1.0, CostModel.PRIOR
-        best, rate, expected = 0, 1.0 / (a + b), 1.0
+        def cost(rows: int) -> float:
+            seconds = self.costs.cost(rows) if self.measured else None
+            return 1.0 + StepCosts.PRIOR * rows if seconds is None or seconds <= 0 else seconds
+
+        best, rate, expected = 0, 1.0 / cost(1), 1.0
         for k, chance in enumerate(self.chances(self.K_MAX), 1):
             expected += chance
-            if expected / (a + b * (k + 1)) > rate:
-                best, rate = k, expected / (a + b * (k + 1))
+            if expected / cost(k + 1) > rate:
+                best, rate = k, expected / cost(k + 1)
         return max(self.k_min, best)
 
 
@@ -154,7 +155,7 @@ class Speculative:
 
     def __post_init__(self) -> None:
         self.idle: list[Drafter] = [self.drafter]  # drafters not serving a request now
-        self.costs = CostModel()  # what verify steps of each size cost: every request's draft length reads it
+        self.costs = StepCosts()  # what verify steps of each size cost: every request's draft length reads it
 
     def __call__(
         self,
