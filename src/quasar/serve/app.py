@@ -26,14 +26,8 @@ from quasar.decoding.outputs import RequestOutput
 from quasar.decoding.prompt import encode, renders_tools
 from quasar.serve.logprobs import TokenTexts
 from quasar.serve.metrics import Metrics
-from quasar.serve.protocol import (
-    BadRequest,
-    ChatRequest,
-    CompletionRequest,
-    budget,
-    error_body,
-    parse,
-)
+from quasar.serve.errors import BadRequest, error_body
+from quasar.serve.protocol import ChatRequest, CompletionRequest, budget, parse
 from quasar.serve.responses import Envelope, finish_reason, system_fingerprint
 from quasar.serve.scheduler import Job, QueueFullError, Scheduler, ShuttingDownError, WorkerStoppedError, merged
 from quasar.serve.tools import ToolPlan, ToolReply

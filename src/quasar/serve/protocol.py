@@ -1,6 +1,7 @@
-"""OpenAI request bodies -> (prompt ids, SamplingParams), and the error object (the responses: serve/responses.py).
+"""OpenAI request bodies -> (prompt ids, SamplingParams) (the chat's messages and tools: serve/messages.py; the
+responses: serve/responses.py).
 
-Validation lives here so that every bad input becomes a 400 with an OpenAI error object."""
+Validation lives here so that every bad input becomes a 400 with an OpenAI error object (serve/errors.py)."""
 
 from __future__ import annotations
 
@@ -12,21 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from quasar.decoding.engine import Engine, KVBudgetError, PromptTooLongError
 from quasar.decoding.grammar import Constraint, GrammarError
 from quasar.decoding.sampling import MAX_BIAS, MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParams
+from quasar.serve.errors import BadRequest
+from quasar.serve.messages import Message, NamedToolChoice, ToolDef
 from quasar.serve.tools import ToolPlan
-
-
-class BadRequest(ValueError):
-    """A request the server refuses: HTTP `status` with an OpenAI error object."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error",
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.param, self.status, self.kind, self.code, self.headers = param, status, kind, code, headers
-
-
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class StreamOptions(BaseModel):
@@ -210,90 +199,6 @@ class CompletionRequest(_Sampling):
     @property
     def top_logprob_count(self) -> int | None:
         return self.logprobs
-
-
-class CalledFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: CalledFunction
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None  # None: an assistant turn that only called tools
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-    name: str | None = None
-
-    def text(self) -> dict[str, Any]:
-        """The message as a chat template takes it: text content; a call's arguments as an object (Qwen's template
-        writes them with `tojson`)."""
-        message: dict[str, Any] = {"role": self.role, "content": self.content_text()}
-        if self.tool_calls:
-            message["tool_calls"] = [
-                {"id": call.id, "type": "function",
-                 "function": {"name": call.function.name, "arguments": arguments(call.function.arguments)}}
-                for call in self.tool_calls
-            ]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        if self.name is not None:
-            message["name"] = self.name
-        return message
-
-    def content_text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        if any(part.get("type") != "text" for part in self.content):
-            raise BadRequest("only text content parts are supported", param="messages")
-        return "".join(str(part.get("text", "")) for part in self.content)
-
-
-def arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        raise BadRequest(f"a tool call's arguments are not JSON: {text[:80]!r}", param="messages") from None
-
-
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ToolDef(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    type: Literal["function"]
-    function: FunctionName
 
 
 class ChatRequest(_Sampling):
