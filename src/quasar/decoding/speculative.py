@@ -52,8 +52,7 @@ class DraftLength:
         self.adaptive = k == AUTO
         self.k = self.K_START if self.adaptive else int(k)
         self.k_min = k_min
-        self.costs = costs if costs is not None else StepCosts()
-        self.measured = costs is not None
+        self.costs = costs
         # per draft position: tokens accepted / judged there (a position is judged once the ones before it
         # were accepted), recent steps weighing more, from a cautious prior (1 in 4): a batch spends rows on the
         # drafts most likely to be accepted, and a few lucky steps must not make a draft look certain
@@ -91,13 +90,13 @@ class DraftLength:
 
     def timed(self, rows: int, seconds: float) -> None:
         """A verify step of `rows` rows took `seconds` (the forward and what ran beside it in its batch)."""
-        if self.measured:
+        if self.costs is not None:
             self.costs.add(rows, seconds)
 
     def best(self) -> int:
         """The draft length (k_min to K_MAX) that promises the most tokens per second."""
         def cost(rows: int) -> float:
-            seconds = self.costs.cost(rows) if self.measured else None
+            seconds = self.costs.cost(rows) if self.costs is not None else None
             return 1.0 + StepCosts.PRIOR * rows if seconds is None or seconds <= 0 else seconds
 
         best, rate, expected = 0, 1.0 / cost(1), 1.0
