@@ -174,7 +174,11 @@ class Batch:
             try:
                 start = time.perf_counter()
                 logits = list(run_steps(model, steps))
-                self.cost.add(sum(len(step.tokens) for step in steps), time.perf_counter() - start)
+                rows, seconds = sum(len(step.tokens) for step in steps), time.perf_counter() - start
+                self.cost.add(rows, seconds)
+                for step in steps:
+                    if step.timed is not None:
+                        step.timed(rows, seconds)
                 return logits
             except Exception as e:  # noqa: BLE001 (whatever failed, retried one by one below)
                 if len(steps) == 1:

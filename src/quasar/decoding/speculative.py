@@ -89,7 +89,8 @@ class DraftLength:
             self.tries[position] = self.DECAY * self.tries[position] + 1
 
     def timed(self, rows: int, seconds: float) -> None:
-        """A verify step of `rows` rows took `seconds` (the forward and what ran beside it in its batch)."""
+        """A forward of `rows` rows in all (this step's and, in a batch, the others') took `seconds`: the costs are
+        those of forwards by their size, not of this request's share of a busy batch."""
         if self.costs is not None:
             self.costs.add(rows, seconds)
 
@@ -129,8 +130,8 @@ def verify_step(propose: Callable[[int], Draft], k: int, feed: list[int], cache:
     start = time.perf_counter()
     draft = propose(k)
     verifying = time.perf_counter()
-    logits = yield Step([*feed, *draft.tokens], cache, cut=cut, chances=length.chances(len(draft), draft.forced))
-    length.timed(len(logits), time.perf_counter() - verifying)
+    logits = yield Step([*feed, *draft.tokens], cache, cut=cut, chances=length.chances(len(draft), draft.forced),
+                        timed=length.timed)
     logits = logits[len(feed) - 1 :]  # [scored, V] over [last, *draft]
     if len(logits) <= len(draft):
         draft = replace(draft, tokens=draft.tokens[: len(logits) - 1])  # a busy batch scored a prefix

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -14,13 +14,15 @@ from quasar.model.llama import Transformer
 class Step(NamedTuple):
     """One sequence's next forward: `tokens` appended to its `cache`; logits of every token, or of the last.
     `cut`: a busy batch may run only a prefix of the tokens (at least one) and return that prefix's logits;
-    `chances`: for each token after the first, the chance that its row is of use (a draft token's acceptance)."""
+    `chances`: for each token after the first, the chance that its row is of use (a draft token's acceptance);
+    `timed(rows, seconds)`: told what the forward that ran it cost, all of its rows (every step's in a batch)."""
 
     tokens: list[int]
     cache: KVCache
     last_only: bool = False
     cut: bool = False
     chances: tuple[float, ...] = ()
+    timed: Callable[[int, float], None] | None = None
 
 
 def run_steps(model: Transformer, steps: Sequence[Step]) -> list[torch.Tensor]:
