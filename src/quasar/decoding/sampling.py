@@ -324,6 +324,10 @@ class TargetRows:
         weights, total = self.row(i)
         residual = self.residual.copy_(weights)
         remove(residual, total)
+        return self.sample_left(i, residual, generator)
+
+    def sample_left(self, i: int, residual: torch.Tensor, generator: torch.Generator) -> int:
+        """A token from residual [V] (row i's weights less the drafts'); from row i itself where nothing is left."""
         token = draw(residual, generator, self.scratch, self.kernel)
         return self.sample(i, generator) if token is None else token
 
