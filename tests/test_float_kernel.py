@@ -1,6 +1,6 @@
-"""quasar's float-activation kernels (csrc/float_dot.cpp): float32 x times float32, bf16 or int8 weights, and
+"""quasar's float-activation kernels (csrc/float/float_dot.cpp): float32 x times float32, bf16 or int8 weights, and
 bf16 x bf16 as vdpbf16ps sums. Every path this CPU runs gives the same floats (but the amx path's bf16 x bf16,
-which sums as AMX's tdpbf16ps: csrc/float_amx.cpp), every row is independent of the other rows, and the fp32
+which sums as AMX's tdpbf16ps: csrc/float/float_amx.cpp), every row is independent of the other rows, and the fp32
 and bf16 verifiers run on them."""
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def test_bf16_linear_in_two_steps_is_bf16_linear(kernel, M, K, N):
 
 
 def test_a_dead_large_result_serves_the_next_one_and_live_ones_never_share(kernel):
-    """Results of 1 MB and more come from blocks the kernels keep (csrc/result_pool.cpp): a freed one is reused by the
+    """Results of 1 MB and more come from blocks the kernels keep (csrc/base/result_pool.cpp): a freed one is reused by the
     next result of its size, fully rewritten, while results that are alive keep blocks of their own."""
     torch.manual_seed(0)
     x, w = torch.randn(64, 256), torch.randn(4096, 256).to(torch.bfloat16)  # a 1 MB result

@@ -66,7 +66,7 @@ def test_fused_layer_equals_the_unfused_kernels(kind, model_dir):
 @pytest.mark.parametrize("kind", ["w8a8-g32", "w8a8-g32-head", "w8a8", "w8a16", "bf16", "fp32"])
 def test_small_steps_of_packed_w8a8_run_in_one_region(kind, model_dir):
     """A model whose linears are all packed W8A8 (group-wise, the default verifier's scheme) runs steps of up to 32
-    rows (decode, verify, a few sequences) with every layer in one parallel region (csrc/packed_w8a8_step.cpp), and
+    rows (decode, verify, a few sequences) with every layer in one parallel region (csrc/layers/packed_w8a8_step.cpp), and
     the lm_head there too when it is packed W8A8: the bitwise comparisons here cover that path (the prefill of 20
     rows too). Longer prefills and the other kinds (per-channel W8A8 included) keep one parallel region per kernel."""
     fused = make(kind, "", model_dir).model.layers.fused
@@ -170,7 +170,7 @@ def attention_inputs(D: int, H: int, H_kv: int, T: int, start: int):
 
 @pytest.mark.parametrize("D,H,H_kv", [(64, 9, 3), (128, 12, 2)])
 def test_bf16_attention_on_amx_is_row_by_row_and_close_to_float32(D, H, H_kv):
-    """The bf16 verifier's attention on AMX tiles (csrc/attention_amx.cpp): a row gets the same floats alone, in a
+    """The bf16 verifier's attention on AMX tiles (csrc/attention/attention_amx.cpp): a row gets the same floats alone, in a
     verify block and in any piece of a prefill (rows over 0 .. 100 keys, 70 rows: tiles of 16 and 32 rows, whole and
     not), and stays close to the float32 attention (bf16 q, k, v and weights: about 5e-3 relative)."""
     kernel = native.kernel()

@@ -153,7 +153,7 @@ def test_weights_are_packed_once_at_load():
 
 
 def panel_sums(q, x_scale, w, w_scale) -> torch.Tensor:
-    """The panels' arithmetic (csrc/int8_panel.cpp), emulated: each channel takes, group by group in order,
+    """The panels' arithmetic (csrc/int8/int8_panel_avx512.cpp), emulated: each channel takes, group by group in order,
     acc = fma(float32(exact group dot), float32(w_scale * x_scale), acc) in float32. float64 holds the product
     exactly, so rounding its sum with acc once to float32 is the fused multiply-add (double rounding aside,
     which needs a tie 2^-29 apart: not in these random values)."""

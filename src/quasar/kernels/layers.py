@@ -21,7 +21,7 @@ NONE = torch.empty(0)
 
 
 class LinearKind(IntEnum):
-    """How a linear runs in the fused kernels: the C++ enum LinearKind (csrc/linear_kind.h), whose names and values
+    """How a linear runs in the fused kernels: the C++ enum LinearKind (csrc/base/linear_kind.h), whose names and values
     check_linear_kinds compares with these when a process first takes the kernels."""
 
     W8A8 = 0  # int8 weight, per-token int8 activations (w8a8_linear)
@@ -149,7 +149,7 @@ class KernelAttention(KernelModule, Attention):
 
 
 class FusedLayers(Layers):
-    """All decoder layers as one kernel object (csrc/decoder_layer.cpp), built once from the layers' tensors;
+    """All decoder layers as one kernel object (csrc/layers/decoder_layer.cpp), built once from the layers' tensors;
     every step (batch 1) makes one call for the whole stack, and so does a step over several sequences. Built
     with the model's final norm and lm_head (`tail`), the same call also returns the logits (`logits`): after a
     forward has streamed the weights through the caches each Python-level operation costs tens of microseconds,

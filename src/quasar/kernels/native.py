@@ -37,9 +37,12 @@ from quasar.progress import polled
 
 log = logging.getLogger("quasar")
 CSRC = Path(__file__).parent / "csrc"
-# The binding file first: it alone includes torch's extension headers (most of the build's time), so ninja starts
-# it while the other core works through the kernel files.
-SOURCES = sorted(CSRC.glob("*.cpp"), key=lambda p: (p.name != "bindings.cpp", p.name))
+# One folder an operation (csrc/blocks, csrc/int8, ...), one file an instruction set where an operation has several;
+# every folder is on the include path, so a file includes its neighbours' headers by name alone. The binding file
+# first: it alone includes torch's extension headers (most of the build's time), so ninja starts it while the other
+# core works through the kernel files.
+SOURCES = sorted(CSRC.rglob("*.cpp"), key=lambda p: (p.name != "bindings.cpp", p.name))
+INCLUDES = sorted({p.parent for p in CSRC.rglob("*.h")})
 # No FMA contraction: the rescale must round exactly like the torch reference (a * x_scale * w_scale).
 # OpenMP: at::parallel_for in an extension runs serially unless the extension itself is built with it.
 # F16C: the W4A8 kernels widen their float16 block scales (every AVX2 CPU has it).
@@ -96,7 +99,7 @@ def build_dir(sources: list[Path] | None = None) -> Path:
     sources' paths count too: torch's build file names them, and two checkouts of the same sources sharing one
     directory would each find it stale and rebuild it whole, in turn."""
     sources = SOURCES if sources is None else sources
-    headers = sorted(p for d in {s.parent for s in sources} for p in d.glob("*.h"))
+    headers = sorted(p for d in INCLUDES for p in d.glob("*.h"))
     inputs = b"".join(p.read_bytes() for p in sorted(sources) + headers)
     inputs += "\0".join(str(p.resolve()) for p in sorted(sources)).encode()
     inputs += " ".join(CFLAGS + LDFLAGS + [torch.__version__]).encode()
@@ -131,6 +134,7 @@ def build(directory: Path, sources: list[Path] = SOURCES) -> Any:
                 name=f"quasar_{directory.name.replace('-', '_')}",
                 sources=[str(p) for p in sources],
                 build_directory=str(directory),
+                extra_include_paths=[str(p) for p in INCLUDES],
                 extra_cflags=list(CFLAGS),  # copies: torch appends its libraries to the list it is given, which
                 extra_ldflags=list(LDFLAGS),  # changed build_dir()'s digest for the rest of the process
                 verbose=False,

@@ -19,7 +19,7 @@ from quasar.quant.w4a8 import GROUP, W4A8Linear, W6A8Linear
 
 def pack_int8_panels(weight: torch.Tensor, scale: torch.Tensor, unsigned: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] int8, scale [N, K/G] -> (w [N/16, K/4, 16, 4], scale [N/16, K/G, 16]): 16 channels x 4 inputs per
-    64 bytes (csrc/int8_panel.cpp), as unsigned bytes w + 128 (the dpbusd path: w's bits with the sign bit
+    64 bytes (csrc/int8/int8_panel_avx512.cpp), as unsigned bytes w + 128 (the dpbusd path: w's bits with the sign bit
     flipped) or as the signed bytes w (maddubs, AVX2)."""
     N, K = weight.shape
     values = weight.view(torch.uint8) ^ 0x80 if unsigned else weight
@@ -30,7 +30,7 @@ def pack_int8_panels(weight: torch.Tensor, scale: torch.Tensor, unsigned: bool =
 class KernelInt8Linear(KernelModule, Int8Linear):
     """Int8Linear on quasar's CPU kernel: quantization, exact int32 dot products, rescale and bias in one call.
     A group-wise layer's weights are packed 16 channels x 4 inputs per 64 bytes at load ([N/16, K/4, 16, 4],
-    scales [N/16, K/G, 16]; csrc/int8_panel.cpp): unsigned bytes w + 128 on the dpbusd path, signed bytes on
+    scales [N/16, K/G, 16]; csrc/int8/int8_panel_avx512.cpp): unsigned bytes w + 128 on the dpbusd path, signed bytes on
     maddubs; beside the plain ones, which checkpoints and exports keep using; a loaded verifier keeps the packed
     copy alone."""
 
@@ -88,7 +88,7 @@ class KernelInt8Linear(KernelModule, Int8Linear):
 
 
 def nibble_panels(q: torch.Tensor) -> torch.Tensor:
-    """The low 4 bits of quants q [N, K] as csrc/w4a8_panel.cpp and w6a8_panel.cpp read them: [N/16, K/32, 256] uint8,
+    """The low 4 bits of quants q [N, K] as csrc/blocks/w4a8_layout.h and w6a8_layout.h lay them out: [N/16, K/32, 256] uint8,
     per group 4 chunks of 8 inputs, each 16 channels x 4 bytes, byte j of a channel holding inputs 8t + j (low nibble)
     and 8t + 4 + j (high nibble)."""
     N, K = q.shape
@@ -123,7 +123,7 @@ def packed_by_channels(pack: Callable[[slice], tuple[torch.Tensor, torch.Tensor]
 
 
 def pack_w4_panels(layer: W4A8Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """A W4A8Linear's blocks as csrc/w4a8_panel.cpp reads them: (panels [N/16, K/32, 256] uint8 (nibble_panels; [..,
+    """A W4A8Linear's blocks as csrc/blocks/w4a8_layout.h reads them: (panels [N/16, K/32, 256] uint8 (nibble_panels; [..,
     320] for 5-bit quants, whose 16 channels x 4 more bytes hold the fifth bit of input 8t + 4h + j of a channel in
     bit 2t + h of its byte j), block scales [N/16, K/B, 64 + B] uint8: d[16] and dmin[16] as float16, then sc[16] and
     m[16] for each group of the block; [N/16, K/32, 64], d and dmin alone, where B is 32 and every sc and m is 1, as in
@@ -150,7 +150,7 @@ def pack_w4_panels(layer: W4A8Linear) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pack_w6_panels(layer: W6A8Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """A W6A8Linear's Q6_K blocks as csrc/w6a8_panel.cpp reads them: (panels [N/16, K/32, 384] uint8: per group the
+    """A W6A8Linear's Q6_K blocks as csrc/blocks/w6a8_layout.h reads them: (panels [N/16, K/32, 384] uint8: per group the
     quants' low 4 bits (nibble_panels), then two 64-byte vectors of their high 2 bits, one per sub-block u of 16
     inputs, byte j of a channel holding those of inputs 16u + j, 16u + 4 + j, 16u + 8 + j and 16u + 12 + j (bits 0-1,
     2-3, 4-5, 6-7); block scales [N/16, K/256, 288] uint8: d[16] as float16, then sc[16] for each of its 16
@@ -171,7 +171,7 @@ def pack_w6_panels(layer: W6A8Linear) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class KernelBlocks(KernelModule):
-    """What the kernel forms of GGUF-block linears share (csrc/block_linear.cpp): the blocks packed once at load in
+    """What the kernel forms of GGUF-block linears share (csrc/blocks/block_linear.cpp): the blocks packed once at load in
     panels of 16 channels by PACK, run on the int8 path's instruction set (vpdpbusd on AVX-512 VNNI, maddubs on AVX2)
     with the same floats on each; a loaded verifier keeps the packed copy alone."""
 
@@ -217,13 +217,13 @@ class KernelBlocks(KernelModule):
 
 
 class KernelW4A8Linear(KernelBlocks, W4A8Linear):
-    """W4A8Linear on quasar's CPU kernel (csrc/w4a8_panel.cpp)."""
+    """W4A8Linear on quasar's CPU kernel (csrc/blocks/w4a8_layout.h)."""
 
     KIND, PACK, PLAIN = LinearKind.W4A8, staticmethod(pack_w4_panels), ("qweight", "qhigh", "d", "dmin", "sc", "m")
 
 
 class KernelW6A8Linear(KernelBlocks, W6A8Linear):
-    """W6A8Linear on quasar's CPU kernel (csrc/w6a8_panel.cpp)."""
+    """W6A8Linear on quasar's CPU kernel (csrc/blocks/w6a8_layout.h)."""
 
     KIND, PACK, PLAIN = LinearKind.W6A8, staticmethod(pack_w6_panels), ("qweight", "d", "sc")
 
@@ -294,6 +294,6 @@ class KernelBF16Linear(KernelModule, BF16Linear):
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """w [N, K] -> [N/16, K/2, 16, 2]: 16 channels side by side, each with its pair of inputs (csrc/float_dot.cpp)."""
+    """w [N, K] -> [N/16, K/2, 16, 2]: 16 channels side by side, each with its pair of inputs (csrc/float/float_dot.cpp)."""
     N, K = weight.shape
     return weight.view(N // 16, 16, K // 2, 2).transpose(1, 2).contiguous()

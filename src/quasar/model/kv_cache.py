@@ -29,7 +29,7 @@ def blank(*shape: int, dtype: torch.dtype, device: torch.device | str) -> torch.
 
 def window_reach(window: int) -> int:
     """How many positions before a step's first one a sliding-window layer reads: its first row's window (window - 1),
-    from the start of that key's block of 32 (csrc/attention.cpp: up to 31 more)."""
+    from the start of that key's block of 32 (csrc/attention/attention.cpp: up to 31 more)."""
     return window - 1 + 31
 
 
@@ -49,7 +49,7 @@ class KVCache:
     (`update` zeroes them first).
 
     With `ring` (R > 0; the fused kernels only), the sliding-window layers keep their keys in rings `ring_k`,
-    `ring_v` [L_sliding, B, H_kv, 2 R, D] (position p in slots p % R and p % R + R, csrc/attention.cpp) and `k`, `v`
+    `ring_v` [L_sliding, B, H_kv, 2 R, D] (position p in slots p % R and p % R + R, csrc/attention/attention.cpp) and `k`, `v`
     hold the other layers only: a long context costs those layers nothing past the window. Steps then take at most
     `max_rows` tokens, and a trim may go back at most as far as the rings still hold the window (`keeps`).
     """

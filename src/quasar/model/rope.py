@@ -1,6 +1,6 @@
 """Rotary position embeddings (RoPE): the inverse frequencies of a config (llama3-style or linear `rope_scaling`
 applied), cos and sin of positions, and the rotation (rotate-half, as Hugging Face). quasar.model.llama.Transformer
-keeps tables of them per frequency set; the kernels rotate with those tables' rows (csrc/attention.cpp).
+keeps tables of them per frequency set; the kernels rotate with those tables' rows (csrc/attention/attention.cpp).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Two kinds, fixed when the layer is made:
 - float32 inputs (the bf16 lm_head of `w8a8:lmbf16` checkpoints): each weight is widened to float32 in registers, exactly
-  (csrc/float_dot.cpp: `fp32_linear` on panels of 16 channels, `float_act_linear` where N is not a multiple of 16);
+  (csrc/float/float_dot.cpp: `fp32_linear` on panels of 16 channels, `float_act_linear` where N is not a multiple of 16);
 - bfloat16 inputs (`bf16_inputs`, every linear of the bf16 verifier, as llama.cpp runs a BF16 model): the
   input rows are rounded to bfloat16 and multiplied with AVX512-BF16's vdpbf16ps where the CPU has it, the
   same two FMAs per pair elsewhere (`bf16_linear`): the same floats on every x86 host.

@@ -1,5 +1,5 @@
 // Loop helpers shared by the linear kernels (w8a8_linear.cpp, norm_quant.cpp, int8_dot.cpp, float_dot.cpp,
-// int8_panel.cpp).
+// int8_panel_avx2.cpp, int8_panel_avx512.cpp).
 #pragma once
 #include "runtime.h"
 #include <immintrin.h>
@@ -11,7 +11,7 @@
 // read bandwidth, so each loop also asks for the bytes this far ahead.
 constexpr int64_t kPrefetch = 1024;
 
-// Where the int8 panel loops (int8_panel.cpp, both paths) and dpbusd_block.h prefetch their weights: into L1
+// Where the int8 panel loops (int8_panel_avx2.cpp, int8_panel_avx512.cpp) and dpbusd_block.h prefetch their weights: into L1
 // kPrefetch bytes ahead (tuned on Intel Xeons), or into L2 kPrefetchL2 bytes ahead. On AMD EPYC the L2 policy
 // streams faster (T0 prefetches hold the few L1 miss buffers that the loads need), except one row on the maddubs
 // panels, where L1 does; docs/kernels.md has the figures. prefetch_policy(rows, maddubs) (cpu.cpp) picks

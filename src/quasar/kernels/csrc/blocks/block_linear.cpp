@@ -1,9 +1,35 @@
 // The linears of GGUF's quantized blocks (W4A8: Q4_0, Q4_1, Q4_K, Q5_K; W6A8: Q6_K): dynamic int8 activations, one scale
 // per 32 inputs (quantized by norm_quant.cpp as the group-wise W8A8 linears quantize theirs), their sums per 32 and
-// per 16 inputs, then the panel kernels (w4a8_panel.cpp, w6a8_panel.cpp) over every output panel of every weight in
+// per 16 inputs, then the panel kernels (w4a8_layout.h, w6a8_layout.h) over every output panel of every weight in
 // one parallel region, and the bias. A weight's panels say its format: [N/16, K/32, 256] 4-bit, [.., 320] 5-bit,
 // [.., 384] Q6_K.
 #include "kernel_ops.h"
+#include "w4a8_layout.h"
+#include "w6a8_layout.h"
+
+void group_sums(const int8_t* x, int64_t M, int64_t K, int64_t G, int32_t* xsum) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < K / G; ++g) {
+      int32_t sum = 0;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) sum += x[m * K + k];
+      xsum[m * (K / G) + g] = sum;
+    }
+}
+
+void w4a8_panels(Int8Path path, const BlockCall& call, int64_t p0, int64_t p1) {
+  if (path == Int8Path::Dpbusd) w4a8_dpbusd_panels(false, call, p0, p1);
+  else w4a8_maddubs_panels(false, call, p0, p1);
+}
+
+void w5a8_panels(Int8Path path, const BlockCall& call, int64_t p0, int64_t p1) {
+  if (path == Int8Path::Dpbusd) w4a8_dpbusd_panels(true, call, p0, p1);
+  else w4a8_maddubs_panels(true, call, p0, p1);
+}
+
+void w6a8_panels(Int8Path path, const BlockCall& call, int64_t p0, int64_t p1) {
+  if (path == Int8Path::Dpbusd) w6a8_dpbusd_panels(call, p0, p1);
+  else w6a8_maddubs_panels(call, p0, p1);
+}
 
 void quantize_block_input(const float* x, int64_t M, int64_t K, int8_t* q, float* x_scale, int32_t* xsum,
                           int32_t* xsum16) {

@@ -1,4 +1,4 @@
-// The panel kernels of GGUF's quantized blocks (w4a8_panel.cpp: Q4_0, Q4_1, Q4_K, Q5_K; w6a8_panel.cpp: Q6_K), as
+// The panel kernels of GGUF's quantized blocks (w4a8_layout.h: Q4_0, Q4_1, Q4_K, Q5_K; w6a8_layout.h: Q6_K), as
 // block_linear.cpp sees them: plain pointers and sizes, no torch types.
 #pragma once
 #include "cpu.h"
@@ -33,8 +33,8 @@ struct BlockCall {
 // xsum [M, K/G] = the sum of x [M, K] over each group of G inputs.
 void group_sums(const int8_t* x, int64_t M, int64_t K, int64_t G, int32_t* xsum);
 // Panels [p0, p1) of the call (channels 16 p0 .. 16 p1) on `path`: dpbusd on AVX-512 VNNI, the AVX2 maddubs loop on the
-// others (the same floats on both). 4-bit and 5-bit blocks with scales and mins (w4a8_panel.cpp) and Q6_K's 6-bit ones
-// (w6a8_panel.cpp).
+// others (the same floats on both). 4-bit and 5-bit blocks with scales and mins (w4a8_layout.h) and Q6_K's 6-bit ones
+// (w6a8_layout.h); block_linear.cpp dispatches by path.
 void w4a8_panels(Int8Path path, const BlockCall& call, int64_t p0, int64_t p1);
 void w5a8_panels(Int8Path path, const BlockCall& call, int64_t p0, int64_t p1);
 void w6a8_panels(Int8Path path, const BlockCall& call, int64_t p0, int64_t p1);

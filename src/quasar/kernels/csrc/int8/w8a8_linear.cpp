@@ -1,6 +1,6 @@
 // The W8A8 linears' front end: dynamic per-token int8 activations (quantized by norm_quant.cpp), int8 per-channel
 // or group-wise weights, plain or packed in panels, summed by the int8 kernels of the int8 path this CPU runs
-// (int8_dot.cpp, int8_group.cpp, int8_panel.cpp), then rescaled (float-activation linears are in float_dot.cpp).
+// (int8_dot.cpp, int8_group.cpp, int8_panel_avx2.cpp and int8_panel_avx512.cpp), then rescaled (float-activation linears are in float_dot.cpp).
 //
 //   y[m, n] = (sum_k q(x)[m, k] * w[n, k]) * x_scale[m] * w_scale[n] + bias[n]
 //   x_scale[m] = max_k |x[m, k]| / 127 (1 for an all-zero row), q(x) = clamp(round_half_even(x / x_scale))

@@ -22,7 +22,7 @@
 #include <atomic>
 #include <optional>
 
-// One packed W8A8 linear (int8_panel.cpp): w [N/16, K/4, 16, 4] int8 (maddubs) or uint8 w + 128 (dpbusd),
+// One packed W8A8 linear (int8_panel_avx512.cpp): w [N/16, K/4, 16, 4] int8 (maddubs) or uint8 w + 128 (dpbusd),
 // w_scale [N/16, K/G, 16], bias [N] or none.
 struct PackedLinear {
   const void* w;

@@ -28,7 +28,7 @@ void norm_row(const float* x, const float* weight, int64_t K, double eps, float*
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* q, float* scale);
 
 // ---- W8A8 linears (w8a8_linear.cpp) --------------------------------------------------------------------------------
-// How an int8 weight is laid out (int8_panel.cpp): plain [N, K] int8, or packed in panels of 16 channels x 4 inputs,
+// How an int8 weight is laid out (int8_panel_avx512.cpp): plain [N, K] int8, or packed in panels of 16 channels x 4 inputs,
 // [N/16][K/4][16][4] with w_scale [N/16][K/G][16], as unsigned bytes w + 128 (the dpbusd path) or as signed bytes w
 // (maddubs).
 enum class Int8Panels { None, Unsigned, Signed };

@@ -14,12 +14,12 @@ void int8_dot(Int8Path path, const int8_t* q, const uint8_t* u, const int8_t* w,
               int64_t K, int64_t n0, int64_t n1);
 // out [M, N] float32, channels [n0, n1) = sum over groups g of G inputs of x_scale [M, K/G] * w_scale [N, K/G]
 // times the exact int32 dot of the group (int8_group.cpp); G a multiple of 32 dividing K, |q| <= 127.
-// The same on AVX-512 VNNI with weights packed in panels of 16 channels (int8_panel.cpp): wp [N/16][K/4][16][4]
+// The same on AVX-512 VNNI with weights packed in panels of 16 channels (int8_panel_avx512.cpp): wp [N/16][K/4][16][4]
 // uint8 = w + 128, wsp [N/16][K/G][16], start [M, K/G] = group_starts(q); the panels that start in [n0, n1).
 void int8_panel_dot(const int8_t* q, const int32_t* start, const float* x_scale, const uint8_t* wp, const float* wsp,
                     float* out, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1);
-// The same panels on AVX2 with the weights as signed bytes: wp [N/16][K/4][16][4] int8 = w, |q| <= 127; the same
-// floats as int8_panel_dot (int8_panel.cpp).
+// The same panels on AVX2 with the weights as signed bytes (int8_panel_avx2.cpp): wp [N/16][K/4][16][4] int8 = w,
+// |q| <= 127; the same floats as int8_panel_dot.
 void int8_panel_dot_maddubs(const int8_t* q, const float* x_scale, const int8_t* wp, const float* wsp, float* out,
                             int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1);
 // The panels of a packed W8A8 linear that start in [n0, n1) into out [M, N]: int8_panel_dot for uint8 w + 128
