@@ -224,7 +224,7 @@ def test_the_server_encodes_control_token_text_in_messages_as_text(tiny_model):
 def test_the_server_budgets_a_request_as_the_engine_does(tiny_model):
     """Engine.budget is the one place a request's token budget and cache size come from: the server's default answer
     length under a KV budget is its `new_tokens` (a cache that fills the budget to the last position), and its 400s
-    for a prompt that leaves no room say the same numbers."""
+    for a prompt that leaves no room, or a `max_tokens` whose cache the budget cannot hold, say the same numbers."""
     engine = Engine(tiny_model)
     app = create_app(engine, "tiny", kv_budget=256)
     common = {"model": "tiny", "temperature": 0, "ignore_eos": True}
@@ -232,20 +232,26 @@ def test_the_server_budgets_a_request_as_the_engine_does(tiny_model):
     try:
         answers = run(("POST", "/v1/completions", {"prompt": fits, **common}),
                       ("POST", "/v1/completions", {"prompt": full, **common}),
-                      ("POST", "/v1/completions", {"prompt": full, "max_tokens": 300, **common}), app=app)
+                      ("POST", "/v1/completions", {"prompt": full, "max_tokens": 300, **common}),
+                      ("POST", "/v1/completions", {"prompt": fits, "max_tokens": 100, **common}), app=app)
     finally:
         app.state.scheduler.stop()
     allowed = engine.budget(len(fits), None, 256)
     assert allowed.new_tokens == 256 - engine.cache_slack - len(fits) and allowed.cache_len == 256
     assert answers[0][0] == 200 and json.loads(answers[0][1])["usage"]["completion_tokens"] == allowed.new_tokens
-    (kv, kv_body), (context, context_body) = answers[1:]
-    assert kv == context == 400
+    (kv, kv_body), (context, context_body), (cache, cache_body) = answers[1:]
+    assert kv == context == cache == 400
     kv_error, context_error = json.loads(kv_body)["error"], json.loads(context_body)["error"]
     assert kv_error["message"] == "the prompt's 240 tokens leave no room in the server's KV budget of 256 positions"
     assert (kv_error["param"], kv_error["code"]) == ("messages", "context_length_exceeded")
     assert context_error["message"] == ("this model's maximum context length is 512 tokens; the request needs 540 "
                                         "(240 in the prompt, 300 to generate)")
     assert (context_error["param"], context_error["code"]) == ("max_tokens", "context_length_exceeded")
+    cache_error = json.loads(cache_body)["error"]  # within the context window, but not within the KV budget
+    needed = engine.budget(len(fits), 100).cache_len
+    assert needed > 256 and cache_error["message"] == (f"max_tokens 100 with the prompt's 200 tokens needs a KV cache "
+                                                       f"of {needed} positions; the server's KV budget is 256")
+    assert (cache_error["param"], cache_error["code"]) == ("max_tokens", "context_length_exceeded")
 
 
 def test_every_response_and_chunk_carries_one_system_fingerprint(tiny_model):

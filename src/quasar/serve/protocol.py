@@ -298,9 +298,15 @@ def valid_text(value: Any) -> bool:
 def budget(requested: int | None, prompt_tokens: int, engine: Engine) -> int:
     """The tokens a request may generate, as the engine budgets them (Engine.budget): without `max_tokens`, what the
     context window holds, and no more than its KV cache fits in the server's KV budget; `max_tokens` beyond the
-    context window is refused."""
+    context window, or whose cache the KV budget cannot hold, is refused."""
+    kv_budget = engine.caches.budget
     try:
-        allowed = engine.budget(prompt_tokens, requested, engine.caches.budget)
+        allowed = engine.budget(prompt_tokens, requested, kv_budget)
+        over_budget = kv_budget is not None and allowed.cache_len > kv_budget
+        if requested is not None and requested <= allowed.room and over_budget:
+            raise BadRequest(f"max_tokens {requested} with the prompt's {prompt_tokens} tokens needs a KV cache of "
+                             f"{allowed.cache_len} positions; the server's KV budget is {kv_budget}",
+                             param="max_tokens", code="context_length_exceeded")
         if requested is None or requested <= allowed.room:
             return allowed.new_tokens
     except KVBudgetError:
