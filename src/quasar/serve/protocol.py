@@ -302,16 +302,15 @@ def budget(requested: int | None, prompt_tokens: int, engine: Engine) -> int:
     kv_budget = engine.caches.budget
     try:
         allowed = engine.budget(prompt_tokens, requested, kv_budget)
-        over_budget = kv_budget is not None and allowed.cache_len > kv_budget
-        if requested is not None and requested <= allowed.room and over_budget:
-            raise BadRequest(f"max_tokens {requested} with the prompt's {prompt_tokens} tokens needs a KV cache of "
-                             f"{allowed.cache_len} positions; the server's KV budget is {kv_budget}",
-                             param="max_tokens", code="context_length_exceeded")
         if requested is None or requested <= allowed.room:
+            if kv_budget is not None and allowed.cache_len > kv_budget:  # an explicit max_tokens: None is fitted
+                raise BadRequest(f"max_tokens {requested} with the prompt's {prompt_tokens} tokens needs a KV cache "
+                                 f"of {allowed.cache_len} positions; the server's KV budget is {kv_budget}",
+                                 param="max_tokens", code="context_length_exceeded")
             return allowed.new_tokens
     except KVBudgetError:
         raise BadRequest(f"the prompt's {prompt_tokens} tokens leave no room in the server's KV budget of "
-                         f"{engine.caches.budget} positions", param="messages",
+                         f"{kv_budget} positions", param="messages",
                          code="context_length_exceeded") from None
     except PromptTooLongError:
         pass

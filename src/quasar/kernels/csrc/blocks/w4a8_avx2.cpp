@@ -11,7 +11,6 @@ namespace {
 
 using namespace w4a8;
 
-
 // Bit `bit` of each byte of v at bit 4 (16-bit shifts: the other bits are garbage, masked by the caller).
 inline __m256i to_bit4(__m256i v, int bit) {
   if (bit < 4) return _mm256_slli_epi16(v, 4 - bit);
@@ -57,8 +56,12 @@ void maddubs_tile(const BlockCall& call, int64_t m0, int64_t p0, int64_t k0, int
           const int8_t* xr = x + (m0 + r) * K + g * kGroup + 8 * t;
           const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_inputs(xr))),
                                                  _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_inputs(xr + 4))));
-          if constexpr (Five) acc[r] = t ? _mm256_add_epi32(acc[r], _mm256_madd_epi16(pairs, ones)) : _mm256_madd_epi16(pairs, ones);
-          else acc[r] = t ? _mm256_add_epi16(acc[r], pairs) : pairs;
+          if constexpr (Five) {
+            const __m256i sums = _mm256_madd_epi16(pairs, ones);
+            acc[r] = t ? _mm256_add_epi32(acc[r], sums) : sums;
+          } else {
+            acc[r] = t ? _mm256_add_epi16(acc[r], pairs) : pairs;
+          }
           __asm__("" : "+x"(acc[r]));
         }
       }
@@ -83,7 +86,6 @@ void maddubs_tile(const BlockCall& call, int64_t m0, int64_t p0, int64_t k0, int
     }
   }
 }
-
 
 }  // namespace
 

@@ -9,7 +9,6 @@
 
 using namespace w4a8;
 
-
 QUASAR_TARGET_PUSH(QUASAR_AVX512_VNNI)
 namespace {
 

@@ -19,7 +19,6 @@
 //   sp [N/16][K/B][64 + B] uint8:    per block, d[16] and dmin[16] as float16, then per group sc[16] and m[16];
 //                                    [N/16][K/32][64] (unit) where B = 32 and every sc and m is 1: d and dmin alone
 //
-//
 // The instruction sets' loops: w4a8_avx2.cpp (maddubs) and w4a8_avx512.cpp (dpbusd); block_linear.cpp picks one.
 #pragma once
 #include "block_panels.h"

@@ -9,7 +9,6 @@ namespace {
 
 using namespace w6a8;
 
-
 // One half of a panel (8 channels, one register) at a time, as w4a8_avx2.cpp's tile: R int32 sums, the chunk's
 // two quant registers and the sub-block's high bits; the empty asm statements pin each row's sum after every chunk
 // (GCC otherwise reassociates the sums and spills the products).
