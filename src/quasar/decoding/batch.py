@@ -154,7 +154,7 @@ class Batch:
             chunk = max(self.max_rows - used, MIN_CHUNK) if i == 0 else self.max_rows - used
             if chunk <= 0:
                 break
-            plan[request] = request.step._replace(tokens=request.step.tokens[:chunk])  # type: ignore[union-attr]
+            plan[request] = request.step.prefix(chunk)  # type: ignore[union-attr]
             used += len(plan[request].tokens)
         tokens = float(len(decoding) + len(plan))
         for value, _, _, request in drafts:
@@ -162,7 +162,7 @@ class Batch:
                 break
             rows[request] += 1
             used, tokens = used + 1, tokens + value
-        plan.update({r: r.step._replace(tokens=r.step.tokens[: rows[r]]) for r in decoding})  # type: ignore[union-attr]
+        plan.update({r: r.step.prefix(rows[r]) for r in decoding})  # type: ignore[union-attr]
         return plan
 
     def forward(self, requests: list[Request], steps: list[Step]) -> list[torch.Tensor | None]:

@@ -15,7 +15,9 @@ class Step(NamedTuple):
     """One sequence's next forward: `tokens` appended to its `cache`; logits of every token, or of the last.
     `cut`: a busy batch may run only a prefix of the tokens (at least one) and return that prefix's logits;
     `chances`: for each token after the first, the chance that its row is of use (a draft token's acceptance);
-    `timed(rows, seconds)`: told what the forward that ran it cost, all of its rows (every step's in a batch)."""
+    `timed(rows, seconds)`: told what the forward that ran it cost, all of its rows (every step's in a batch);
+    `tree`: a draft tree's parent row of each token (quasar.model.llama.Rows; empty: a chain). A cut keeps a prefix
+    of a tree's rows too: every parent comes before its children."""
 
     tokens: list[int]
     cache: KVCache
@@ -23,6 +25,11 @@ class Step(NamedTuple):
     cut: bool = False
     chances: tuple[float, ...] = ()
     timed: Callable[[int, float], None] | None = None
+    tree: tuple[int, ...] = ()
+
+    def prefix(self, n: int) -> Step:
+        """The step of its first n tokens (a busy batch's cut, a prompt's chunk)."""
+        return self._replace(tokens=self.tokens[:n], tree=self.tree[:n])
 
 
 def run_steps(model: Transformer, steps: Sequence[Step]) -> list[torch.Tensor]:

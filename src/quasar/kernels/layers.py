@@ -173,17 +173,18 @@ class FusedLayers(Layers):
         its own cache (all distinct); appends them to the caches -> [N, hidden]. rope: the model's cos, sin of the
         rows (or Gemma's Ropes of two such pairs)."""
         pairs = rope if isinstance(rope[0], tuple) else (rope,)
-        x = self.fused.forward_segments(x, [t for pair in pairs for t in pair], *self.cache_args(caches), rows)
+        x = self.fused.forward_segments(x, [t for pair in pairs for t in pair], *self.cache_args(caches), rows, [])
         self.advance(caches, rows)
         return x
 
     def logits(self, ids: list[int], embedding: torch.Tensor, rope: list[torch.Tensor], caches: list[KVCache],
-               rows: list[int], picked: list[int]) -> torch.Tensor:
+               rows: list[int], picked: list[int], trees: list[list[int]] | None = None) -> torch.Tensor:
         """A whole forward in one call: ids [N] (rows[i] new tokens of sequence i, one sequence after another) looked
         up in `embedding` (the embedding module's table), rope rows read from the tables `rope` (cos, sin [L, D], then
         the sliding-window layers' pair if any: Transformer.rope_tables) at each sequence's positions, every layer, then
-        the tail on the rows `picked` -> float32 logits [picked, V]."""
-        logits = self.fused.forward_tokens(ids, embedding, rope, *self.cache_args(caches), rows, picked)
+        the tail on the rows `picked` -> float32 logits [picked, V]. trees: none, or per sequence its rows' parent rows
+        (a draft tree, quasar.model.llama.Rows; [] a chain)."""
+        logits = self.fused.forward_tokens(ids, embedding, rope, *self.cache_args(caches), rows, picked, trees or [])
         self.advance(caches, rows)
         return logits
 

@@ -147,6 +147,23 @@ class KVCache:
         self.length -= n
         del self.held[self.length :]
 
+    def keep(self, start: int, slots: list[int]) -> None:
+        """After a draft tree's step (quasar.model.llama.Rows): hold positions [0, start), then the keys and values
+        of `slots` (ascending, each >= start: the accepted path's rows) at start, start + 1, ...; forget the rest. A
+        path's token at depth d was rotated for position start + d, the place it moves to."""
+        if any(s < start + i for i, s in enumerate(slots)) or sorted(slots) != slots or start + len(slots) > self.length:
+            raise ValueError(f"cannot keep slots {slots} from position {start} of {self.length}")
+        if self.ring:
+            raise ValueError("a cache with rings holds no draft trees")
+        source = torch.tensor(slots, device=self.k.device)
+        self.k[:, :, :, start:start + len(slots)] = self.k[:, :, :, source]
+        self.v[:, :, :, start:start + len(slots)] = self.v[:, :, :, source]
+        held = [self.held[s] for s in slots if s < len(self.held)]
+        del self.held[start:]
+        if len(held) == len(slots) and len(self.held) == start:
+            self.held.extend(held)
+        self.length = start + len(slots)
+
     def reset(self) -> None:
         self.length = self.written = 0
         self.held.clear()

@@ -226,17 +226,22 @@ class Backbone(nn.Module):
 
 
 class Rows(Protocol):
-    """What forward_steps reads of a step: the tokens to append to a cache and whether only the last is scored."""
+    """What forward_steps reads of a step: the tokens to append to a cache, whether only the last is scored, and
+    for a draft tree the parent row of each token (-1 for the first; empty: a chain, each token after the one
+    before). A tree's token at depth d (d ancestors in the step) takes position length + d and attends to the
+    cache and its ancestors; its keys are written at length + its row (KVCache.keep moves the accepted ones)."""
 
     tokens: list[int]
     cache: KVCache
     last_only: bool
+    tree: tuple[int, ...]
 
 
 class Tokens(NamedTuple):
     tokens: list[int]
     cache: KVCache
     last_only: bool = False
+    tree: tuple[int, ...] = ()
 
 
 class Transformer(nn.Module):
@@ -316,10 +321,14 @@ class Transformer(nn.Module):
         """Several sequences' steps (distinct caches) -> each one's float32 logits [T, V] ([1, V] with last_only),
         bitwise what each gets alone; appends to every cache. How, the plan says: the whole forward in one kernel
         call (fused), every sequence's rows through one pass of the modules (batches_rows), or one pass each."""
+        if any(s.tree for s in steps) and not self.plan.tree_rows:
+            raise ValueError(f"draft trees need quasar's fused float32 kernels; this model runs on {self.plan.paths}")
         if not self.plan.fused and (not self.plan.batches_rows or len(steps) == 1):
             return [self.forward_modules(torch.tensor([s.tokens], device=self.device), s.cache, s.last_only)[0]
                     for s in steps]
         if any(s.cache.ring for s in steps):  # caches with rings (KVCache): one layout a call, max_rows tokens a step
+            if any(s.tree for s in steps if s.cache.ring):
+                raise ValueError("a draft tree needs a cache without rings")
             if not all(s.cache.ring for s in steps):
                 return self.forward_by_layout(steps)
             if any(len(s.tokens) > s.cache.max_rows for s in steps):
@@ -334,7 +343,9 @@ class Transformer(nn.Module):
         if self.plan.fused:  # the whole forward in one kernel call
             rope = self.rope_tables(max(c.length + n for c, n in zip(caches, rows)))  # cos, sin [L, D], ...
             ids = [t for s in steps for t in s.tokens]  # [N]
-            logits = self.model.layers.logits(*self.model.embed_tokens.kernel_table(ids), rope, caches, rows, picked)
+            trees = [list(s.tree) for s in steps] if any(s.tree for s in steps) else []
+            logits = self.model.layers.logits(*self.model.embed_tokens.kernel_table(ids), rope, caches, rows, picked,
+                                              trees)
         else:
             ids = torch.tensor([t for s in steps for t in s.tokens], device=self.device)  # [N]
             rope = self.rope(torch.cat([c.positions(n) for c, n in zip(caches, rows)]))  # cos, sin [N, D]

@@ -61,8 +61,9 @@ AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, 
                 ring ? "the new tokens and their window do not fit the ring" : "the new tokens do not fit the cache");
     KERNEL_CHECK(row + s.rows <= T, "the sequences' rows are not q's rows");
     std::fill(row_view_.begin() + row, row_view_.begin() + row + s.rows, static_cast<int64_t>(views_.size()));
-    views_.push_back(View{cache.k, cache.v, H_kv_ * S * D_, S, s.start, row, s.rows, R,
-                          origin});
+    views_.push_back(View{cache.k, cache.v, H_kv_ * S * D_, S, s.start, row, s.rows, R, origin, {}, {}, {}});
+    KERNEL_CHECK(!s.parents || !ring, "a draft tree's rows need a cache without rings");
+    if (s.parents) plant(views_.back(), s.parents);
     row += s.rows;
   }
   KERNEL_CHECK(row == T, "the segments' rows are q's rows");
@@ -87,7 +88,7 @@ AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, 
         const int64_t count = std::min(chunk, per_kv - first_row);
         int64_t keys = 0;
         for (int64_t r = first_row; r < first_row + count; ++r) {
-          const int64_t pos = view.start + r / group;
+          const int64_t pos = view.position(r / group);
           keys += pos + 1 - first_key(pos);
         }
         items_.push_back(Item{static_cast<int64_t>(v), kv, first_row, count, keys});
@@ -101,6 +102,7 @@ AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, 
   wide_ = D_ % 64 == 0 && float_path_avx512();
   amx_ = bf16_attention(bf16_products, D_);
   if (!amx_) return;
+  for (const View& view : views_) KERNEL_CHECK(view.depth.empty(), "a draft tree's rows attend on the float32 paths only");
   // The keys and values a view's rows read, rounded and packed once per layer for all of them: by the pack phase
   // (packs(), into one buffer of the thread that built the steps) where a kv head's rows make several items (a
   // prefill), else by the item itself before it attends (decode, verify: no parallel phase more per layer).
@@ -120,6 +122,17 @@ AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, 
   buffer.resize(std::max<size_t>(buffer.size(), size));
   shared_ = buffer.data();
   ++live_on_thread();  // last: a constructor that throws has no destructor to undo it
+}
+
+void AttentionSteps::plant(View& view, const int64_t* parents) {
+  for (int64_t r = 0; r < view.rows; ++r) {
+    const int64_t parent = parents[r];
+    KERNEL_CHECK(r == 0 ? parent == -1 : parent >= 0 && parent < r, "a tree row's parent is an earlier row (row 0: -1)");
+    view.depth.push_back(r ? view.depth[parent] + 1 : 0);
+    view.path_at.push_back(static_cast<int64_t>(view.paths.size()));
+    for (int64_t i = 0; r && i <= view.depth[parent]; ++i) view.paths.push_back(view.paths[view.path_at[parent] + i]);
+    view.paths.push_back(view.start + r - view.origin);
+  }
 }
 
 int& AttentionSteps::live_on_thread() {
@@ -145,7 +158,7 @@ void AttentionSteps::rope(int64_t layer, const float* q, const float* k, const f
                           const float* sin, float* q_rot, int64_t t0, int64_t t1) const {
   for (int64_t t = t0; t < t1; ++t) {
     const View& view = views_[row_view_[t]];
-    const int64_t pos = view.start + t - view.row0;
+    const int64_t pos = view.start + t - view.row0;  // its slot: the position of a chain's row, not a tree's
     float *k_cache = view.k + layer * view.layer_size, *v_cache = view.v + layer * view.layer_size;
     for (int64_t h = 0; h < H_; ++h) ::rope(q + (t * H_ + h) * D_, cos + t * D_, sin + t * D_, q_rot + (t * H_ + h) * D_, D_);
     const int64_t slot = view.ring ? pos % view.ring : pos;
@@ -169,9 +182,10 @@ void AttentionSteps::attend(int64_t layer, int64_t i, const float* q_rot, float*
   rows.clear();
   for (int64_t r = item.first; r < item.first + item.count; ++r) {
     const int64_t t = view.row0 + r / group, h = item.kv * group + r % group;
-    const int64_t pos = view.start + r / group;  // keys counted from the view's origin
+    const int64_t pos = view.position(r / group);  // keys counted from the view's origin
+    const int64_t* tail = view.depth.empty() ? nullptr : view.paths.data() + view.path_at[r / group];
     rows.push_back(AttentionRow{q_rot + (t * H_ + h) * D_, first_key(pos) - view.origin, pos - view.origin,
-                                out + (t * H_ + h) * D_});
+                                out + (t * H_ + h) * D_, tail, view.start - view.origin});
   }
   const int64_t at = from_origin(view, layer, item.kv);
   const float scale = scale_;

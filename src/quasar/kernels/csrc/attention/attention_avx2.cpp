@@ -97,7 +97,11 @@ void attend_rows_avx2(const std::vector<AttentionRow>& rows, const float* keys, 
   scores.resize(rows.size() * stride);
   for (int64_t j0 = lo; j0 < n_max; j0 += block)
     for (size_t r = 0; r < rows.size(); ++r)
-      score_range(rows[r].q, keys, std::max(j0, rows[r].first), std::min(j0 + block, rows[r].last + 1), D, scale,
+      score_range(rows[r].q, keys, std::max(j0, rows[r].first), std::min(j0 + block, in_place_end(rows[r])), D,
+                  scale, scores.data() + r * stride);
+  for (size_t r = 0; r < rows.size(); ++r)  // a tree row's ancestors, each as score_range scores a key in place
+    for (int64_t j = std::max(in_place_end(rows[r]), rows[r].first); j <= rows[r].last; ++j)
+      score_range(rows[r].q, keys + (rows[r].tail[j - rows[r].tail_from] - j) * D, j, j + 1, D, scale,
                   scores.data() + r * stride);
   std::vector<float> norm(rows.size());
   for (size_t r = 0; r < rows.size(); ++r)
@@ -109,7 +113,11 @@ void attend_rows_avx2(const std::vector<AttentionRow>& rows, const float* keys, 
     for (int64_t j0 = lo; j0 < n_max; j0 += block)
       for (size_t r = 0; r < rows.size(); ++r)
         kWeigh[width / 8 - 1](scores.data() + r * stride, values, std::max(j0, rows[r].first),
-                              std::min(j0 + block, rows[r].last + 1), D, d0, rows[r].out + d0);
+                              std::min(j0 + block, in_place_end(rows[r])), D, d0, rows[r].out + d0);
+    for (size_t r = 0; r < rows.size(); ++r)  // then a tree row's ancestors, still in order of j
+      for (int64_t j = std::max(in_place_end(rows[r]), rows[r].first); j <= rows[r].last; ++j)
+        kWeigh[width / 8 - 1](scores.data() + r * stride, values + (rows[r].tail[j - rows[r].tail_from] - j) * D, j,
+                              j + 1, D, d0, rows[r].out + d0);
     for (size_t r = 0; r < rows.size(); ++r) {
       const __m256 n8 = _mm256_set1_ps(norm[r]);
       for (int64_t d = d0; d < d0 + width; d += 8)

@@ -71,6 +71,13 @@ void score_pairs(const float* const* qq, const float* keys, int64_t j0, int64_t 
   }
 }
 
+// One key's score before the scale as score_pairs computes it: 8-lane FMA chains over d, then hsum8.
+inline float key_score(const float* q, const float* key, int64_t D) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(key + d), acc);
+  return hsum8(acc);
+}
+
 // softmax_numerators on 16 lanes: the same floats (the maximum is exact in any order; each e_j is exp8's; the
 // total adds each 8 keys' lanes to the 8-lane sum in the same order as the 8-lane code).
 float softmax_numerators(float* scores, int64_t n) {
@@ -149,7 +156,7 @@ void attend_rows_avx512(const std::vector<AttentionRow>& rows, const float* keys
       int64_t from = INT64_MAX, last = 0;  // scores outside a row's own keys are computed, never read
       for (int64_t r = first; r < end; ++r) {
         from = std::min(from, rows[std::min(r, count - 1)].first);
-        last = std::max(last, rows[std::min(r, count - 1)].last);
+        last = std::max(last, in_place_end(rows[std::min(r, count - 1)]) - 1);
       }
       const float* qs[2] = {qq.data() + p * 2 * D, qq.data() + (p + 1) * 2 * D};
       float* s[4];
@@ -158,6 +165,9 @@ void attend_rows_avx512(const std::vector<AttentionRow>& rows, const float* keys
       if (end - first == 4) score_pairs<2>(qs, keys, j, j1, D, scale, s);
       else score_pairs<1>(qs, keys, j, j1, D, scale, s);
     }
+  for (int64_t r = 0; r < count; ++r)  // a tree row's ancestors, each key's score as score_pairs gives it
+    for (int64_t j = std::max(in_place_end(rows[r]), rows[r].first); j <= rows[r].last; ++j)
+      scores[r * stride + j] = key_score(rows[r].q, keys + rows[r].tail[j - rows[r].tail_from] * D, D) * scale;
   std::vector<float> norm(count);
   for (int64_t r = 0; r < count; ++r)
     norm[r] = avx512::softmax_numerators(scores.data() + r * stride + rows[r].first, rows[r].last + 1 - rows[r].first);
@@ -173,7 +183,7 @@ void attend_rows_avx512(const std::vector<AttentionRow>& rows, const float* keys
         e[i] = scores.data() + (r0 + i) * stride;
         out[i] = rows[r0 + i].out + d0;
         from = std::max(from, rows[r0 + i].first);
-        shared = std::min(shared, rows[r0 + i].last + 1);
+        shared = std::min(shared, in_place_end(rows[r0 + i]));
       }
       from = std::min(from, shared);
       for (int64_t i = 0; i < n; ++i)  // each row's own keys before those every row sees, in order
@@ -187,8 +197,12 @@ void attend_rows_avx512(const std::vector<AttentionRow>& rows, const float* keys
           default: weigh_rows<1>(e, values, j0, j1, D, d0, out);
         }
       }
-      for (int64_t i = 0; i < n; ++i)  // then each row's own later keys, still in order
-        weigh_rows<1>(e + i, values, std::max(shared, rows[r0 + i].first), rows[r0 + i].last + 1, D, d0, out + i);
+      for (int64_t i = 0; i < n; ++i) {  // then each row's own later keys, still in order, a tree row's ancestors last
+        const AttentionRow& row = rows[r0 + i];
+        weigh_rows<1>(e + i, values, std::max(shared, row.first), in_place_end(row), D, d0, out + i);
+        for (int64_t j = std::max(in_place_end(row), row.first); j <= row.last; ++j)
+          weigh_rows<1>(e + i, values + (row.tail[j - row.tail_from] - j) * D, j, j + 1, D, d0, out + i);
+      }
     }
     for (int64_t r = 0; r < count; ++r) {
       const __m512 n16 = _mm512_set1_ps(norm[r]);

@@ -6,12 +6,21 @@
 #include <vector>
 
 // One query row of a kv head: its query (float32, D values), its first and last visible keys (first > 0 only in a
-// sliding-window layer), where its output goes.
+// sliding-window layer), where its output goes. A row of a draft tree sees the keys before its step in place and
+// then its ancestors' (`tail`: key j >= tail_from is the one in slot tail[j - tail_from], slots >= keys), so that
+// it reads the same keys, in the same order, as the same path verified as a chain, and gets the same floats.
 struct AttentionRow {
   const float* q;
   int64_t first, last;
   float* out;
+  const int64_t* tail = nullptr;
+  int64_t tail_from = 0;
 };
+
+// The end of the keys a row reads in place: [first, in_place_end(r)), the rest (a tree row's tail) slot by slot.
+inline int64_t in_place_end(const AttentionRow& r) {
+  return r.tail && r.tail_from < r.last + 1 ? r.tail_from : r.last + 1;
+}
 
 // Rows sharing one kv head against keys first..last of each (keys, values [n, D] float32; scores: the caller's
 // scratch): s_j = (q . k_j) * scale, e_j = exp(s_j - max s), out = (sum_j e_j v_j) / (sum_j e_j), in a fixed order

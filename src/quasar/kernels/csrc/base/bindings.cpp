@@ -52,7 +52,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "rope, cache write and causal attention for a few new tokens",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("cos"), pybind11::arg("sin"),
         pybind11::arg("cache_k"), pybind11::arg("cache_v"), pybind11::arg("start"), pybind11::arg("bf16_products") = false,
-        pybind11::arg("window") = 0, pybind11::arg("scale") = 0.0, NoGil());
+        pybind11::arg("window") = 0, pybind11::arg("scale") = 0.0, pybind11::arg("parents") = std::vector<int64_t>{},
+        NoGil());
   m.def("bf16_attention", &bf16_attention, "whether attention runs on bfloat16 products (AMX tiles) for a model whose "
         "linears take bfloat16 inputs (True: the bf16 verifier), at this head_dim, on the current float path");
   pybind11::enum_<LinearKind>(m, "LinearKind", "how a linear runs: the kernel FusedLayers calls for it")

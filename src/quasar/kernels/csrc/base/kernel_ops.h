@@ -108,10 +108,14 @@ struct CacheView {
 // One sequence's rows inside a call over several: its cache, positions filled, row count, and where its
 // sliding-window layers keep their keys in rings [L_sliding, H_kv, 2 R, D] (R % 32 == 0), the cache then holding the
 // other layers only (none: every layer in the cache).
+// A draft tree's rows (`parents`, nullptr for a chain) are the parent row of each of the segment's rows: -1 for row 0,
+// an earlier row for the others. A row at depth d (its ancestors: d) takes position start + d and its keys go to slot
+// start + its row, it attends to the keys before start and to its ancestors' and its own (a plain cache only).
 struct Segment {
   CacheView cache;
   int64_t start, rows;
   CacheView ring = {};
+  const int64_t* parents = nullptr;
 };
 
 // Rope, cache writes and attention of one step's rows over their sequences' caches, in parts any thread may run:
@@ -147,7 +151,12 @@ class AttentionSteps {
   struct View {  // one sequence: its caches, a layer's size in them, its rows [row0, row0 + rows) at positions start..,
     float *k, *v;  // its ring's R (0: a plain cache) and the first position its rows read, rounded down to a block of 32
     int64_t layer_size, S, start, row0, rows, ring, origin;
+    // a draft tree's: each row's depth, and the slots (from the origin) of its path, root first, at paths[path_at[r]]
+    std::vector<int64_t> depth, path_at, paths;
+    int64_t position(int64_t row) const { return start + (depth.empty() ? row : depth[row]); }
   };
+  // A tree segment's depths and paths into view (checked: each parent an earlier row, row 0 the root).
+  static void plant(View& view, const int64_t* parents);
   // Where kv head kv's key at the view's origin is in layer `layer` of its caches: the keys from there to the rows'
   // last lie side by side (in a ring, from its first copy).
   int64_t from_origin(const View& v, int64_t layer, int64_t kv) const {

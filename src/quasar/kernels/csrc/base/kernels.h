@@ -61,7 +61,7 @@ int64_t draw_index(at::Tensor weights, double u);
 // AttentionSteps). bf16_products: the step's linears take bfloat16 inputs (the bf16 verifier).
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos,
                                at::Tensor sin, at::Tensor cache_k, at::Tensor cache_v, int64_t start,
-                               bool bf16_products, int64_t window, double scale);
+                               bool bf16_products, int64_t window, double scale, std::vector<int64_t> parents);
 // The CacheView of a pair of caches: contiguous float32 [L, H_kv, S, D] (checked).
 CacheView cache_view(const at::Tensor& k, const at::Tensor& v);
 // decode_attention for the rows of several sequences, each over layer `layer` of its own cache (caches checked
@@ -97,16 +97,18 @@ class FusedLayers {
   FusedLayers(std::vector<LayerWeights> layers, double eps, std::optional<HeadWeights> head);
   // rope: cos, sin [N, D] of x's rows, then the sliding-window layers' own pair where the model has one (Gemma 3).
   // rings_k, rings_v: empty, or one ring per segment holding the sliding-window layers' keys (Segment).
+  // trees: empty, or per segment its rows' parent rows (Segment::parents; empty: a chain).
   at::Tensor forward_segments(at::Tensor x, std::vector<at::Tensor> rope,
                                  std::vector<at::Tensor> caches_k, std::vector<at::Tensor> caches_v,
                                  std::vector<at::Tensor> rings_k, std::vector<at::Tensor> rings_v,
-                                 std::vector<int64_t> starts, std::vector<int64_t> rows) const;
+                                 std::vector<int64_t> starts, std::vector<int64_t> rows,
+                                 std::vector<std::vector<int64_t>> trees) const;
   // rope_tables: cos, sin [L, D] of positions 0 .. L - 1, then the sliding-window layers' own pair if any.
   at::Tensor forward_tokens(std::vector<int64_t> ids, at::Tensor embedding, std::vector<at::Tensor> rope_tables,
                                std::vector<at::Tensor> caches_k, std::vector<at::Tensor> caches_v,
                                std::vector<at::Tensor> rings_k, std::vector<at::Tensor> rings_v,
                                std::vector<int64_t> starts, std::vector<int64_t> rows,
-                               std::vector<int64_t> picked) const;
+                               std::vector<int64_t> picked, std::vector<std::vector<int64_t>> trees) const;
   // Whether a step of this many rows runs every layer in one parallel region (packed_w8a8_step.cpp).
   bool one_region(int64_t rows) const;
 
@@ -114,7 +116,8 @@ class FusedLayers {
   // The segments of the caches (checked), with rows[i] rows each, `total` in all.
   std::vector<Segment> segments(const std::vector<at::Tensor>& caches_k, const std::vector<at::Tensor>& caches_v,
                                 const std::vector<at::Tensor>& rings_k, const std::vector<at::Tensor>& rings_v,
-                                const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t total) const;
+                                const std::vector<int64_t>& starts, const std::vector<int64_t>& rows, int64_t total,
+                                const std::vector<std::vector<int64_t>>& trees) const;
 
   // The StepRope of 2 or 4 tensors (checked: 4 where a layer takes the local pair; a model with a local pair may give it
   // when none of its layers takes it).

@@ -477,14 +477,17 @@ at::Tensor attention(const AttentionSteps& steps, int64_t layer, const at::Tenso
 }  // namespace
 
 // q [T, H*D], k and v [T, H_kv*D], cos and sin [T, D], cache_k and cache_v [H_kv, S, D] (one layer, batch
-// 0), all float32 -> out [T, H*D]. Writes the rotated k and v at cache positions [start, start + T).
+// 0), all float32 -> out [T, H*D]. Writes the rotated k and v at cache positions [start, start + T). parents: empty,
+// or the rows' parent rows (a draft tree, Segment::parents; cos and sin then at each row's own position).
 at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos,
                                at::Tensor sin, at::Tensor cache_k, at::Tensor cache_v, int64_t start,
-                               bool bf16_products, int64_t window, double scale) {
+                               bool bf16_products, int64_t window, double scale, std::vector<int64_t> parents) {
   TORCH_CHECK(cache_k.dim() == 3, "caches [H_kv, S, D] expected");  // cache_view checks the rest
   const int64_t D = cache_k.size(2);
   TORCH_CHECK(q.dim() == 2 && q.size(1) % D == 0, "q [T, H*D] expected");
-  const std::vector<Segment> one{Segment{cache_view(cache_k.unsqueeze(0), cache_v.unsqueeze(0)), start, q.size(0)}};
+  TORCH_CHECK(parents.empty() || static_cast<int64_t>(parents.size()) == q.size(0), "a tree's parents are one per row");
+  const std::vector<Segment> one{Segment{cache_view(cache_k.unsqueeze(0), cache_v.unsqueeze(0)), start, q.size(0), {},
+                                         parents.empty() ? nullptr : parents.data()}};
   return attention(AttentionSteps(one, q.size(0), q.size(1) / D, kernel_threads(), bf16_products, {window, scale}), 0,
                    q, k, v, cos, sin);
 }

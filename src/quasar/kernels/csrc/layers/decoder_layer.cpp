@@ -175,9 +175,11 @@ CacheView check_cache(const at::Tensor& k, const at::Tensor& v, int64_t layers, 
 std::vector<Segment> FusedLayers::segments(const std::vector<at::Tensor>& caches_k,
                                            const std::vector<at::Tensor>& caches_v, const std::vector<at::Tensor>& rings_k,
                                            const std::vector<at::Tensor>& rings_v, const std::vector<int64_t>& starts,
-                                           const std::vector<int64_t>& rows, int64_t total) const {
+                                           const std::vector<int64_t>& rows, int64_t total,
+                                           const std::vector<std::vector<int64_t>>& trees) const {
   const size_t n = caches_k.size();
   TORCH_CHECK(n > 0 && caches_v.size() == n && starts.size() == n && rows.size() == n, "one cache, start and row count per segment");
+  TORCH_CHECK(trees.empty() || trees.size() == n, "no trees, or one (empty: a chain) per segment");
   const bool rings = !rings_k.empty();
   TORCH_CHECK(!rings || (rings_k.size() == n && rings_v.size() == n && rings_ > 0), "one ring per segment, for a model with windows");
   std::vector<Segment> out;
@@ -191,7 +193,9 @@ std::vector<Segment> FusedLayers::segments(const std::vector<at::Tensor>& caches
       TORCH_CHECK(rings_k[i].size(2) % 64 == 0, "a ring of 2 R slots, R a multiple of 32, expected");
     }
     TORCH_CHECK(rows[i] > 0, "every segment has at least one row");
-    out.push_back(Segment{cache, starts[i], rows[i], ring});
+    const bool tree = !trees.empty() && !trees[i].empty();
+    TORCH_CHECK(!tree || static_cast<int64_t>(trees[i].size()) == rows[i], "a tree's parents are one per row");
+    out.push_back(Segment{cache, starts[i], rows[i], ring, tree ? trees[i].data() : nullptr});
     sum += rows[i];
   }
   TORCH_CHECK(sum == total, "the segments' rows are x's rows");
@@ -213,8 +217,9 @@ StepRope FusedLayers::step_rope(const std::vector<at::Tensor>& rope, int64_t row
 at::Tensor FusedLayers::forward_segments(at::Tensor x, std::vector<at::Tensor> rope,
                                             std::vector<at::Tensor> caches_k, std::vector<at::Tensor> caches_v,
                                             std::vector<at::Tensor> rings_k, std::vector<at::Tensor> rings_v,
-                                            std::vector<int64_t> starts, std::vector<int64_t> rows) const {
-  const auto segs = segments(caches_k, caches_v, rings_k, rings_v, starts, rows, x.size(0));
+                                            std::vector<int64_t> starts, std::vector<int64_t> rows,
+                                            std::vector<std::vector<int64_t>> trees) const {
+  const auto segs = segments(caches_k, caches_v, rings_k, rings_v, starts, rows, x.size(0), trees);
   const StepRope step = step_rope(rope, x.size(0));
   if (one_region(x.size(0))) return run_region(*region_, x, step.cos, step.sin, segs, eps_, nullptr);
   const bool rings = !rings_k.empty();
@@ -256,8 +261,10 @@ at::Tensor embed_rows(const at::Tensor& table, const std::vector<int64_t>& ids) 
   return out;
 }
 
-// Rows starts[i] .. starts[i] + rows[i] - 1 of a rope table [L, D], segment after segment -> [N, D].
-at::Tensor rope_rows(const at::Tensor& table, const std::vector<int64_t>& starts, const std::vector<int64_t>& rows) {
+// The rows of a rope table [L, D] at each segment's positions, segment after segment -> [N, D]: starts[i] ..
+// starts[i] + rows[i] - 1, or for a draft tree (trees[i]: its parent rows) starts[i] + each row's depth.
+at::Tensor rope_rows(const at::Tensor& table, const std::vector<int64_t>& starts, const std::vector<int64_t>& rows,
+                     const std::vector<std::vector<int64_t>>& trees) {
   TORCH_CHECK(table.dtype() == at::kFloat && table.dim() == 2 && table.is_contiguous(), "a float32 rope table [L, D] expected");
   int64_t N = 0;
   for (size_t i = 0; i < rows.size(); ++i) {
@@ -268,7 +275,14 @@ at::Tensor rope_rows(const at::Tensor& table, const std::vector<int64_t>& starts
   auto out = at::empty({N, D}, table.options());
   float* o = out.data_ptr<float>();
   for (size_t i = 0; i < rows.size(); ++i) {
-    std::memcpy(o, table.data_ptr<float>() + starts[i] * D, rows[i] * D * sizeof(float));
+    const std::vector<int64_t>* parents = trees.empty() || trees[i].empty() ? nullptr : &trees[i];
+    std::vector<int64_t> depth(rows[i]);
+    for (int64_t r = 0; r < rows[i]; ++r) {  // a parent is an earlier row (checked again where the rows attend)
+      const int64_t parent = parents ? (*parents)[r] : r - 1;
+      TORCH_CHECK(parent < r && (parent >= 0 || r == 0), "a tree row's parent is an earlier row (row 0: -1)");
+      depth[r] = r ? depth[parent] + 1 : 0;
+      std::memcpy(o + r * D, table.data_ptr<float>() + (starts[i] + depth[r]) * D, D * sizeof(float));
+    }
     o += rows[i] * D;
   }
   return out;
@@ -285,19 +299,21 @@ at::Tensor FusedLayers::forward_tokens(std::vector<int64_t> ids, at::Tensor embe
                                           std::vector<at::Tensor> rope_tables, std::vector<at::Tensor> caches_k,
                                           std::vector<at::Tensor> caches_v, std::vector<at::Tensor> rings_k,
                                           std::vector<at::Tensor> rings_v, std::vector<int64_t> starts,
-                                          std::vector<int64_t> rows, std::vector<int64_t> picked) const {
+                                          std::vector<int64_t> rows, std::vector<int64_t> picked,
+                                          std::vector<std::vector<int64_t>> trees) const {
   TORCH_CHECK(head_.has_value(), "these layers were built without the final norm and lm_head");
   TORCH_CHECK(starts.size() == rows.size(), "one start per segment");
   std::vector<at::Tensor> rope;
-  for (const auto& table : rope_tables) rope.push_back(rope_rows(table, starts, rows));
+  for (const auto& table : rope_tables) rope.push_back(rope_rows(table, starts, rows, trees));
   const auto &cos = rope.at(0), &sin = rope.at(1);
   const int64_t N = cos.size(0);
   for (int64_t row : picked) TORCH_CHECK(row >= 0 && row < N, "picked row ", row, " is not one of the ", N, " rows");
   if (one_region(N) && region_has_head(*region_))  // the layers and the head in one region
     return run_region(*region_, embed_rows(embedding, ids), cos, sin,
-                      segments(caches_k, caches_v, rings_k, rings_v, starts, rows, N), eps_, &picked);
+                      segments(caches_k, caches_v, rings_k, rings_v, starts, rows, N, trees), eps_, &picked);
   auto hidden = forward_segments(embed_rows(embedding, ids), std::move(rope), std::move(caches_k), std::move(caches_v),
-                                 std::move(rings_k), std::move(rings_v), std::move(starts), std::move(rows));
+                                 std::move(rings_k), std::move(rings_v), std::move(starts), std::move(rows),
+                                 std::move(trees));
   const bool all = static_cast<int64_t>(picked.size()) == N && std::is_sorted(picked.begin(), picked.end());
   if (!all) hidden = hidden.index_select(0, at::tensor(picked, at::kLong));
   return linear(rms_norm(hidden, head_->norm, eps_), head_->lm_head);
