@@ -23,7 +23,7 @@ from quasar.decoding.outputs import RequestOutput
 from quasar.decoding.prompt import Messages
 from quasar.decoding.sampling import SamplingParams
 from quasar.files import use_cache_dir
-from quasar.spec import EngineSpec, parse_k, parse_levels
+from quasar.spec import EngineSpec, parse_k, parse_levels, parse_tree
 
 
 class LLM:
@@ -40,10 +40,11 @@ class LLM:
         max_context: int | None = None,
         cache_dir: str | Path | None = None,
         guard: float | None = None,
+        tree: int | str = "auto",
         max_batch: int = 16,
         max_batch_tokens: int = 64,
     ) -> None:
-        spec = EngineSpec(parse_levels(verifier), drafter, parse_k(k), guard)
+        spec = EngineSpec(parse_levels(verifier), drafter, parse_k(k), guard, parse_tree(tree))
         if cache_dir is not None:  # the process's cache folder from now on
             use_cache_dir(cache_dir)
         options = DrafterOptions(ngram_min, ngram_max)

@@ -112,7 +112,7 @@ def build_decoder(spec: EngineSpec, target: LoadedModel, options: DrafterOptions
     from quasar.decoding.speculative import Speculative
 
     if middle is None:
-        return Speculative(build_drafter(spec.drafter, target, options), spec.k, guard)
+        return Speculative(build_drafter(spec.drafter, target, options), spec.k, guard, width=spec.tree)
     from quasar.decoding.cascade import CascadeDrafter
 
     inner = build_drafter(spec.drafter, middle, options)

@@ -32,6 +32,7 @@ NO_DRAFTER = "none"
 DRAFTERS = {NO_DRAFTER: "", "ngram": "", "suffix": "", "model": "PATH", "layerskip": "N"}  # name -> its argument
 DRAFTER_FORMS = "none, ngram, suffix, model:PATH (a .gguf file, a model directory or an installed name), layerskip:N"
 PLAIN = "ar"
+MAX_WIDTH = 4  # candidates per position of a draft tree at most
 MAX_DRAFT = 7  # draft tokens a verify step takes at most: it scores k + 1 rows, and the torch path's fixed shape is 8
 LM_HEADS = {"lm8": True, "lmbf16": False}  # a w8a8 name's lm_head part -> the lm_head is W8A8 (else bf16)
 
@@ -145,12 +146,14 @@ def part_value(part: str, text: str) -> tuple[str, object]:
 @dataclass(frozen=True)
 class EngineSpec:
     """What an engine runs: a drafter ('none': plain decoding), one verifier or a cascade of two (the first
-    drafts for the second), the draft length k (or 'auto') and the confidence guard's margin (None: off)."""
+    drafts for the second), the draft length k (or 'auto'), the confidence guard's margin (None: off) and the
+    candidates per position of a draft tree (1: one chain; 'auto': as many as pay)."""
 
     levels: tuple[VerifierSpec, ...]
     drafter: str = NO_DRAFTER
     k: int | str = AUTO
     guard: float | None = None
+    tree: int | str = AUTO
 
     def __post_init__(self) -> None:
         check_drafter(self.drafter)
@@ -167,10 +170,10 @@ class EngineSpec:
                                  f"with bf16; --verifier {self.verifier_name} is {what}")
 
     @classmethod
-    def parse(cls, text: str, k: int | str = AUTO, guard: float | None = None) -> EngineSpec:
+    def parse(cls, text: str, k: int | str = AUTO, guard: float | None = None, tree: int | str = AUTO) -> EngineSpec:
         """'ngram+w8a8', 'ar:bf16', 'w8a8+bf16' (no drafter), 'model:PATH+w8a8' (a path may hold '+')."""
         if text.startswith(PLAIN + ":"):
-            return cls(parse_levels(text[len(PLAIN) + 1 :]), NO_DRAFTER, k, guard)
+            return cls(parse_levels(text[len(PLAIN) + 1 :]), NO_DRAFTER, k, guard, tree)
         parts = text.split("+")
         levels = [VerifierSpec.parse(parts.pop())]
         if parts and is_verifier(parts[-1]):
@@ -178,7 +181,7 @@ class EngineSpec:
         drafter = "+".join(parts) or NO_DRAFTER
         if not all(parts) or drafter == PLAIN:
             raise ValueError(f"cannot read {text!r} as an engine; use {ENGINE_FORMS}")
-        return cls(tuple(levels), drafter, k, guard)
+        return cls(tuple(levels), drafter, k, guard, tree)
 
     def __str__(self) -> str:
         return (f"{PLAIN}:" if self.drafter == NO_DRAFTER else f"{self.drafter}+") + self.verifier_name
@@ -234,6 +237,15 @@ def check_drafter(text: str) -> None:
 
 def is_verifier(text: str) -> bool:
     return text.partition(":")[0] in KINDS
+
+
+def parse_tree(text: str | int) -> int | str:
+    """'auto' or an integer 1 <= width <= MAX_WIDTH: the candidates a draft tree tries at each position."""
+    if text == AUTO:
+        return AUTO
+    if not str(text).isdigit() or not 1 <= int(text) <= MAX_WIDTH:
+        raise ValueError(f"--tree must be 'auto' or a width from 1 (one chain) to {MAX_WIDTH}, got {text!r}")
+    return int(text)
 
 
 def parse_k(text: str | int, k_max: int = MAX_DRAFT) -> int | str:

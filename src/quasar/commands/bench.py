@@ -10,7 +10,7 @@ from quasar.tools.bench.report import print_summary
 from quasar.tools.bench.runner import RunConfig
 from quasar.tools.bench.session import BenchOptions, bench
 from quasar.tools.bench.suites import CATEGORIES, SUITE_SIZES
-from quasar.commands.common import positive_int, seed, temperature
+from quasar.commands.common import positive_int, seed, temperature, tree_width
 
 SUITE_TOKENS = {"quick": 32, "spec": 256, "full": 256}  # default --max-new-tokens per suite
 
@@ -52,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--k", type=draft_length, default="auto",
                         help="draft length for DRAFTER+V: a number (the paper: 5) or 'auto', chosen from the acceptance "
                         "and the measured step costs as generate's (default: %(default)s)")
+    parser.add_argument("--tree", type=tree_width, default="auto", metavar="WIDTH",
+                        help="candidates per position of DRAFTER+V's draft trees: 1 (one chain) to 4, or 'auto' as "
+                        "generate's (default: %(default)s)")
     parser.add_argument("--seed", type=seed, default=0, help="base seed for sampled runs (default: 0)")
     parser.add_argument("--out", default="bench-out", help="output directory, replaced as a whole when the run ends "
                         "(default: %(default)s)")
@@ -72,7 +75,7 @@ def options(args: argparse.Namespace) -> BenchOptions:
         suite=args.suite, methods=args.methods, out=args.out, per_category=args.limit, categories=args.categories,
         run=RunConfig(temperatures=args.temperatures, max_new_tokens=max_new, seed=args.seed),
         model=MethodOptions(model=args.model, max_context=args.max_context,
-                            k=args.k, quantized=args.quantized),
+                            k=args.k, tree=args.tree, quantized=args.quantized),
         memory_wall=args.memory_wall, plots=args.plots, overwrite=args.overwrite,
     )
 

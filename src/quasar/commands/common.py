@@ -71,6 +71,12 @@ def draft_length(text: str) -> str:
     return from_spec(parse_k, "k")(text)
 
 
+def tree_width(text: str) -> str:
+    from quasar.spec import parse_tree
+
+    return from_spec(parse_tree, "tree")(text)
+
+
 def verifier(text: str) -> str:
     from quasar.spec import parse_levels
 
@@ -118,10 +124,11 @@ def add_model_args(parser: argparse.ArgumentParser, verifier_default: str = "aut
 
 
 def engine_spec(args: argparse.Namespace) -> EngineSpec:
-    """--verifier (or --dtype), --drafter, --k, --guard and --exact as one EngineSpec (checked as it is made)."""
-    from quasar.spec import EngineSpec, parse_k, parse_levels
+    """--verifier (or --dtype), --drafter, --k, --guard, --tree and --exact as one EngineSpec (checked as it is made)."""
+    from quasar.spec import EngineSpec, parse_k, parse_levels, parse_tree
 
-    spec = EngineSpec(parse_levels(args.dtype or args.verifier), args.drafter, parse_k(args.k), args.guard)
+    spec = EngineSpec(parse_levels(args.dtype or args.verifier), args.drafter, parse_k(args.k), args.guard,
+                      parse_tree(args.tree))
     return spec.exact() if args.exact else spec
 
 
@@ -160,6 +167,11 @@ def add_decode_args(parser: argparse.ArgumentParser, drafter_default: str = "ngr
     group.add_argument("--k", default="auto", type=draft_length, help="draft tokens per verify step, or 'auto': the length that promises the most tokens per second from "
                        "the recent acceptance and the measured cost of each step size, 0 where drafts do not pay "
                        "(default: %(default)s)")
+    group.add_argument("--tree", default="auto", type=tree_width, metavar="WIDTH",
+                       help="candidates per position (the ngram and suffix drafters): 1 drafts one chain; 2-4 draft a "
+                       "tree of up to that many alternatives a position, verified in one forward without changing the "
+                       "output's distribution; 'auto': as many nodes as the measured step costs and acceptance pay "
+                       "for (on the fused CPU kernels; elsewhere one chain) (default: %(default)s)")
     group.add_argument("--ngram-min", type=positive_int, default=1, help="shortest n-gram the ngram/suffix drafters match (default: %(default)s)")
     group.add_argument("--ngram-max", type=positive_int, default=3, help="longest n-gram the ngram drafter matches (default: %(default)s)")
 

@@ -26,6 +26,8 @@ from quasar.decoding.sampling import Sampler, SamplingParams, TargetRows
 from quasar.decoding.stats import GenerationStats
 from quasar.spec import AUTO, MAX_DRAFT
 from quasar.decoding.rejection import Verdict, greedy_verdict, rejection_sample
+from quasar.decoding.tree import DraftTree, greedy_tree_verdict, sample_tree_verdict
+from quasar.decoding.tree_budget import TreeBudget
 
 
 
@@ -144,14 +146,39 @@ def verify_step(propose: Callable[[int], Draft], k: int, feed: list[int], cache:
     return draft, verdict, target
 
 
+def verify_tree(tree: DraftTree, last: int, cache: KVCache, params: SamplingParams, sampler: Sampler,
+                budget: TreeBudget, stats: GenerationStats, cut: bool = False) -> Generator[Step, torch.Tensor, tuple[Draft, Verdict]]:
+    """verify_step for a draft tree (quasar.decoding.tree): its nodes scored in one forward after `last`, each row
+    attending to its own ancestors, walked by the multi-candidate rule; the accepted path's keys and values moved
+    into place (KVCache.keep). Returns the draft as scored (the accepted path first, then the other nodes) and the
+    verdict on it."""
+    verifying = time.perf_counter()
+    base = cache.length + 1  # the first node's slot
+    logits = yield Step([last, *tree.tokens], cache, cut=cut, chances=tuple(tree.chances), timed=budget.timed,
+                        tree=() if tree.is_chain() else tree.rows())
+    tree = tree.prefix(len(logits) - 1)  # logits [n + 1, V] over [last, *nodes]: a busy batch scored a prefix
+    if params.greedy:
+        verdict = greedy_tree_verdict(tree, sampler.argmax(logits).tolist())
+    else:
+        verdict = sample_tree_verdict(tree, sampler.rows(logits), sampler.generator)
+    if not tree.is_chain():
+        cache.keep(base, [base + node for node in verdict.path])
+    stats.verify_s += time.perf_counter() - verifying
+    budget.count(tree, verdict)
+    others = [token for node, token in enumerate(tree.tokens) if node not in verdict.path]
+    return Draft([tree.tokens[node] for node in verdict.path] + others), Verdict(verdict.accepted, verdict.token)
+
+
 @dataclass
 class Speculative:
-    """A Decoder (see quasar.decoding.engine) that drafts with `drafter` and verifies with the engine's model."""
+    """A Decoder (see quasar.decoding.engine) that drafts with `drafter` and verifies with the engine's model; with
+    `width` > 1 ('auto': the budget decides) a drafter that proposes trees drafts several candidates a position."""
 
     drafter: Drafter
     k: int | str = AUTO
     guard: ConfidenceGuard | None = None  # re-scores positions the verifier is unsure of with the float model (approximate)
     forced_drafts: bool = True  # with a grammar: draft its forced tokens first (quasar.decoding.drafters.forced)
+    width: int | str = 1  # candidates per position of a draft tree (quasar.decoding.tree_budget); 1: one chain
 
     def __post_init__(self) -> None:
         self.idle: list[Drafter] = [self.drafter]  # drafters not serving a request now
@@ -182,6 +209,8 @@ class Speculative:
         # follow its own tokens alone: it weighs rows by the prior costs, not by timings
         costs = None if not params.greedy and params.seed is not None else self.costs
         length = DraftLength(self.k, costs, k_min=0 if guessing else 1)
+        trees = self.trees(model, drafter, cache, processing)
+        budget = TreeBudget(self.width, self.k, costs, k_min=0 if guessing else 1) if trees else None
         grammar = grammar_of(processing)
         # A batch may score fewer draft tokens than proposed when it is full, unless that could change the
         # output: a seeded sampled request gives the same tokens as alone only with the same drafts.
@@ -201,20 +230,55 @@ class Speculative:
                 return
             drafter.commit(pending)
             room = min(MAX_DRAFT, cache.max_len - cache.length - 1, stop.budget - stop.emitted - 1)
-            k = min(length.k, room)
-            guess = drafter.propose(1, params, sampler.generator) if k == 0 and guessing and room > 0 else None
             before = cache.length
-            draft, verdict, _ = yield from verify_step(
-                self.proposer(drafter, grammar, room, params, sampler.generator), k, [pending[-1]], cache, params,
-                sampler, sampler.generator, length, stats, cut=may_cut, guard=self.guard)
-            if guess is not None and guess.tokens and not draft.tokens:
-                length.guessed(guess.tokens[0] == verdict.token)
+            if budget is not None:
+                draft, verdict = yield from self.tree_step(drafter, budget, room, pending[-1], cache, params, sampler,
+                                                           stats, may_cut, guessing)
+            else:
+                draft, verdict = yield from self.chain_step(drafter, length, grammar, room, pending[-1], cache, params,
+                                                            sampler, stats, may_cut, guessing)
             cache.trim(cache.length - (before + verdict.accepted + 1))  # keep [last, *accepted]
             pending = draft.tokens[: verdict.accepted] + [verdict.token]
             tokens, reason = stop.cut(pending)
             accepted = min(verdict.accepted, len(tokens))
             stats.record_step(proposed=len(draft), accepted=accepted, emitted=len(tokens),
                               forced=sum(i < accepted for i in draft.forced))
+
+    def chain_step(self, drafter: Drafter, length: DraftLength, grammar: GrammarMask | None, room: int, last: int,
+                   cache: KVCache, params: SamplingParams, sampler: Sampler, stats: GenerationStats, cut: bool,
+                   guessing: bool) -> Generator[Step, torch.Tensor, tuple[Draft, Verdict]]:
+        """One step of a chain-drafting request: up to length.k draft tokens verified (none: a plain step, whose
+        token still tells the length how the drafter's one-token guess fares)."""
+        k = min(length.k, room)
+        guess = drafter.propose(1, params, sampler.generator) if k == 0 and guessing and room > 0 else None
+        draft, verdict, _ = yield from verify_step(
+            self.proposer(drafter, grammar, room, params, sampler.generator), k, [last], cache, params,
+            sampler, sampler.generator, length, stats, cut=cut, guard=self.guard)
+        if guess is not None and guess.tokens and not draft.tokens:
+            length.guessed(guess.tokens[0] == verdict.token)
+        return draft, verdict
+
+    def trees(self, model: Transformer, drafter: Drafter, cache: KVCache, processing: Processing | None) -> bool:
+        """Whether this request drafts trees: width > 1 (or 'auto'), a drafter that proposes them, rows that may be a
+        tree (the fused kernels' float32 attention, a cache without rings), no row processors (they read each row's
+        draft prefix) and no guard (it re-scores a chain)."""
+        return (self.width != 1 and hasattr(drafter, "propose_tree") and model.plan.tree_rows and not cache.ring
+                and processing is None and self.guard is None)
+
+    def tree_step(self, drafter: Drafter, budget: TreeBudget, room: int, last: int, cache: KVCache,
+                  params: SamplingParams, sampler: Sampler, stats: GenerationStats, cut: bool,
+                  guessing: bool) -> Generator[Step, torch.Tensor, tuple[Draft, Verdict]]:
+        """One step of a tree-drafting request: the drafter's tree best first, cut to what pays, verified (a tree
+        of no nodes: a plain step, whose token still tells the budget how the drafter's guesses fare)."""
+        start = time.perf_counter()
+        chance = lambda depth, rank: budget.chance(depth, rank) if depth <= room else 0.0  # noqa: E731
+        whole = within(drafter.propose_tree(budget.nodes(cache.max_len - cache.length), budget.width, chance), room)
+        tree = budget.cut(whole)
+        stats.draft_s += time.perf_counter() - start
+        draft, verdict = yield from verify_tree(tree, last, cache, params, sampler, budget, stats, cut)
+        if guessing and not tree.tokens and whole.tokens:
+            budget.guessed([whole.tokens[c] for c in whole.children(-1)], verdict.token)
+        return draft, verdict
 
     def proposer(self, drafter: Drafter, grammar: GrammarMask | None, room: int, params: SamplingParams,
                  generator: torch.Generator) -> Callable[[int], Draft]:
@@ -223,3 +287,15 @@ class Speculative:
         if grammar is None or not self.forced_drafts:
             return lambda k: drafter.propose(k, params, generator)
         return lambda k: forced_draft(grammar, drafter, k, room, params, generator)
+
+
+def within(tree: DraftTree, depth: int) -> DraftTree:
+    """The tree's nodes at most `depth` deep (a node's ancestors are shallower: still a tree, in the same order)."""
+    depths = tree.depths()
+    if all(d <= depth for d in depths):
+        return tree
+    keep = [node for node, d in enumerate(depths) if d <= depth]
+    index = {node: i for i, node in enumerate(keep)}
+    return DraftTree([tree.tokens[n] for n in keep], [index.get(tree.parents[n], -1) for n in keep],
+                     [tree.chances[n] for n in keep] if tree.chances else [])
+

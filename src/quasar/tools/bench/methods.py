@@ -19,7 +19,7 @@ from quasar.decoding.outputs import RequestOutput
 from quasar.decoding.prompt import Messages
 from quasar.decoding.sampling import SamplingParams
 from quasar.registry import lookup
-from quasar.spec import ENGINE_FORMS, EngineSpec, parse_k
+from quasar.spec import ENGINE_FORMS, EngineSpec, parse_k, parse_tree
 from quasar.tools.bench.base import Method, PeerMissingError, Pool
 
 log = logging.getLogger("quasar")
@@ -51,7 +51,7 @@ class EngineMethod:
 
 def engine_method(name: str, pool: Pool) -> Method:
     try:
-        spec = EngineSpec.parse(name, k=parse_k(pool.options.k))
+        spec = EngineSpec.parse(name, k=parse_k(pool.options.k), tree=parse_tree(pool.options.tree))
     except ValueError as e:
         raise ValueError(f"unknown method {name!r} ({e}); choose from {FORMS}") from None
     options = DrafterOptions()

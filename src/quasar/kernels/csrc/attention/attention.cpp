@@ -14,6 +14,10 @@
 // A row reads only its own query and the keys up to its position, so a token scored alone (decode)
 // and inside [last, *draft] (verify) gets bitwise the same output, whatever T and the cache size are:
 // the property that makes greedy speculative decoding equal plain decoding, without padding.
+// A draft tree's rows (Segment::parents) are the same rows with their keys elsewhere: a row at depth d is rotated
+// for position start + d, writes its key at slot start + its row, and attends to keys 0 .. start - 1 in place and
+// then to its ancestors' slots in order of depth (AttentionRow::tail), the keys a chain of its path reads at
+// start .. start + d: bitwise the output of that chain's last row.
 // The rows that share a kv head (its query heads, every new token) go through the keys together, in
 // blocks that stay in the L1 cache (attend_rows): that changes the cache traffic, not a single result.
 // Where the float path is AVX-512 (float_path_avx512), the same arithmetic runs on 512-bit registers

@@ -1,0 +1,89 @@
+"""How large a draft tree to verify: the acceptance seen at each depth and sibling rank, and what steps of each
+size cost on this machine.
+
+A node is worth its chance of being accepted, P(node) = P(parent) * a(depth, rank), where a(d, r) is how often the
+candidate of rank r (0: the drafter's first) among a node's children at depth d was the one accepted when its parent
+was reached (recent steps weighing more, from cautious priors). The drafter builds its tree best first by those
+chances (quasar.decoding.tree), so any prefix of its nodes is a tree; the budget keeps the prefix of n nodes that
+promises the most tokens per second, (1 + sum of their chances) / cost(n + 1 rows): a tree is never wider or deeper
+than it pays for, and with no node worth its row the step is a plain one (SpecInfer's token tree, Miao et al. 2024;
+Sequoia's cost-aware tree size, Chen et al. 2024).
+"""
+
+from __future__ import annotations
+
+from quasar.decoding.costs import StepCosts
+from quasar.decoding.tree import MAX_TREE, DraftTree, TreeVerdict
+from quasar.spec import AUTO, MAX_DRAFT, MAX_WIDTH
+
+
+class TreeBudget:
+    """The tree a request drafts each step: at most `width` candidates a position ('auto': MAX_WIDTH, the cost cut
+    deciding), at most k deep ('auto': MAX_DRAFT, the cost cut deciding), the nodes kept chosen by cost."""
+
+    DECAY = 0.9
+    PRIOR_TRIES = 4.0
+    PRIOR_HITS = (1.0, 0.4, 0.2, 0.1)  # by rank, of PRIOR_TRIES: a first candidate 1 in 4, later ones rarer
+
+    def __init__(self, width: int | str, k: int | str, costs: StepCosts | None, k_min: int = 1) -> None:
+        """costs None: the prior costs, never measured (a seeded sampled request's trees, and so the random numbers
+        it draws, must not depend on how fast the machine ran)."""
+        self.width = MAX_WIDTH if width == AUTO else int(width)
+        self.depth = MAX_DRAFT if k == AUTO else int(k)
+        self.adaptive = k == AUTO
+        self.costs, self.k_min = costs, k_min
+        prior = [self.PRIOR_HITS[min(r, len(self.PRIOR_HITS) - 1)] for r in range(self.width)]
+        self.hits = [list(prior) for _ in range(MAX_DRAFT)]  # [depth - 1][rank]
+        self.tries = [[self.PRIOR_TRIES] * self.width for _ in range(MAX_DRAFT)]
+
+    def chance(self, depth: int, rank: int) -> float:
+        """a(depth, rank): the chance that a node's candidate of this rank is accepted once the node is reached."""
+        if depth > self.depth or rank >= self.width:
+            return 0.0
+        return self.hits[depth - 1][rank] / self.tries[depth - 1][rank]
+
+    def nodes(self, room: int) -> int:
+        """How many nodes to ask the drafter for: a step scores them and one more row, within `room` rows."""
+        return max(0, min(MAX_TREE, room - 1))
+
+    def cut(self, tree: DraftTree) -> DraftTree:
+        """The prefix of the tree (its nodes best first) that promises the most tokens per second; all of it, up to
+        depth k, where k is fixed."""
+        if not self.adaptive:
+            return tree
+        best, rate, expected = 0, 1.0 / self.cost(1), 1.0
+        for n, chance in enumerate(tree.chances, 1):
+            expected += chance
+            if expected / self.cost(n + 1) > rate:
+                best, rate = n, expected / self.cost(n + 1)
+        return tree.prefix(max(min(self.k_min, len(tree)), best))
+
+    def cost(self, rows: int) -> float:
+        seconds = self.costs.cost(rows) if self.costs is not None else None
+        return 1.0 + StepCosts.PRIOR * rows if seconds is None or seconds <= 0 else seconds
+
+    def timed(self, rows: int, seconds: float) -> None:
+        """A forward of `rows` rows in all (a batch's too) took `seconds`."""
+        if self.costs is not None:
+            self.costs.add(rows, seconds)
+
+    def count(self, tree: DraftTree, verdict: TreeVerdict) -> None:
+        """Each node the walk reached (the root, then the accepted path): for each of its children, whether it was
+        the one accepted."""
+        reached = [-1, *verdict.path]
+        for depth, node in enumerate(reached, 1):
+            if depth > MAX_DRAFT:
+                break
+            taken = verdict.path[depth - 1] if depth <= len(verdict.path) else None
+            for rank, child in enumerate(tree.children(node)[: self.width]):
+                self.seen(depth, rank, child == taken)
+
+    def guessed(self, candidates: list[int], token: int) -> None:
+        """A plain step's outcome for the drafter's first-position candidates (a greedy verdict accepts exactly the
+        token the verifier picks), so that drafting resumes where it pays again."""
+        for rank, candidate in enumerate(candidates[: self.width]):
+            self.seen(1, rank, candidate == token)
+
+    def seen(self, depth: int, rank: int, accepted: bool) -> None:
+        self.hits[depth - 1][rank] = self.DECAY * self.hits[depth - 1][rank] + accepted
+        self.tries[depth - 1][rank] = self.DECAY * self.tries[depth - 1][rank] + 1

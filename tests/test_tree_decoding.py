@@ -1,0 +1,111 @@
+"""Speculative decoding with draft trees (quasar.decoding.tree, tree_budget): several candidates a position, one
+verify forward, the output's distribution the verifier's (statistical, on a tiny model on the fused kernels), greedy
+output plain decoding's token for token, the cache as plain decoding leaves it, and budgets that follow row costs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import needs_kernels
+from test_speculative import PROMPT, V, exact_joint, one_thread, run, small_model  # noqa: F401 (a fixture)
+from test_verify import chi_square_p
+
+from quasar.decoding.autoregressive import autoregressive
+from quasar.decoding.costs import StepCosts
+from quasar.decoding.drafters.ngram import NgramDrafter
+from quasar.decoding.drafters.suffix import SuffixDrafter
+from quasar.decoding.sampling import SamplingParams
+from quasar.decoding.speculative import Speculative
+from quasar.decoding.tree import DraftTree
+from quasar.decoding.tree_budget import TreeBudget
+from quasar.kernels import plan
+from quasar.spec import AUTO, parse_tree
+
+pytestmark = needs_kernels
+
+
+def fused_model(seed: int, sharpness: float = 4.0):
+    model = small_model(seed, sharpness)
+    assert plan.prepare_(model).tree_rows
+    return model
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_tree_sampling_is_lossless(temperature, one_thread):
+    """The first three tokens emitted with width-3 trees (two of them through the tree walk) follow the verifier's
+    joint distribution."""
+    model, n = fused_model(seed=0), 800
+    decoder = Speculative(NgramDrafter(1, 3), k=2, width=3)
+    counts, proposed, wide = torch.zeros(V, V, V), 0, 0
+    for seed in range(n):
+        params = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=3, ignore_eos=True)
+        tokens, _, stats = run(model, decoder, PROMPT, params, budget=4)
+        counts[tuple(tokens[:3])] += 1
+        proposed += stats.proposed_tokens
+        wide += stats.proposed_tokens > 2 * stats.verify_steps  # more nodes than a chain of k
+    joint = exact_joint(model, PROMPT, SamplingParams(temperature=temperature))
+    assert proposed > n and wide > n // 4  # trees were really proposed and verified
+    assert chi_square_p(counts.flatten(), joint.flatten()) > 1e-3
+    assert chi_square_p(counts.sum((0, 1)), joint.sum((0, 1))) > 1e-3
+
+
+@pytest.mark.parametrize("width", [2, 4, AUTO])
+@pytest.mark.parametrize("drafter", [NgramDrafter, SuffixDrafter])
+def test_greedy_tree_output_is_plain(width, drafter, one_thread):
+    model = fused_model(seed=0)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    decoder = Speculative(drafter(1, 3), k=AUTO if width == AUTO else 4, width=width)
+    tokens, cache, stats = run(model, decoder, PROMPT, params, budget=40)
+    plain, plain_cache, _ = run(model, autoregressive, PROMPT, params, budget=40)
+    assert tokens == plain
+    assert stats.proposed_tokens > 0
+    n = cache.length
+    assert n == plain_cache.length and cache.held == plain_cache.held
+    assert torch.equal(cache.k[:, :, :, :n], plain_cache.k[:, :, :, :n])
+
+
+def test_a_seeded_tree_request_repeats_itself(one_thread):
+    model = fused_model(seed=2)
+    params = SamplingParams(temperature=1.0, seed=7, max_new_tokens=30, ignore_eos=True)
+    decoder = Speculative(NgramDrafter(1, 3), k=AUTO, width=AUTO)
+    first, _, _ = run(model, decoder, PROMPT, params, budget=30)
+    decoder.costs = StepCosts()  # timings never steer a seeded request
+    assert run(model, decoder, PROMPT, params, budget=30)[0] == first
+
+
+def costs(a: float, b: float) -> StepCosts:
+    out = StepCosts()
+    for rows in (1, 2, 4, 8, 16):
+        for _ in range(3):
+            out.add(rows, a + b * rows)
+    return out
+
+
+def test_the_budget_keeps_the_nodes_that_pay():
+    tree = DraftTree([5, 6, 7, 8, 9], [-1, 0, -1, 0, 1], [0.9, 0.5, 0.3, 0.2, 0.1])  # best first
+    cheap = TreeBudget(AUTO, AUTO, costs(1.0, 0.01))
+    dear = TreeBudget(AUTO, AUTO, costs(1.0, 2.0))
+    assert len(cheap.cut(tree)) == 5  # rows nearly free: every node
+    assert len(dear.cut(tree)) == 1  # a row costs 2/3 of a plain step: only the likeliest node pays
+    assert len(TreeBudget(AUTO, AUTO, costs(1.0, 20.0), k_min=0).cut(tree)) == 0  # a plain step
+    assert len(TreeBudget(3, 4, costs(1.0, 20.0)).cut(tree)) == 5  # fixed k: the drafter's whole tree
+
+
+def test_the_budget_learns_each_ranks_acceptance():
+    budget = TreeBudget(3, AUTO, None)
+    tree = DraftTree([5, 6, 7, 8], [-1, -1, 0, 0])
+    from quasar.decoding.tree import TreeVerdict
+
+    before = budget.chance(1, 1), budget.chance(1, 0), budget.chance(2, 0)
+    for _ in range(10):
+        budget.count(tree, TreeVerdict([1], 3))  # the second candidate, every time
+    assert budget.chance(1, 1) > before[0] and budget.chance(1, 0) < before[1]
+    assert budget.chance(2, 0) == before[2]  # node 1 has no children: depth 2 was never tried
+    assert budget.chance(1, 3) == 0.0 and budget.chance(8, 0) == 0.0  # wider or deeper than allowed
+
+
+def test_a_bad_tree_width_is_refused():
+    assert parse_tree("auto") == AUTO and parse_tree("3") == 3
+    for bad in ("0", "5", "-1", "wide"):
+        with pytest.raises(ValueError, match="--tree"):
+            parse_tree(bad)
