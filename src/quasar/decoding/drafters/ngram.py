@@ -21,6 +21,8 @@ from quasar.decoding.drafters.base import Draft, DrafterOptions
 from quasar.model.loading import LoadedModel
 from quasar.decoding.sampling import SamplingParams
 from quasar.decoding.rejection import SparseDraft
+from quasar.decoding.drafters.tree_proposal import Chance, Copy, grow_tree
+from quasar.decoding.tree import DraftTree
 
 
 class NgramIndex:
@@ -129,6 +131,17 @@ class NgramDrafter:
             return Draft([])
         _, start = found
         return Draft(self.tokens[start : start + k])
+
+    def propose_tree(self, nodes: int, width: int, chance: Chance) -> DraftTree:
+        """Up to `nodes` tokens as a draft tree grown best-first (quasar.decoding.drafters.tree_proposal): each node's
+        children are the copy's next token, then the other continuations of its context by count; at width 1 the
+        tree is the greedy `propose` draft as a chain."""
+        return grow_tree(self.index, self.locate, self.tokens, nodes, width, chance)
+
+    def locate(self, tokens: list[int]) -> Copy | None:
+        """(the text, where) the copy for the longest indexed suffix of tokens starts, as `propose` finds it."""
+        found = self.index.lookup(tokens)
+        return None if found is None else (self.tokens, found[1])
 
     def walk(self, k: int, generator: torch.Generator) -> Draft:
         """Up to k tokens, each drawn from the continuation counts of the longest matching suffix of the

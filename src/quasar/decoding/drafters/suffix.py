@@ -13,8 +13,10 @@ import torch
 
 from quasar.decoding.drafters.base import Draft, DrafterOptions
 from quasar.decoding.drafters.ngram import NgramIndex
+from quasar.decoding.drafters.tree_proposal import Chance, Copy, grow_tree
 from quasar.model.loading import LoadedModel
 from quasar.decoding.sampling import SamplingParams
+from quasar.decoding.tree import DraftTree
 
 
 class SuffixDrafter:
@@ -72,6 +74,16 @@ class SuffixDrafter:
             return Draft([])
         doc_id, start = found
         return Draft(self.docs[doc_id - self.first_doc][start : start + k])
+
+    def propose_tree(self, nodes: int, width: int, chance: Chance) -> DraftTree:
+        """Up to `nodes` tokens as a draft tree grown best-first (quasar.decoding.drafters.tree_proposal), copying
+        from the most recent occurrences; at width 1 the tree is `propose`'s draft as a chain."""
+        return grow_tree(self.index, self.locate, self.current, nodes, width, chance)
+
+    def locate(self, tokens: list[int]) -> Copy | None:
+        """(the text, where) the copy for the longest indexed suffix of tokens starts, as `propose` finds it."""
+        found = self.index.lookup(tokens)
+        return None if found is None else (self.docs[found[0] - self.first_doc], found[1])
 
 
 def build(arg: str | None, target: LoadedModel, options: DrafterOptions) -> SuffixDrafter:
