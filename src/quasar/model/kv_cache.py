@@ -155,7 +155,7 @@ class KVCache:
             raise ValueError(f"cannot keep slots {slots} from position {start} of {self.length}")
         if self.ring:
             raise ValueError("a cache with rings holds no draft trees")
-        source = torch.tensor(slots, device=self.k.device)
+        source = torch.tensor(slots, dtype=torch.long, device=self.k.device)
         self.k[:, :, :, start:start + len(slots)] = self.k[:, :, :, source]
         self.v[:, :, :, start:start + len(slots)] = self.v[:, :, :, source]
         held = [self.held[s] for s in slots if s < len(self.held)]
