@@ -104,12 +104,30 @@ def test_suffix_drafter_remembers_earlier_requests():
     assert propose(fresh) == []  # prompt lookup alone has nothing to go on
 
 
+def test_suffix_drafters_of_one_decoder_share_what_finished_requests_said():
+    """Concurrent requests' drafters (spawned from one) draft from every finished request, never from a request still
+    in flight."""
+    first = SuffixDrafter(1, 8)
+    second = first.spawn()
+    first.commit([1, 2, 3, 4, 10, 11, 12, 13, 14, 15])
+    second.commit([9, 10, 11])
+    assert propose(second, k=3) == []  # the first request is still running
+    first.reset()  # it ended: its tokens are in the store
+    assert propose(second, k=3) == [12, 13, 14]
+    second.reset()
+    third = first.spawn()
+    third.commit([5, 9, 10])
+    assert propose(third, k=2) == [11]  # the most recent occurrence: the second request's, which ends there
+    tree = third.propose_tree(4, 2, lambda depth, rank: 0.5)
+    assert [tree.tokens[c] for c in tree.children(-1)] == [11]  # both requests continued 10 with 11
+
+
 def test_suffix_drafter_history_is_bounded():
     d = SuffixDrafter(1, 4, max_history=100)
     for r in range(20):
         d.reset()
         d.commit([r] * 5 + list(range(30, 40)))
-    assert sum(len(doc) for doc in d.docs) <= 100
+    assert sum(len(doc) for doc in d.store.docs) <= 100
     d.reset()
     d.commit([33, 34])
     assert propose(d, k=2) == [35, 36]

@@ -276,7 +276,7 @@ class Speculative:
         tree = budget.cut(whole)
         stats.draft_s += time.perf_counter() - start
         draft, verdict = yield from verify_tree(tree, last, cache, params, sampler, budget, stats, cut)
-        if guessing and not tree.tokens and whole.tokens:
+        if guessing and not draft.tokens and whole.tokens:  # a plain step (by the budget's cut or a busy batch's)
             budget.guessed([whole.tokens[c] for c in whole.children(-1)], verdict.token)
         return draft, verdict
 

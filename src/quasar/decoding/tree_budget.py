@@ -23,7 +23,9 @@ class TreeBudget:
 
     DECAY = 0.9
     PRIOR_TRIES = 4.0
-    PRIOR_HITS = (1.0, 0.4, 0.2, 0.1)  # by rank, of PRIOR_TRIES: a first candidate 1 in 4, later ones rarer
+    # by rank, of PRIOR_TRIES: a first candidate 1 in 4, later ones rarer; past the first position twice that (a
+    # copied text that was right so far tends to stay right)
+    PRIOR_HITS = (1.0, 0.4, 0.2, 0.1)
 
     def __init__(self, width: int | str, k: int | str, costs: StepCosts | None, k_min: int = 1) -> None:
         """costs None: the prior costs, never measured (a seeded sampled request's trees, and so the random numbers
@@ -33,8 +35,9 @@ class TreeBudget:
         self.adaptive = k == AUTO
         self.costs, self.k_min = costs, k_min
         prior = [self.PRIOR_HITS[min(r, len(self.PRIOR_HITS) - 1)] for r in range(self.width)]
-        self.hits = [list(prior) for _ in range(MAX_DRAFT)]  # [depth - 1][rank]
+        self.hits = [[h * (1 if d == 0 else 2) for h in prior] for d in range(MAX_DRAFT)]  # [depth - 1][rank]
         self.tries = [[self.PRIOR_TRIES] * self.width for _ in range(MAX_DRAFT)]
+        self.explore = 0  # nodes past the cut: 1 after a step accepted a whole branch (longer runs get their chance)
 
     def chance(self, depth: int, rank: int) -> float:
         """a(depth, rank): the chance that a node's candidate of this rank is accepted once the node is reached."""
@@ -56,7 +59,7 @@ class TreeBudget:
             expected += chance
             if expected / self.cost(n + 1) > rate:
                 best, rate = n, expected / self.cost(n + 1)
-        return tree.prefix(max(min(self.k_min, len(tree)), best))
+        return tree.prefix(max(min(self.k_min, len(tree)), best + self.explore))
 
     def cost(self, rows: int) -> float:
         seconds = self.costs.cost(rows) if self.costs is not None else None
@@ -70,6 +73,7 @@ class TreeBudget:
     def count(self, tree: DraftTree, verdict: TreeVerdict) -> None:
         """Each node the walk reached (the root, then the accepted path): for each of its children, whether it was
         the one accepted."""
+        self.explore = int(bool(verdict.path) and not tree.children(verdict.path[-1]))
         reached = [-1, *verdict.path]
         for depth, node in enumerate(reached, 1):
             if depth > MAX_DRAFT:

@@ -76,6 +76,10 @@ class NgramIndex:
                     if not counts:
                         del self.followers[gram]
 
+    def counts(self, gram: tuple[int, ...]) -> dict[int, int]:
+        """{token: count} of what followed this n-gram (empty: nothing)."""
+        return self.followers.get(gram, {})
+
     def lookup(self, tokens: list[int]) -> tuple[int, int] | None:
         """Where the longest indexed suffix of tokens occurred: (document, continuation start)."""
         return self.longest_suffix(self.where, tokens)

@@ -3,7 +3,8 @@
 A node's children, in the order they are tried (rank 0 first), are the candidates for the position after the path
 to it: rank 0 continues the node's copy (the text its branch copies, as `propose` does: at the root the occurrence
 the index finds for the committed tokens), then come the other tokens that followed the longest indexed suffix of
-the committed tokens + the path, by count (most first, then by token id), at most `width` in all. A child of rank
+the committed tokens + the path, by count (most first, then by token id), then those of its shorter suffixes, at
+most `width` in all. A child of rank
 0 goes on copying the same text; a child of a later rank starts a copy where the index finds its own context. A
 copy that reaches the end of its text ends the branch, as it ends `propose`'s draft, so a width-1 tree is
 `propose`'s greedy draft as a chain.
@@ -19,20 +20,27 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from quasar.decoding.tree import MAX_TREE, DraftTree
 from quasar.spec import MAX_DRAFT
 
-if TYPE_CHECKING:
-    from quasar.decoding.drafters.ngram import NgramIndex
+
+class Continuations(Protocol):
+    """What followed each n-gram: an NgramIndex, or a suffix drafter's request and store together."""
+
+    ngram_min: int
+    ngram_max: int
+
+    def counts(self, gram: tuple[int, ...]) -> dict[int, int]: ...
+
 
 Copy = tuple[list[int], int]  # (the text a branch copies, where the next token to copy is)
 Locate = Callable[[list[int]], Copy | None]  # tokens -> where the index finds their longest suffix, if anywhere
 Chance = Callable[[int, int], float]  # (depth from 1, rank from 0) -> the estimate that such a node is accepted
 
 
-def grow_tree(index: NgramIndex, locate: Locate, context: list[int], nodes: int, width: int,
+def grow_tree(index: Continuations, locate: Locate, context: list[int], nodes: int, width: int,
               chance: Chance) -> DraftTree:
     """Up to `nodes` nodes, at most `width` children each and MAX_DRAFT deep, picked best-first from the
     committed tokens `context`; each node's estimate P(node) goes into the tree's chances."""
@@ -55,7 +63,7 @@ class Growth:
     """A tree being grown: its nodes so far, and for each of them (and the root, -1) its context tail, estimate
     and children's tokens in rank order."""
 
-    def __init__(self, index: NgramIndex, locate: Locate, width: int) -> None:
+    def __init__(self, index: Continuations, locate: Locate, width: int) -> None:
         self.index, self.locate, self.width = index, locate, width
         self.tokens: list[int] = []
         self.parents: list[int] = []
@@ -72,16 +80,17 @@ class Growth:
         self.ranked[node] = self.rank(tail, copy)
 
     def rank(self, tail: list[int], copy: Copy | None) -> list[int]:
-        """The children's tokens: the copy's next one, then the other continuations of tail by count."""
+        """The children's tokens: the copy's next one, then the other continuations of tail's longest indexed suffix
+        by count, then those of its shorter suffixes (a long match often has one continuation only)."""
         if copy is None or copy[1] >= len(copy[0]):
             return []
         ranked = [copy[0][copy[1]]]
-        counts = self.index.continuations(tail) if self.width > 1 else None
-        for token in sorted(counts or (), key=lambda t: (-counts[t], t)):
+        index = self.index
+        for n in range(min(index.ngram_max, len(tail)), index.ngram_min - 1, -1):
             if len(ranked) == self.width:
                 break
-            if token != ranked[0]:
-                ranked.append(token)
+            counts = index.counts(tuple(tail[-n:]))
+            ranked += [t for t in sorted(counts, key=lambda t: (-counts[t], t)) if t not in ranked][: self.width - len(ranked)]
         return ranked
 
     def offer(self, offers: list[tuple[float, int, int, int, int]], parent: int, rank: int, depth: int,
