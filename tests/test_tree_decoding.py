@@ -12,6 +12,7 @@ from test_verify import chi_square_p
 
 from quasar.decoding.autoregressive import autoregressive
 from quasar.decoding.costs import StepCosts
+from quasar.decoding.drafters.model_drafter import ModelDrafter, tree_shape
 from quasar.decoding.drafters.ngram import NgramDrafter
 from quasar.decoding.drafters.suffix import SuffixDrafter
 from quasar.decoding.sampling import SamplingParams, logits_to_probs
@@ -71,12 +72,46 @@ def test_tree_sampling_is_lossless(temperature, one_thread):
     assert chi_square_p(counts.sum((0, 1)), joint.sum((0, 1))) > 1e-3
 
 
+def test_model_drafter_tree_sampling_is_lossless(one_thread):
+    """A draft model's trees (its greedy chain and its next likeliest tokens beside each) keep the verifier's
+    distribution."""
+    model, draft, n = fused_model(seed=0), fused_model(seed=1, sharpness=3.0), 800
+    decoder = Speculative(ModelDrafter(draft, V), k=2, width=3)
+    counts, wide = torch.zeros(V, V, V), 0
+    for seed in range(n):
+        params = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=3, ignore_eos=True)
+        tokens, _, stats = run(model, decoder, PROMPT, params, budget=4)
+        counts[tuple(tokens[:3])] += 1
+        wide += stats.proposed_tokens > 2 * stats.verify_steps
+    joint = exact_joint(model, PROMPT, SamplingParams(temperature=1.0))
+    assert wide > n // 2
+    assert chi_square_p(counts.flatten(), joint.flatten()) > 1e-3
+    assert chi_square_p(counts.sum((0, 1)), joint.sum((0, 1))) > 1e-3
+
+
+def test_a_model_drafters_tree_is_its_greedy_chain_with_siblings():
+    draft = fused_model(seed=1)
+    drafter = ModelDrafter(draft, V)
+    drafter.commit(PROMPT)
+    chain = drafter.propose(4, SamplingParams(), torch.Generator()).tokens
+    tree = drafter.propose_tree(12, 3, lambda depth, rank: (0.9, 0.5, 0.2)[rank] if depth <= 4 else 0.0)
+    assert [tree.tokens[node] for node in tree.path(max(range(len(tree)), key=lambda i: tree.depths()[i]))] == chain
+    assert all(len(tree.children(node)) <= 3 for node in range(-1, len(tree)))
+    assert tree.chances == sorted(tree.chances, reverse=True)
+    narrow = drafter.propose_tree(4, 1, lambda depth, rank: 0.5)  # width 1: the chain
+    assert (narrow.tokens, narrow.parents) == (chain, [-1, 0, 1, 2])
+    shape = tree_shape(6, 2, lambda depth, rank: (0.8, 0.3)[rank])  # a sibling of 0.3 beats the chain past 0.8^5
+    assert [(d, r) for d, r, _ in shape] == [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0), (1, 1)]
+
+
 @pytest.mark.parametrize("width", [2, 4, AUTO])
-@pytest.mark.parametrize("drafter", [NgramDrafter, SuffixDrafter])
+@pytest.mark.parametrize("drafter", ["ngram", "suffix", "model"])
 def test_greedy_tree_output_is_plain(width, drafter, one_thread):
     model = fused_model(seed=0)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    decoder = Speculative(drafter(1, 3), k=AUTO if width == AUTO else 4, width=width)
+    make = {"ngram": lambda: NgramDrafter(1, 3), "suffix": lambda: SuffixDrafter(1, 3),
+            "model": lambda: ModelDrafter(fused_model(seed=1, sharpness=3.0), V)}[drafter]
+    decoder = Speculative(make(), k=AUTO if width == AUTO else 4, width=width)
     tokens, cache, stats = run(model, decoder, BRANCHING, params, budget=40, cache_len=160)
     plain, plain_cache, _ = run(model, autoregressive, BRANCHING, params, budget=40, cache_len=160)
     assert tokens == plain

@@ -11,12 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from quasar.decoding.drafters.base import Draft, DrafterOptions
+from quasar.decoding.drafters.tree_proposal import Chance
+from quasar.decoding.tree import DraftTree
 from quasar.model.kv_cache import KVCache, StreamCache
 from quasar.model.loading import LoadedModel
 from quasar.model.source import ModelSource
 from quasar.model.llama import Transformer
 from quasar.decoding.sampling import SamplingParams, logits_to_probs, sample
 from quasar.decoding.rejection import DenseDraft
+from quasar.spec import MAX_DRAFT
 from quasar.verifiers.registry import load_verifier
 
 
@@ -63,6 +66,34 @@ class ModelDrafter:
             feed = [token]
         return Draft(tokens, DenseDraft(torch.stack(rows)))  # probs [k, V]
 
+    @torch.inference_mode()
+    def propose_tree(self, nodes: int, width: int, chance: Chance) -> DraftTree:
+        """Up to `nodes` tokens as a draft tree: the draft model's greedy chain, and beside each of its tokens the
+        model's next likeliest ones (its top `width` at that position, distinct, as deterministic candidates), kept
+        best first by P(node) = P(parent) * chance(depth, rank) (the shape does not depend on the tokens, so the
+        chain runs only as deep as a kept node); at width 1 the greedy `propose` draft as a chain."""
+        shape = tree_shape(nodes, width, chance)
+        depth = max((d for d, _, _ in shape), default=0)
+        if depth == 0:
+            return DraftTree([], [])
+        cache = self.stream.ready(len(self.tokens) + depth)
+        feed = self.stream.follow(self.tokens)
+        ranked: list[list[int]] = []  # [depth][rank]: the model's top tokens after the chain so far
+        for _ in range(depth):
+            logits = self.model(torch.tensor([feed], device=self.model.device), cache, last_only=True)[0, -1]  # [V_d]
+            self.stream.fed(feed)
+            ranked.append(self.fit_vocab(logits).topk(width).indices.tolist())
+            feed = [ranked[-1][0]]
+        chain: dict[int, int] = {}  # depth -> the node of the chain's token there
+        tokens, parents, chances = [], [], []
+        for d, r, estimate in shape:
+            if r == 0:
+                chain[d] = len(tokens)
+            tokens.append(ranked[d - 1][r])
+            parents.append(chain[d - 1] if d > 1 else -1)
+            chances.append(estimate)
+        return DraftTree(tokens, parents, chances)
+
     def fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V_d] -> [V]: cut padding rows, or pad with -inf when the drafter's vocab is smaller."""
         extra = self.vocab_size - logits.shape[-1]
@@ -90,3 +121,23 @@ def build(arg: str | None, target: LoadedModel, options: DrafterOptions) -> Mode
     draft = load_verifier(source, "gguf" if source.quantized_file else "bf16")
     check_same_tokenizer(draft, target)
     return ModelDrafter(draft.model, target.model.config.vocab_size)
+
+
+def tree_shape(nodes: int, width: int, chance: Chance) -> list[tuple[int, int, float]]:
+    """The best `nodes` places (depth, rank, P) of a chain with siblings beside each of its tokens, P = the chain's
+    chances up to the parent times chance(depth, rank), best first; a place is kept only after the chain's place
+    before it (its parent) and its sibling of the rank before it, so parents come before their children. Places of
+    P 0 are left out."""
+    places, reach = [], 1.0
+    for depth in range(1, MAX_DRAFT + 1):
+        places += [(-reach * chance(depth, rank), depth, rank) for rank in range(width)]
+        reach *= chance(depth, 0)
+    kept: list[tuple[int, int, float]] = []
+    have = {(0, 0)}
+    for minus, depth, rank in sorted(places):
+        if len(kept) == nodes or minus >= 0:
+            break
+        if (depth - 1, 0) in have and (rank == 0 or (depth, rank - 1) in have):
+            kept.append((depth, rank, -minus))
+            have.add((depth, rank))
+    return kept
