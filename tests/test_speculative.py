@@ -239,6 +239,20 @@ def test_greedy_speculative_equals_greedy_autoregressive(verifier, drafter, tiny
         assert stats.verify_steps <= len(got.token_ids) - 1
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_greedy_tree_speculative_equals_greedy_autoregressive(verifier, drafter):
+    """Draft trees (three candidates a position, every node scored in one forward) on real weights: plain decoding's
+    tokens, on every verifier whose rows may be a tree."""
+    target, prompts, expected = verifier
+    engine = Engine(target, decoder=Speculative(build_drafter(drafter, target), k=5, width=3))
+    steps = nodes = 0
+    for ids, want in zip(prompts, expected):
+        got = engine.generate(ids, SamplingParams(max_new_tokens=32))
+        assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+        steps, nodes = steps + got.stats.verify_steps, nodes + got.stats.proposed_tokens
+    assert nodes > steps or not target.model.plan.tree_rows  # trees were scored where rows may be one
+
+
 def test_forward_is_row_independent(tiny_model):
     """A token scored alone and inside a verify block gets bitwise the same logits (fixed_rows padding)."""
     model, ids = tiny_model.model, [1, 50, 60, 70, 80]
