@@ -36,9 +36,9 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def small_model(seed: int, sharpness: float = 4.0) -> Transformer:
+def small_model(seed: int, sharpness: float = 4.0, vocab: int = V) -> Transformer:
     """A random 2-layer llama over V tokens; lm_head scaled so distributions are peaked but not one-hot."""
-    config = ModelConfig(model_type="llama", vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = ModelConfig(model_type="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
     torch.manual_seed(seed)
     model = Transformer(config).eval()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import needs_kernels
-from test_speculative import PROMPT, one_thread, run  # noqa: F401 (a fixture)
+from test_speculative import PROMPT, one_thread, run, small_model  # noqa: F401 (a fixture)
 from test_verify import chi_square_p
 
 from quasar.decoding.autoregressive import autoregressive
@@ -20,7 +20,6 @@ from quasar.decoding.speculative import Speculative
 from quasar.decoding.tree import DraftTree
 from quasar.decoding.tree_budget import TreeBudget
 from quasar.kernels import plan
-from quasar.model.config import ModelConfig
 from quasar.model.llama import Transformer
 from quasar.spec import AUTO, parse_tree
 
@@ -31,13 +30,8 @@ BRANCHING = [t for a in range(V) for t in (a, (a + 1) % V, a, (a + 5) % V, a, (a
 
 
 def fused_model(seed: int, sharpness: float = 4.0) -> Transformer:
-    """A random 2-layer llama over V tokens on the fused kernels; lm_head scaled so rows are peaked, not one-hot."""
-    config = ModelConfig(model_type="llama", vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
-    torch.manual_seed(seed)
-    model = Transformer(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(sharpness)
+    """test_speculative's small model over V tokens, on the fused kernels."""
+    model = small_model(seed, sharpness, vocab=V)
     assert plan.prepare_(model).tree_rows
     return model
 
