@@ -132,6 +132,20 @@ def costs(a: float, b: float) -> StepCosts:
     return out
 
 
+@pytest.mark.parametrize("b", [0.01, 20.0])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_tree_request_drafts_what_rows_pay_for(b, temperature, one_thread):
+    """Where a row costs 20 plain steps, a free drafter's trees shrink to nothing (plain steps, whose rows keep
+    telling the budget how its candidates fare), at any temperature; where rows are nearly free, trees grow."""
+    model = fused_model(seed=0)
+    params = SamplingParams(temperature=temperature, max_new_tokens=40, ignore_eos=True)
+    decoder = Speculative(NgramDrafter(1, 1), k=AUTO, width=AUTO)
+    decoder.costs = costs(1.0, b)
+    _, _, stats = run(model, decoder, BRANCHING, params, budget=40, cache_len=160)
+    drafted = stats.proposed_tokens / stats.verify_steps  # nodes a step
+    assert drafted < 0.5 if b == 20.0 else drafted > 2
+
+
 def test_the_budget_keeps_the_nodes_that_pay():
     tree = DraftTree([5, 6, 7, 8, 9], [-1, 0, -1, 0, 1], [0.9, 0.5, 0.3, 0.2, 0.1])  # best first
     cheap = TreeBudget(AUTO, AUTO, costs(1.0, 0.01))

@@ -147,26 +147,28 @@ def verify_step(propose: Callable[[int], Draft], k: int, feed: list[int], cache:
 
 
 def verify_tree(tree: DraftTree, last: int, cache: KVCache, params: SamplingParams, sampler: Sampler,
-                budget: TreeBudget, stats: GenerationStats, cut: bool = False) -> Generator[Step, torch.Tensor, tuple[Draft, Verdict]]:
+                budget: TreeBudget, stats: GenerationStats, cut: bool = False) -> VerifyStep:
     """verify_step for a draft tree (quasar.decoding.tree): its nodes scored in one forward after `last`, each row
     attending to its own ancestors, walked by the multi-candidate rule; the accepted path's keys and values moved
-    into place (KVCache.keep). Returns the draft as scored (the accepted path first, then the other nodes) and the
-    verdict on it."""
+    into place (KVCache.keep). Returns the draft as scored (the accepted path first, then the other nodes), the
+    verdict on it and, when sampling, the verifier's rows."""
     verifying = time.perf_counter()
     base = cache.length + 1  # the first node's slot
     logits = yield Step([last, *tree.tokens], cache, cut=cut, chances=tuple(tree.chances), timed=budget.timed,
                         tree=() if tree.is_chain() else tree.rows())
     tree = tree.prefix(len(logits) - 1)  # logits [n + 1, V] over [last, *nodes]: a busy batch scored a prefix
-    if params.greedy:
+    target = None if params.greedy else sampler.rows(logits)
+    if target is None:
         verdict = greedy_tree_verdict(tree, sampler.argmax(logits).tolist())
     else:
-        verdict = sample_tree_verdict(tree, sampler.rows(logits), sampler.generator)
+        verdict = sample_tree_verdict(tree, target, sampler.generator)
     if not tree.is_chain():
         cache.keep(base, [base + node for node in verdict.path])
     stats.verify_s += time.perf_counter() - verifying
     budget.count(tree, verdict)
     others = [token for node, token in enumerate(tree.tokens) if node not in verdict.path]
-    return Draft([tree.tokens[node] for node in verdict.path] + others), Verdict(verdict.accepted, verdict.token)
+    return (Draft([tree.tokens[node] for node in verdict.path] + others), Verdict(verdict.accepted, verdict.token),
+            target)
 
 
 @dataclass
@@ -210,7 +212,9 @@ class Speculative:
         costs = None if not params.greedy and params.seed is not None else self.costs
         length = DraftLength(self.k, costs, k_min=0 if guessing else 1)
         trees = self.trees(model, drafter, cache, processing)
-        budget = TreeBudget(self.width, self.k, costs, k_min=0 if guessing else 1) if trees else None
+        # a free drafter's tree may shrink to nothing at any temperature: a plain step's row still says how likely
+        # its candidates were
+        budget = TreeBudget(self.width, self.k, costs, k_min=0 if drafter.free else 1) if trees else None
         grammar = grammar_of(processing)
         # A batch may score fewer draft tokens than proposed when it is full, unless that could change the
         # output: a seeded sampled request gives the same tokens as alone only with the same drafts.
@@ -233,7 +237,7 @@ class Speculative:
             before = cache.length
             if budget is not None:
                 draft, verdict = yield from self.tree_step(drafter, budget, room, pending[-1], cache, params, sampler,
-                                                           stats, may_cut, guessing)
+                                                           stats, may_cut)
             else:
                 draft, verdict = yield from self.chain_step(drafter, length, grammar, room, pending[-1], cache, params,
                                                             sampler, stats, may_cut, guessing)
@@ -266,18 +270,21 @@ class Speculative:
                 and processing is None and self.guard is None)
 
     def tree_step(self, drafter: Drafter, budget: TreeBudget, room: int, last: int, cache: KVCache,
-                  params: SamplingParams, sampler: Sampler, stats: GenerationStats, cut: bool,
-                  guessing: bool) -> Generator[Step, torch.Tensor, tuple[Draft, Verdict]]:
-        """One step of a tree-drafting request: the drafter's tree best first, cut to what pays, verified (a tree
-        of no nodes: a plain step, whose token still tells the budget how the drafter's guesses fare)."""
+                  params: SamplingParams, sampler: Sampler, stats: GenerationStats,
+                  cut: bool) -> Generator[Step, torch.Tensor, tuple[Draft, Verdict]]:
+        """One step of a tree-drafting request: the drafter's tree best first, cut to what pays, verified. A tree
+        of no nodes makes a plain step, whose row still tells the budget how likely the drafter's first candidates
+        were (each one's target probability: how often it would have been the one accepted)."""
         start = time.perf_counter()
         chance = lambda depth, rank: budget.chance(depth, rank) if depth <= room else 0.0  # noqa: E731
         whole = within(drafter.propose_tree(budget.nodes(cache.max_len - cache.length), budget.width, chance), room)
         tree = budget.cut(whole)
         stats.draft_s += time.perf_counter() - start
-        draft, verdict = yield from verify_tree(tree, last, cache, params, sampler, budget, stats, cut)
-        if guessing and not draft.tokens and whole.tokens:  # a plain step (by the budget's cut or a busy batch's)
-            budget.guessed([whole.tokens[c] for c in whole.children(-1)], verdict.token)
+        draft, verdict, target = yield from verify_tree(tree, last, cache, params, sampler, budget, stats, cut)
+        candidates = [whole.tokens[c] for c in whole.children(-1)]
+        if not draft.tokens and candidates:  # a plain step (by the budget's cut or a busy batch's)
+            budget.observed(candidates, [float(t == verdict.token) if target is None else target.prob(0, t)
+                                         for t in candidates])
         return draft, verdict
 
     def proposer(self, drafter: Drafter, grammar: GrammarMask | None, room: int, params: SamplingParams,

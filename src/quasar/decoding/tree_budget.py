@@ -82,12 +82,13 @@ class TreeBudget:
             for rank, child in enumerate(tree.children(node)[: self.width]):
                 self.seen(depth, rank, child == taken)
 
-    def guessed(self, candidates: list[int], token: int) -> None:
-        """A plain step's outcome for the drafter's first-position candidates (a greedy verdict accepts exactly the
-        token the verifier picks), so that drafting resumes where it pays again."""
-        for rank, candidate in enumerate(candidates[: self.width]):
-            self.seen(1, rank, candidate == token)
+    def observed(self, candidates: list[int], accepted: list[float]) -> None:
+        """A plain step's outcome for the drafter's first-position candidates: how likely each was to be the one
+        accepted (greedy: 1 for the verifier's token, else 0; sampling: its target probability, the chance that
+        sampling without replacement accepts it), so that drafting resumes where it pays again."""
+        for rank, chance in enumerate(accepted[: self.width]):
+            self.seen(1, rank, chance)
 
-    def seen(self, depth: int, rank: int, accepted: bool) -> None:
+    def seen(self, depth: int, rank: int, accepted: float) -> None:
         self.hits[depth - 1][rank] = self.DECAY * self.hits[depth - 1][rank] + accepted
         self.tries[depth - 1][rank] = self.DECAY * self.tries[depth - 1][rank] + 1
