@@ -17,7 +17,7 @@ from quasar.decoding.drafters.ngram import NgramDrafter
 from quasar.decoding.drafters.suffix import SuffixDrafter
 from quasar.decoding.sampling import SamplingParams, logits_to_probs
 from quasar.decoding.speculative import Speculative
-from quasar.decoding.tree import DraftTree
+from quasar.decoding.tree import DraftTree, TreeVerdict
 from quasar.decoding.tree_budget import TreeBudget
 from quasar.kernels import plan
 from quasar.model.llama import Transformer
@@ -148,19 +148,19 @@ def test_a_tree_request_drafts_what_rows_pay_for(b, temperature, one_thread):
 
 def test_the_budget_keeps_the_nodes_that_pay():
     tree = DraftTree([5, 6, 7, 8, 9], [-1, 0, -1, 0, 1], [0.9, 0.5, 0.3, 0.2, 0.1])  # best first
-    cheap = TreeBudget(AUTO, AUTO, costs(1.0, 0.01))
-    dear = TreeBudget(AUTO, AUTO, costs(1.0, 2.0))
-    assert len(cheap.cut(tree)) == 5  # rows nearly free: every node
-    assert len(dear.cut(tree)) == 1  # a row costs 2/3 of a plain step: only the likeliest node pays
-    assert len(TreeBudget(AUTO, AUTO, costs(1.0, 20.0), k_min=0).cut(tree)) == 0  # a plain step
+    assert len(TreeBudget(AUTO, AUTO, costs(1.0, 20.0)).cut(tree)) == 5  # a new budget reaches the third depth
+    budgets = [TreeBudget(AUTO, AUTO, costs(1.0, b), k_min=0) for b in (0.01, 2.0, 20.0)]
+    for budget in budgets:
+        budget.count(tree, TreeVerdict([], 5))  # nothing accepted: no depth to reach
+    assert [len(budget.cut(tree)) for budget in budgets] == [5, 1, 0]  # rows nearly free; 2/3 of a step; 20 steps
+    budgets[2].count(tree, TreeVerdict([0, 1, 4], 3))  # a whole branch, three deep
+    assert len(budgets[2].cut(tree)) == 5  # its next tree goes as deep, whatever rows cost
     assert len(TreeBudget(3, 4, costs(1.0, 20.0)).cut(tree)) == 5  # fixed k: the drafter's whole tree
 
 
 def test_the_budget_learns_each_ranks_acceptance():
     budget = TreeBudget(3, AUTO, None)
     tree = DraftTree([5, 6, 7, 8], [-1, -1, 0, 0])
-    from quasar.decoding.tree import TreeVerdict
-
     before = budget.chance(1, 1), budget.chance(1, 0), budget.chance(2, 0)
     for _ in range(10):
         budget.count(tree, TreeVerdict([1], 3))  # the second candidate, every time

@@ -40,7 +40,7 @@ class LLM:
         max_context: int | None = None,
         cache_dir: str | Path | None = None,
         guard: float | None = None,
-        tree: int | str = "auto",
+        tree: int | str = 1,
         max_batch: int = 16,
         max_batch_tokens: int = 64,
     ) -> None:

@@ -153,7 +153,7 @@ class EngineSpec:
     drafter: str = NO_DRAFTER
     k: int | str = AUTO
     guard: float | None = None
-    tree: int | str = AUTO
+    tree: int | str = 1
 
     def __post_init__(self) -> None:
         check_drafter(self.drafter)
@@ -170,7 +170,7 @@ class EngineSpec:
                                  f"with bf16; --verifier {self.verifier_name} is {what}")
 
     @classmethod
-    def parse(cls, text: str, k: int | str = AUTO, guard: float | None = None, tree: int | str = AUTO) -> EngineSpec:
+    def parse(cls, text: str, k: int | str = AUTO, guard: float | None = None, tree: int | str = 1) -> EngineSpec:
         """'ngram+w8a8', 'ar:bf16', 'w8a8+bf16' (no drafter), 'model:PATH+w8a8' (a path may hold '+')."""
         if text.startswith(PLAIN + ":"):
             return cls(parse_levels(text[len(PLAIN) + 1 :]), NO_DRAFTER, k, guard, tree)

@@ -52,7 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--k", type=draft_length, default="auto",
                         help="draft length for DRAFTER+V: a number (the paper: 5) or 'auto', chosen from the acceptance "
                         "and the measured step costs as generate's (default: %(default)s)")
-    parser.add_argument("--tree", type=tree_width, default="auto", metavar="WIDTH",
+    parser.add_argument("--tree", type=tree_width, default="1", metavar="WIDTH",
                         help="candidates per position of DRAFTER+V's draft trees: 1 (one chain) to 4, or 'auto' as "
                         "generate's (default: %(default)s)")
     parser.add_argument("--seed", type=seed, default=0, help="base seed for sampled runs (default: 0)")

@@ -167,11 +167,12 @@ def add_decode_args(parser: argparse.ArgumentParser, drafter_default: str = "ngr
     group.add_argument("--k", default="auto", type=draft_length, help="draft tokens per verify step, or 'auto': the length that promises the most tokens per second from "
                        "the recent acceptance and the measured cost of each step size, 0 where drafts do not pay "
                        "(default: %(default)s)")
-    group.add_argument("--tree", default="auto", type=tree_width, metavar="WIDTH",
-                       help="candidates per position (the ngram and suffix drafters): 1 drafts one chain; 2-4 draft a "
-                       "tree of up to that many alternatives a position, verified in one forward without changing the "
-                       "output's distribution; 'auto': as many nodes as the measured step costs and acceptance pay "
-                       "for (on the fused CPU kernels; elsewhere one chain) (default: %(default)s)")
+    group.add_argument("--tree", default="1", type=tree_width, metavar="WIDTH",
+                       help="candidates per position (ngram, suffix and model drafters): 1 drafts one chain; 2-4 draft "
+                       "a tree of up to that many alternatives a position, verified in one forward without changing "
+                       "the output's distribution; 'auto': up to 4, as many nodes as the measured step costs and "
+                       "acceptance pay for (trees run on the fused CPU kernels; elsewhere one chain) "
+                       "(default: %(default)s)")
     group.add_argument("--ngram-min", type=positive_int, default=1, help="shortest n-gram the ngram/suffix drafters match (default: %(default)s)")
     group.add_argument("--ngram-max", type=positive_int, default=3, help="longest n-gram the ngram drafter matches (default: %(default)s)")
 

@@ -22,6 +22,7 @@ class TreeBudget:
     deciding), at most k deep ('auto': MAX_DRAFT, the cost cut deciding), the nodes kept chosen by cost."""
 
     DECAY = 0.9
+    START_DEPTH = 4
     PRIOR_TRIES = 4.0
     # by rank, of PRIOR_TRIES: a first candidate 1 in 4, later ones rarer; past the first position twice that (a
     # copied text that was right so far tends to stay right)
@@ -37,7 +38,9 @@ class TreeBudget:
         prior = [self.PRIOR_HITS[min(r, len(self.PRIOR_HITS) - 1)] for r in range(self.width)]
         self.hits = [[h * (1 if d == 0 else 2) for h in prior] for d in range(MAX_DRAFT)]  # [depth - 1][rank]
         self.tries = [[self.PRIOR_TRIES] * self.width for _ in range(MAX_DRAFT)]
-        self.explore = 0  # nodes past the cut: 1 after a step accepted a whole branch (longer runs get their chance)
+        # the depth the next tree reaches whatever the cut: one past a branch accepted whole (longer runs get their
+        # chance, as DraftLength grows k), and DraftLength's starting length at first
+        self.reach = self.START_DEPTH
 
     def chance(self, depth: int, rank: int) -> float:
         """a(depth, rank): the chance that a node's candidate of this rank is accepted once the node is reached."""
@@ -50,8 +53,8 @@ class TreeBudget:
         return max(0, min(MAX_TREE, room - 1))
 
     def cut(self, tree: DraftTree) -> DraftTree:
-        """The prefix of the tree (its nodes best first) that promises the most tokens per second; all of it, up to
-        depth k, where k is fixed."""
+        """The prefix of the tree (its nodes best first) that promises the most tokens per second, or that reaches
+        `reach` deep if that is longer; all of it, up to depth k, where k is fixed."""
         if not self.adaptive:
             return tree
         best, rate, expected = 0, 1.0 / self.cost(1), 1.0
@@ -59,7 +62,10 @@ class TreeBudget:
             expected += chance
             if expected / self.cost(n + 1) > rate:
                 best, rate = n, expected / self.cost(n + 1)
-        return tree.prefix(max(min(self.k_min, len(tree)), best + self.explore))
+        depths = tree.depths()
+        reach = min(self.reach, max(depths, default=0))
+        reaching = next((n for n, depth in enumerate(depths, 1) if depth >= reach), 0) if reach else 0
+        return tree.prefix(max(min(self.k_min, len(tree)), best, reaching))
 
     def cost(self, rows: int) -> float:
         seconds = self.costs.cost(rows) if self.costs is not None else None
@@ -73,7 +79,8 @@ class TreeBudget:
     def count(self, tree: DraftTree, verdict: TreeVerdict) -> None:
         """Each node the walk reached (the root, then the accepted path): for each of its children, whether it was
         the one accepted."""
-        self.explore = int(bool(verdict.path) and not tree.children(verdict.path[-1]))
+        whole = bool(verdict.path) and not tree.children(verdict.path[-1])
+        self.reach = min(self.depth, verdict.accepted + 1) if whole else 0
         reached = [-1, *verdict.path]
         for depth, node in enumerate(reached, 1):
             if depth > MAX_DRAFT:

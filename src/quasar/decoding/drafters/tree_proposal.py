@@ -6,8 +6,9 @@ the index finds for the committed tokens), then come the other tokens that follo
 the committed tokens + the path, by count (most first, then by token id), then those of its shorter suffixes, at
 most `width` in all. A child of rank
 0 goes on copying the same text; a child of a later rank starts a copy where the index finds its own context. A
-copy that reaches the end of its text ends the branch, as it ends `propose`'s draft, so a width-1 tree is
-`propose`'s greedy draft as a chain.
+copy that reaches the end of its text ends a width-1 tree's branch, as it ends `propose`'s draft, so a width-1
+tree is `propose`'s greedy draft as a chain; in a wider tree the branch goes on with what followed its context
+most often (as the sampled n-gram walk does).
 
 The tree grows best-first (as EAGLE-2's dynamic draft trees, Li et al. 2024): each candidate node's estimate of
 being accepted is P(node) = P(parent) * chance(depth, rank) with P(root) = 1, and the candidate with the largest
@@ -82,9 +83,10 @@ class Growth:
     def rank(self, tail: list[int], copy: Copy | None) -> list[int]:
         """The children's tokens: the copy's next one, then the other continuations of tail's longest indexed suffix
         by count, then those of its shorter suffixes (a long match often has one continuation only)."""
-        if copy is None or copy[1] >= len(copy[0]):
+        copying = copy is not None and copy[1] < len(copy[0])
+        if not copying and self.width == 1:  # a chain ends where its copy does, as `propose`'s draft
             return []
-        ranked = [copy[0][copy[1]]]
+        ranked = [copy[0][copy[1]]] if copying else []  # a tree's branch goes on with what followed most often
         index = self.index
         for n in range(min(index.ngram_max, len(tail)), index.ngram_min - 1, -1):
             if len(ranked) == self.width:
@@ -110,5 +112,6 @@ class Growth:
         self.chances.append(estimate)
         tail = [*self.tail[parent], token][-self.index.ngram_max :]
         copy = self.copy[parent]
-        self.open(node, tail, (copy[0], copy[1] + 1) if rank == 0 and copy is not None else self.locate(tail))
+        copying = rank == 0 and copy is not None and copy[1] < len(copy[0])
+        self.open(node, tail, (copy[0], copy[1] + 1) if copying else self.locate(tail))
         return node

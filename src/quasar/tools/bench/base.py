@@ -39,7 +39,7 @@ class MethodOptions:
     model: str = "default"
     max_context: int | None = None
     k: int | str = "auto"  # draft length for DRAFTER+V: adaptive, as generate's; the paper used 5
-    tree: int | str = "auto"  # candidates per position of DRAFTER+V's draft trees, as generate's (1: one chain)
+    tree: int | str = 1  # candidates per position of DRAFTER+V's draft trees, as generate's (1: one chain)
     quantized: str | None = None  # a `quasar quantize` checkpoint for the w8a8 / w8a16 verifier
     pld_tokens: int = 10  # peers' prompt-lookup draft length (transformers' documented example)
 
