@@ -158,6 +158,16 @@ def test_the_budget_keeps_the_nodes_that_pay():
     assert len(TreeBudget(3, 4, costs(1.0, 20.0)).cut(tree)) == 5  # fixed k: the drafter's whole tree
 
 
+def test_the_budget_asks_for_no_more_nodes_than_it_could_keep():
+    budgets = {b: TreeBudget(AUTO, AUTO, costs(1.0, b)) for b in (0.01, 20.0)}
+    for budget in budgets.values():
+        budget.count(DraftTree([5], [-1]), TreeVerdict([], 6))  # nothing accepted: no depth to reach
+    assert budgets[0.01].nodes(64) == 15 and budgets[0.01].nodes(4) == 3  # the most, within the room
+    assert budgets[20.0].nodes(64) == 4  # dear rows: only enough for the first position's candidates
+    assert TreeBudget(AUTO, AUTO, costs(1.0, 20.0)).nodes(64) >= 4  # a new budget: enough to reach 4 deep
+    assert TreeBudget(2, 5, costs(1.0, 20.0)).nodes(64) == 15  # fixed k: as many as fit
+
+
 def test_the_budget_learns_each_ranks_acceptance():
     budget = TreeBudget(3, AUTO, None)
     tree = DraftTree([5, 6, 7, 8], [-1, -1, 0, 0])

@@ -12,6 +12,8 @@ Sequoia's cost-aware tree size, Chen et al. 2024).
 
 from __future__ import annotations
 
+import heapq
+
 from quasar.decoding.costs import StepCosts
 from quasar.decoding.tree import MAX_TREE, DraftTree, TreeVerdict
 from quasar.spec import AUTO, MAX_DRAFT, MAX_WIDTH
@@ -49,23 +51,46 @@ class TreeBudget:
         return self.hits[depth - 1][rank] / self.tries[depth - 1][rank]
 
     def nodes(self, room: int) -> int:
-        """How many nodes to ask the drafter for: a step scores them and one more row, within `room` rows."""
-        return max(0, min(MAX_TREE, room - 1))
+        """How many nodes to ask the drafter for (a step scores them and one more row, within `room` rows): with
+        k 'auto', no more than the cut would keep of the ideal tree (every node with `width` candidates, each at
+        its chance; a real tree's nodes are some of those, so it keeps no more), and at least the first position's
+        candidates (a plain step's row still judges them)."""
+        most = max(0, min(MAX_TREE, room - 1))
+        if not self.adaptive:
+            return most
+        return min(most, max(self.keep(*self.ideal(most)), self.width))
+
+    def ideal(self, n: int) -> tuple[list[float], list[int]]:
+        """The chances and depths of the best n nodes of the ideal tree, best first (as the drafters grow theirs)."""
+        offers = [(-self.chance(1, 0), 1, 0, 1.0)]  # (-P, depth, rank, P(parent))
+        chances, depths = [], []
+        while offers and len(chances) < n:
+            minus, depth, rank, parent = heapq.heappop(offers)
+            if minus >= 0:
+                break
+            chances.append(-minus)
+            depths.append(depth)
+            for d, r, reach in ((depth, rank + 1, parent), (depth + 1, 0, -minus)):
+                heapq.heappush(offers, (-reach * self.chance(d, r), d, r, reach))
+        return chances, depths
 
     def cut(self, tree: DraftTree) -> DraftTree:
         """The prefix of the tree (its nodes best first) that promises the most tokens per second, or that reaches
         `reach` deep if that is longer; all of it, up to depth k, where k is fixed."""
         if not self.adaptive:
             return tree
+        return tree.prefix(max(min(self.k_min, len(tree)), self.keep(tree.chances, tree.depths())))
+
+    def keep(self, chances: list[float], depths: list[int]) -> int:
+        """How many of these nodes (best first) to verify: the most tokens per second, or `reach` deep."""
         best, rate, expected = 0, 1.0 / self.cost(1), 1.0
-        for n, chance in enumerate(tree.chances, 1):
+        for n, chance in enumerate(chances, 1):
             expected += chance
             if expected / self.cost(n + 1) > rate:
                 best, rate = n, expected / self.cost(n + 1)
-        depths = tree.depths()
         reach = min(self.reach, max(depths, default=0))
         reaching = next((n for n, depth in enumerate(depths, 1) if depth >= reach), 0) if reach else 0
-        return tree.prefix(max(min(self.k_min, len(tree)), best, reaching))
+        return max(best, reaching)
 
     def cost(self, rows: int) -> float:
         seconds = self.costs.cost(rows) if self.costs is not None else None
