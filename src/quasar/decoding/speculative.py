@@ -276,13 +276,13 @@ class Speculative:
         of no nodes makes a plain step, whose row still tells the budget how likely the drafter's first candidates
         were (each one's target probability: how often it would have been the one accepted)."""
         start = time.perf_counter()
-        chance = lambda depth, rank: budget.chance(depth, rank) if depth <= room else 0.0  # noqa: E731
-        whole = within(drafter.propose_tree(budget.nodes(cache.max_len - cache.length), budget.width, chance), room)
+        chance = lambda depth, rank: budget.chance(depth, rank) if depth <= room else 0.0  # noqa: E731 (none deeper)
+        whole = drafter.propose_tree(budget.nodes(cache.max_len - cache.length), budget.width, chance)
         tree = budget.cut(whole)
         stats.draft_s += time.perf_counter() - start
         draft, verdict, target = yield from verify_tree(tree, last, cache, params, sampler, budget, stats, cut)
-        candidates = [whole.tokens[c] for c in whole.children(-1)]
-        if not draft.tokens and candidates:  # a plain step (by the budget's cut or a busy batch's)
+        if not draft.tokens and whole.tokens:  # a plain step (by the budget's cut or a busy batch's)
+            candidates = [whole.tokens[c] for c in whole.children(-1)]
             budget.observed(candidates, [float(t == verdict.token) if target is None else target.prob(0, t)
                                          for t in candidates])
         return draft, verdict
@@ -294,15 +294,3 @@ class Speculative:
         if grammar is None or not self.forced_drafts:
             return lambda k: drafter.propose(k, params, generator)
         return lambda k: forced_draft(grammar, drafter, k, room, params, generator)
-
-
-def within(tree: DraftTree, depth: int) -> DraftTree:
-    """The tree's nodes at most `depth` deep (a node's ancestors are shallower: still a tree, in the same order)."""
-    depths = tree.depths()
-    if all(d <= depth for d in depths):
-        return tree
-    keep = [node for node, d in enumerate(depths) if d <= depth]
-    index = {node: i for i, node in enumerate(keep)}
-    return DraftTree([tree.tokens[n] for n in keep], [index.get(tree.parents[n], -1) for n in keep],
-                     [tree.chances[n] for n in keep] if tree.chances else [])
-

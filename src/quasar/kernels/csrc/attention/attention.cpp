@@ -128,11 +128,20 @@ AttentionSteps::AttentionSteps(const std::vector<Segment>& segments, int64_t T, 
   ++live_on_thread();  // last: a constructor that throws has no destructor to undo it
 }
 
-void AttentionSteps::plant(View& view, const int64_t* parents) {
-  for (int64_t r = 0; r < view.rows; ++r) {
+std::vector<int64_t> tree_depths(const int64_t* parents, int64_t rows) {
+  std::vector<int64_t> depth;
+  for (int64_t r = 0; r < rows; ++r) {
     const int64_t parent = parents[r];
     KERNEL_CHECK(r == 0 ? parent == -1 : parent >= 0 && parent < r, "a tree row's parent is an earlier row (row 0: -1)");
-    view.depth.push_back(r ? view.depth[parent] + 1 : 0);
+    depth.push_back(r ? depth[parent] + 1 : 0);
+  }
+  return depth;
+}
+
+void AttentionSteps::plant(View& view, const int64_t* parents) {
+  view.depth = tree_depths(parents, view.rows);
+  for (int64_t r = 0; r < view.rows; ++r) {
+    const int64_t parent = parents[r];
     view.path_at.push_back(static_cast<int64_t>(view.paths.size()));
     for (int64_t i = 0; r && i <= view.depth[parent]; ++i) view.paths.push_back(view.paths[view.path_at[parent] + i]);
     view.paths.push_back(view.start + r - view.origin);

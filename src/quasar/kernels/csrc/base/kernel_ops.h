@@ -117,6 +117,9 @@ struct Segment {
   CacheView ring = {};
   const int64_t* parents = nullptr;
 };
+// The depth of each of a draft tree's rows from their parents (Segment::parents; checked: -1 for row 0, an earlier
+// row for the others).
+std::vector<int64_t> tree_depths(const int64_t* parents, int64_t rows);
 
 // Rope, cache writes and attention of one step's rows over their sequences' caches, in parts any thread may run:
 // rope(t0, t1) for every row first, then attend(i) for each work item i < items(), in any order and on any thread

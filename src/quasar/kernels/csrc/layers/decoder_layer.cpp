@@ -275,14 +275,11 @@ at::Tensor rope_rows(const at::Tensor& table, const std::vector<int64_t>& starts
   auto out = at::empty({N, D}, table.options());
   float* o = out.data_ptr<float>();
   for (size_t i = 0; i < rows.size(); ++i) {
-    const std::vector<int64_t>* parents = trees.empty() || trees[i].empty() ? nullptr : &trees[i];
-    std::vector<int64_t> depth(rows[i]);
-    for (int64_t r = 0; r < rows[i]; ++r) {  // a parent is an earlier row (checked again where the rows attend)
-      const int64_t parent = parents ? (*parents)[r] : r - 1;
-      TORCH_CHECK(parent < r && (parent >= 0 || r == 0), "a tree row's parent is an earlier row (row 0: -1)");
-      depth[r] = r ? depth[parent] + 1 : 0;
-      std::memcpy(o + r * D, table.data_ptr<float>() + (starts[i] + depth[r]) * D, D * sizeof(float));
-    }
+    const bool tree = !trees.empty() && !trees[i].empty();
+    TORCH_CHECK(!tree || static_cast<int64_t>(trees[i].size()) == rows[i], "a tree's parents are one per row");
+    const std::vector<int64_t> depth = tree ? tree_depths(trees[i].data(), rows[i]) : std::vector<int64_t>{};
+    for (int64_t r = 0; r < rows[i]; ++r)
+      std::memcpy(o + r * D, table.data_ptr<float>() + (starts[i] + (tree ? depth[r] : r)) * D, D * sizeof(float));
     o += rows[i] * D;
   }
   return out;
