@@ -9,7 +9,8 @@ every method alike. Reports per temperature each method's tokens/s over its wall
 median of the per-prompt ratios and the ratio of the totals), its mean accepted tokens (tokens a step), and, over
 the steps that verified a tree (every width above 1 together), how often the candidate of each depth and rank was
 the one accepted once its parent was reached: what bounds the tokens a step that trees of those candidates give. Sampled requests are seeded unless
-`--unseeded` (a seeded request sizes its trees by the prior row costs, an unseeded one by the measured ones).
+`--unseeded` (a model drafter's seeded chains are sized by the prior row costs, unseeded ones by the measured ones;
+n-gram and suffix drafts, and every tree, follow the measured costs either way: their output is plain decoding's).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from quasar.decoding.multi_candidate import Candidates, Choice, greedy_choice, verify_candidates
-from quasar.decoding.rejection import DenseDraft, SparseDraft, rejection_sample
+from quasar.decoding.rejection import DenseDraft, rejection_sample
 from quasar.decoding.sampling import Sampler, SamplingParams, TargetRows, logits_to_probs
 from test_verify import chi_square_p, one_hot, rows
 
@@ -53,7 +53,8 @@ def test_deterministic_candidates_follow_the_target(name):
 
 DRAFTS = {  # [1, V] draft rows: mass on the target's top token (0) and on tokens it never emits (ZERO; 5 at T=0.7)
     "dense": DenseDraft(torch.softmax(torch.randn(1, V, generator=torch.Generator().manual_seed(2)), -1)),
-    "sparse": SparseDraft([{ZERO: 0.2, 0: 0.4, 5: 0.3, 6: 0.1}]),
+    "sparse": DenseDraft(torch.zeros(1, V).index_put_((torch.tensor([0, 0, 0, 0]), torch.tensor([ZERO, 0, 5, 6])),
+                                                      torch.tensor([0.2, 0.4, 0.3, 0.1]))),  # mass on four tokens
 }
 
 

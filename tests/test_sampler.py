@@ -12,7 +12,6 @@ from conftest import needs_kernels
 
 from quasar.kernels import native
 from quasar.decoding.sampling import argmax_rows, Sampler, SamplingParams, draw, filtered_weights, logits_to_probs, weights_and_sums
-from quasar.decoding.rejection import SparseDraft, rejection_sample
 from test_verify import chi_square_p
 
 COMBINATIONS = {
@@ -107,27 +106,6 @@ def test_draw_never_picks_a_zero_weight():
     g = torch.Generator().manual_seed(0)
     assert {draw(weights, g) for _ in range(500)} <= {1, 4}
     assert draw(torch.zeros(4), g) is None
-
-
-def test_sparse_draft_distribution_is_lossless():
-    """An n-gram drafter's continuation counts as a sparse draft distribution: the draft token drawn from it,
-    accepted with min(1, target / draft), residual otherwise; the first two emitted tokens follow the target."""
-    V, n = 8, 6000
-    g = torch.Generator().manual_seed(7)
-    target = torch.softmax(torch.randn(3, V, generator=g) * 1.5, -1)  # [k + 1, V], k = 2
-    draft = SparseDraft([{1: 0.6, 4: 0.3, 6: 0.1}, {2: 0.5, 3: 0.5}])
-    sampler = Sampler(SamplingParams(temperature=1.0))
-    first, second = torch.zeros(V), torch.zeros(V)
-    for _ in range(n):
-        tokens = [int(torch.multinomial(torch.tensor(list(row.values())), 1, generator=g)) for row in draft.rows]
-        tokens = [list(row)[t] for row, t in zip(draft.rows, tokens)]
-        verdict = rejection_sample(tokens, draft, sampler.rows(target.log()), g)
-        emitted = [*tokens[: verdict.accepted], verdict.token]
-        first[emitted[0]] += 1
-        if len(emitted) > 1:  # the toy's rows do not depend on the accepted token
-            second[emitted[1]] += 1
-    assert chi_square_p(first, target[0]) > 1e-3
-    assert chi_square_p(second, target[1]) > 1e-3
 
 
 @needs_kernels

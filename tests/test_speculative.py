@@ -283,13 +283,13 @@ def test_a_stop_string_ends_the_output_at_the_token_that_completes_it(stop):
 
 
 def test_a_seeded_sampled_request_drafts_alike_however_fast_rows_ran(one_thread):
-    """Its draft lengths follow its own tokens only, so it draws the same random numbers, alone or in any batch, on
-    any machine."""
+    """A model drafter's sampled drafts draw random numbers: a seeded request's draft lengths follow its own tokens
+    only, so it draws the same random numbers, alone or in any batch, on any machine."""
     model = small_model(seed=0)
     params = SamplingParams(temperature=1.0, seed=3, max_new_tokens=30, ignore_eos=True)
     outputs = []
     for b in (0.02, 0.5):
-        decoder = Speculative(NgramDrafter(1, 3), k=AUTO)
+        decoder = Speculative(DRAFTERS["model"](), k=AUTO)
         decoder.costs = costs(1.0, b)
         outputs.append(run(model, decoder, PROMPT, params, budget=30)[0])
     assert outputs[0] == outputs[1]

@@ -115,13 +115,24 @@ def test_greedy_tree_output_is_plain(width, drafter, one_thread):
     assert torch.equal(cache.k[:, :, :, :n], plain_cache.k[:, :, :, :n])
 
 
-def test_a_seeded_tree_request_repeats_itself(one_thread):
+@pytest.mark.parametrize("b", [0.01, 20.0])
+@pytest.mark.parametrize("width", [1, AUTO])
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_a_seeded_sampled_request_gives_plain_decodings_tokens_whatever_it_drafts(drafter, width, b, one_thread):
+    """A copying drafter's chains and trees are matched against plain decoding's draws: with the same seed the
+    output is plain decoding's token for token, whether rows are nearly free (long drafts) or dear (none)."""
     model = fused_model(seed=2)
-    params = SamplingParams(temperature=1.0, seed=7, max_new_tokens=30, ignore_eos=True)
-    decoder = Speculative(NgramDrafter(1, 3), k=AUTO, width=AUTO)
-    first, _, _ = run(model, decoder, PROMPT, params, budget=30)
-    decoder.costs = StepCosts()  # timings never steer a seeded request
-    assert run(model, decoder, PROMPT, params, budget=30)[0] == first
+    make = {"ngram": lambda: NgramDrafter(1, 3), "suffix": lambda: SuffixDrafter(1, 3)}[drafter]
+    for params in (SamplingParams(temperature=1.0, seed=7, max_new_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=0.7, top_k=6, seed=8, max_new_tokens=40, ignore_eos=True)):
+        decoder = Speculative(make(), k=AUTO, width=width)
+        decoder.costs = costs(1.0, b)  # a seeded request's drafts follow measured costs
+        tokens, cache, stats = run(model, decoder, BRANCHING, params, budget=40, cache_len=160)
+        plain, plain_cache, _ = run(model, autoregressive, BRANCHING, params, budget=40, cache_len=160)
+        assert tokens == plain
+        assert cache.length == plain_cache.length and cache.held == plain_cache.held
+        drafted = stats.proposed_tokens / stats.verify_steps
+        assert drafted < 0.5 if b == 20.0 else drafted > 1
 
 
 def costs(a: float, b: float) -> StepCosts:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quasar.decoding.sampling import Sampler, SamplingParams, TargetRows
-from quasar.decoding.rejection import DenseDraft, greedy_verdict, rejection_sample, SparseDraft
+from quasar.decoding.rejection import DenseDraft, greedy_verdict, matched_verdict, rejection_sample
 
 pytestmark = pytest.mark.usefixtures("sampling_path")  # every test on torch and on the kernel
 
@@ -91,3 +91,40 @@ def test_emitted_tokens_follow_the_target_distribution(with_draft_probs):
     assert chi_square_p(first, target[0]) > 1e-3
     # Position 2 is emitted only when token 1 was the draft's: then it follows target[1] (row 1's context).
     assert chi_square_p(second, target[1]) > 1e-3
+
+
+def test_a_matched_draft_emits_the_draws_of_plain_decoding():
+    """matched_verdict: each emitted token is the draw plain decoding makes from the same generator, whatever the
+    draft (right, wrong, long, empty), one uniform number per emitted token; a draft token is kept iff it is the
+    draw."""
+    V = 6
+    g = torch.Generator().manual_seed(5)
+    target = torch.softmax(torch.randn(4, V, generator=g) * 1.5, -1)  # [k + 1, V], k = 3
+    for seed in range(200):
+        drawn = [rows(target).sample(i, torch.Generator().manual_seed(seed)) for i in range(4)]
+        plain = torch.Generator().manual_seed(seed)
+        plain_tokens = [rows(target[i : i + 1]).sample(0, plain) for i in range(4)]  # one plain step a row
+        for draft in ([], plain_tokens[:3], [plain_tokens[0], (plain_tokens[1] + 1) % V, 0], [(drawn[0] + 1) % V]):
+            v = matched_verdict(draft, rows(target), torch.Generator().manual_seed(seed))
+            emitted = [*draft[: v.accepted], v.token]
+            assert emitted == plain_tokens[: len(emitted)]
+            assert v.accepted == len(draft) or draft[v.accepted] != v.token
+
+
+def test_a_matched_draft_follows_the_target_as_rejection_sampling_does():
+    """The law of a deterministic draft's verdict: token d_i kept with probability target_probs[i, d_i] (as
+    rejection_sample with a one-hot draft), the next token from the target without it."""
+    V, n = 6, 6000
+    g = torch.Generator().manual_seed(11)
+    target = torch.softmax(torch.randn(3, V, generator=g) * 1.5, -1)  # [k + 1, V], k = 2
+    first, second, kept = torch.zeros(V), torch.zeros(V), 0
+    for _ in range(n):
+        v = matched_verdict([0, 1], rows(target), g)
+        emitted = [*[0, 1][: v.accepted], v.token]
+        kept += v.accepted > 0
+        first[emitted[0]] += 1
+        if len(emitted) > 1:
+            second[emitted[1]] += 1
+    assert chi_square_p(first, target[0]) > 1e-3
+    assert chi_square_p(second, target[1]) > 1e-3
+    assert abs(kept / n - float(target[0, 0])) < 4 * (float(target[0, 0]) / n) ** 0.5 + 0.01

@@ -20,8 +20,9 @@ of their chance of acceptance (from each decoder's recent acceptance at each dra
 pay for themselves: past ~8 rows a CPU forward costs about linearly more per row, so a row is added only if
 its expected tokens raise the forward's tokens per second under a cost model fitted on the recent forwards
 (CostModel). With few requests in the batch nearly every draft pays; in a full batch only the likely ones do. A cut draft is still a
-valid draft (output unchanged at temperature 0, its distribution unchanged otherwise), but it changes which
-random numbers a sampled request draws, so a seeded sampled request keeps its whole draft. Prompt chunks
+valid draft (output unchanged at temperature 0, and when sampling a free drafter's deterministic draft, whose
+tokens are matched against plain decoding's draws; a distribution unchanged otherwise), but it changes which
+random numbers a model drafter's sampled request draws, so such a request keeps its whole draft when seeded. Prompt chunks
 come before drafts (they are certain work), at least MIN_CHUNK tokens a step. On the torch path (CUDA, fp32)
 rows are not independent of their neighbours, so each request gets a forward of its own, prompts whole: the same
 answers, without the gain.

@@ -21,8 +21,9 @@ probability sum max(0, r - draft_j), passes on to later rounds that emit normali
 induction from the last residual, which is sampled directly); min(r, q) + max(0, r - q) = r.
 
 Greedy decoding (a one-hot target, the argmax) reduces to: the first candidate equal to the argmax if there is
-one, else the argmax (`greedy_choice`, which draws no random numbers). This module is a library function: the
-speculative loop verifies one draft path per step (quasar.decoding.rejection).
+one, else the argmax (`greedy_choice`, which draws no random numbers). Deterministic candidates reach the same law
+by matching the row's one draw (`greedy_choice` of the draw): the draft tree's walk (quasar.decoding.tree) does
+that, so its output is plain decoding's; `verify_candidates` is the rule for candidates drawn from a distribution.
 """
 
 from __future__ import annotations
@@ -91,8 +92,9 @@ def verify_candidates(
 
 def greedy_choice(
     tokens: list[int],  # c candidates
-    target_token: int,  # the argmax of the position's target row
+    target_token: int,  # the position's token: its target row's argmax, or its draw
 ) -> Choice:
-    """verify_candidates at temperature 0 without one-hot rows or random numbers: the first candidate equal to the
-    argmax is accepted, else the argmax is the recovered token."""
+    """The first candidate equal to the position's token is accepted, else that token is the recovered one. With the
+    row's argmax: verify_candidates at temperature 0. With the row's draw (as plain decoding draws it): a
+    deterministic draft's candidates under verify_candidates' law, candidate j accepted with probability p(t_j)."""
     return Choice(tokens.index(target_token) if target_token in tokens else None, target_token)

@@ -9,10 +9,13 @@ A verify step scores `[last, *draft]` with the verifier, giving k + 1 target dis
 - a *bonus* token follows a fully accepted draft: it is sampled from target_probs[k].
 
 Every step therefore emits accepted + 1 tokens, and they follow the target distribution exactly.
-Deterministic drafters (n-gram at temperature 0, suffix) pass draft_probs=None: a one-hot draft
-distribution, so a token is accepted with probability target_probs[i, d_i] and the residual is the target
-with d_i removed. Draft distributions come dense (`DenseDraft`, a model drafter's [k, V]) or sparse
-(`SparseDraft`, a few candidates per position, as an n-gram index's continuation counts give).
+A deterministic drafter's draft (n-gram, suffix: draft_probs=None) is a one-hot draft distribution: its token is
+accepted with probability target_probs[i, d_i] and the residual is the target with d_i removed. `matched_verdict`
+gives it that law with the draws of plain decoding: each position's token is drawn from its target row with one
+uniform number, as a plain step draws it, and a draft token is accepted iff it is that draw (P = target_probs[i,
+d_i]; a rejection's draw follows the target without d_i). Each emitted token is then the very token plain decoding
+draws from the same generator: a seeded request's output is the same whatever was drafted, and how long its drafts
+are may follow measured costs and a busy batch's cuts. A model drafter's draft distributions come dense (`DenseDraft`, [k, V]).
 Greedy decoding is the special case of one-hot target distributions (the argmax): a draft token is
 accepted iff it equals the argmax, and the recovered or bonus token is the argmax.
 """
@@ -65,19 +68,6 @@ class DenseDraft:
         weights.sub_(self.probs[i].to(weights.device), alpha=total).clamp_(min=0.0)
 
 
-@dataclass(frozen=True)
-class SparseDraft:
-    rows: list[dict[int, float]]  # per draft position: token -> probability (the others have 0)
-
-    def prob(self, i: int, token: int) -> float:
-        return self.rows[i].get(token, 0.0)
-
-    def subtract(self, i: int, weights: torch.Tensor, total: float) -> None:
-        ids = torch.tensor(list(self.rows[i]))  # [C]
-        probs = torch.tensor(list(self.rows[i].values()), dtype=weights.dtype)  # [C]
-        weights[ids] = (weights[ids] - total * probs).clamp_(min=0.0)
-
-
 def rejection_sample(
     draft_tokens: list[int],  # k
     draft_probs: DraftProbs | None,  # None for a deterministic (one-hot) drafter
@@ -92,6 +82,20 @@ def rejection_sample(
         if not uniform[i] * draft.prob(i, token) < target.prob(i, token):  # u < min(1, target / draft)
             return Verdict(i, target.sample_residual(i, lambda w, total: draft.subtract(i, w, total), generator))
     return Verdict(k, target.sample(k, generator))
+
+
+def matched_verdict(
+    draft_tokens: list[int],  # k, deterministic
+    target: TargetRows,  # k + 1 rows, after temperature / top-k / top-p / min-p
+    generator: torch.Generator,  # one uniform number per emitted token, as plain decoding draws
+) -> Verdict:
+    """rejection_sample of a deterministic draft, drawn as plain decoding draws: the draft is accepted while each
+    token equals its row's draw, and the first draw that differs (or the bonus draw) is the next token."""
+    for i, token in enumerate(draft_tokens):
+        drawn = target.sample(i, generator)
+        if drawn != token:
+            return Verdict(i, drawn)
+    return Verdict(len(draft_tokens), target.sample(len(draft_tokens), generator))
 
 
 def greedy_verdict(

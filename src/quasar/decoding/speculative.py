@@ -25,7 +25,7 @@ from quasar.decoding.processors import Processing, grammar_of
 from quasar.decoding.sampling import Sampler, SamplingParams, TargetRows
 from quasar.decoding.stats import GenerationStats
 from quasar.spec import AUTO, MAX_DRAFT
-from quasar.decoding.rejection import Verdict, greedy_verdict, rejection_sample
+from quasar.decoding.rejection import Verdict, greedy_verdict, matched_verdict, rejection_sample
 from quasar.decoding.tree import DraftTree, greedy_tree_verdict, sample_tree_verdict
 from quasar.decoding.tree_budget import TreeBudget
 
@@ -41,16 +41,16 @@ class DraftLength:
     each draft position (`chances`) and what steps of each size cost on this machine (`costs`, fitted on the
     decoder's recent verify steps); one more than that after a draft accepted whole (longer runs get their chance).
     On a CPU whose extra rows are dear (AVX2 without VNNI: six rows cost about three one-row steps) and a text the
-    drafts miss, that is 0: the step is a plain one. With k_min 0 (a free drafter, greedy) such a step still asks
-    the drafter for one token and counts whether the verifier chose it (`guessed`), so drafting resumes where it
-    pays again."""
+    drafts miss, that is 0: the step is a plain one. With k_min 0 (a free drafter, greedy or matched) such a step
+    still asks the drafter for one token and counts whether the verifier chose it (`guessed`), so drafting resumes
+    where it pays again."""
 
     K_MAX, K_START = MAX_DRAFT, 4  # k + 1 rows per verify step
     DECAY, PRIOR_HITS, PRIOR_TRIES = 0.9, 1.0, 4.0  # the acceptance counts behind `chances`
 
     def __init__(self, k: int | str, costs: StepCosts | None = None, k_min: int = 1) -> None:
-        """costs None: the prior costs, never measured (a seeded sampled request's draft lengths, and so the random
-        numbers it draws, must not depend on how fast the machine ran)."""
+        """costs None: the prior costs, never measured (where the drafts decide which random numbers a seeded
+        request draws, its draft lengths must not depend on how fast the machine ran)."""
         self.adaptive = k == AUTO
         self.k = self.K_START if self.adaptive else int(k)
         self.k_min = k_min
@@ -80,7 +80,7 @@ class DraftLength:
 
     def guessed(self, right: bool) -> None:
         """A plain step's outcome for the drafter's one-token guess: the first position's acceptance, as a draft of
-        it would have been judged (a greedy verdict accepts exactly the tokens the verifier picks)."""
+        it would have been judged (a greedy or matched verdict accepts exactly the token the verifier picks or draws)."""
         self.count(1, int(right))
         if self.adaptive:
             self.k = self.best()
@@ -113,11 +113,15 @@ class DraftLength:
 def judge(draft: Draft, logits: torch.Tensor, params: SamplingParams, sampler: Sampler,
           generator: torch.Generator) -> tuple[Verdict, TargetRows | None]:
     """The verdict on a draft from the verifier's rows over [last, *draft] ([k + 1, V]), after the request's
-    processors (the sampler's): the argmax rule when greedy, else rejection sampling on rows computed as it reaches them (returned, for a cascade to pass on)."""
+    processors (the sampler's): the argmax rule when greedy, else the draws of plain decoding matched against a
+    deterministic draft, or rejection sampling against a drafter's distributions, on rows computed as they are
+    reached (returned, for a cascade to pass on)."""
     logits = sampler.processed(logits, draft.tokens)
     if params.greedy:
         return greedy_verdict(draft.tokens, sampler.argmax(logits).tolist()), None
     target = sampler.rows(logits)
+    if draft.probs is None:
+        return matched_verdict(draft.tokens, target, generator), target
     return rejection_sample(draft.tokens, draft.probs, target, generator), target
 
 
@@ -206,19 +210,23 @@ class Speculative:
                params: SamplingParams, stop: StopRule, stats: GenerationStats,
                processing: Processing | None = None) -> Steps:
         sampler = Sampler(params, model.plan, processing)
-        guessing = drafter.free and params.greedy  # may stop drafting and still watch its guesses
-        # a seeded sampled request draws the same random numbers alone or in any batch only if its draft lengths
-        # follow its own tokens alone: it weighs rows by the prior costs, not by timings
-        costs = None if not params.greedy and params.seed is not None else self.costs
+        # The output does not depend on the drafts when greedy, and when sampling a free drafter's deterministic
+        # drafts, matched against plain decoding's draws (quasar.decoding.rejection; a guard's re-scores follow the
+        # draft). Otherwise a seeded request draws the same random numbers alone or in any batch only if its draft
+        # lengths follow its own tokens alone: it weighs rows by the prior costs, not by timings.
+        trees = self.trees(model, drafter, cache, processing)  # a tree's nodes are deterministic, whatever drafts them
+        independent = params.greedy or trees or (drafter.free and self.guard is None)
+        costs = None if not independent and params.seed is not None else self.costs
+        guessing = drafter.free and independent  # may stop drafting and still watch its guesses
         length = DraftLength(self.k, costs, k_min=0 if guessing else 1)
-        trees = self.trees(model, drafter, cache, processing)
         # a free drafter's tree may shrink to nothing at any temperature: a plain step's row still says how likely
         # its candidates were
         budget = TreeBudget(self.width, self.k, costs, k_min=0 if drafter.free else 1) if trees else None
         grammar = grammar_of(processing)
         # A batch may score fewer draft tokens than proposed when it is full, unless that could change the
-        # output: a seeded sampled request gives the same tokens as alone only with the same drafts.
-        may_cut = params.greedy or params.seed is None
+        # output: a seeded request whose drafts draw random numbers gives the same tokens as alone only with the
+        # same drafts.
+        may_cut = independent or params.seed is None
         start = time.perf_counter()
         drafter.reset()
         stats.middle = getattr(drafter, "stats", None)  # a cascade's middle level counts its own steps

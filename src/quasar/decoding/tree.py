@@ -5,19 +5,21 @@ path from the root is one draft, and siblings are alternatives for the same posi
 root and every node in one forward (a node attends to its ancestors only), giving target row 0 for the root and
 row i + 1 for node i: the distribution of the token after the path to that node. The walk then starts at the root:
 
-- an *accepted* node is a child of the current node kept by the multi-candidate rule (quasar.decoding.multi_candidate)
-  on the current node's row, its children tried in order; the walk descends into it;
-- a *recovered* token ends the walk when every child of the current node is rejected: it is drawn from what the
-  rule leaves of the current node's row;
+- the current node's row is drawn as plain decoding draws a token (one uniform number, quasar.decoding.rejection's
+  `matched_verdict`);
+- an *accepted* node is the child of the current node equal to that draw; the walk descends into it;
+- a *recovered* token ends the walk when no child equals the draw: the draw itself;
 - a *bonus* token ends the walk at a node without children (an accepted leaf, or the root of an empty tree): it is
-  drawn from that node's row.
+  that node's draw.
 
 Every step emits the accepted path and one more token. Why it is exact: the walk reads the row of node x only once
 x was emitted, and that row is the target's distribution given everything emitted so far; at each visited node the
-multi-candidate rule emits a token that follows that row exactly, whatever the candidates (they are fixed before
-verification). So each emitted token follows the target given the ones before it: the output sequence follows the
-target autoregressively. Greedy decoding reduces to the argmax walk: descend into the child equal to the row's
-argmax while there is one, then emit the argmax.
+emitted token is a draw from that row, whatever the candidates (they are fixed before verification). So each
+emitted token follows the target given the ones before it, and it is the token plain decoding draws from the same
+generator. Child j is accepted with probability p(t_j), the multi-candidate rule's law for distinct deterministic
+candidates (quasar.decoding.multi_candidate: sampling the row without replacement), with one uniform number a
+position instead of one a candidate. Greedy decoding reduces to the argmax walk: descend into the child equal to
+the row's argmax while there is one, then emit the argmax.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quasar.decoding.multi_candidate import Candidates, Choice, greedy_choice, verify_candidates
+from quasar.decoding.multi_candidate import Choice, greedy_choice
 from quasar.decoding.sampling import TargetRows
 
 MAX_TREE = 15  # draft nodes a tree verify step takes at most (16 rows)
@@ -120,10 +122,9 @@ def sample_tree_verdict(
     target: TargetRows,  # n + 1 rows [root, *nodes], after temperature / top-k / top-p / min-p
     generator: torch.Generator,  # the request's
 ) -> TreeVerdict:
-    """Walk from the root, at each node verify_candidates over its children (distinct tokens: the row is sampled
-    without replacement) on its row: descend into an accepted child, else stop with the recovered or bonus token.
-    The emitted tokens follow the target rows exactly (SpecInfer, Miao et al. 2024)."""
-    return walk(tree, lambda tokens, row: verify_candidates(Candidates(tokens), target, row, generator))
+    """Walk from the root, at each node its row's draw: descend into the child equal to it, else stop with it. The
+    emitted tokens follow the target rows exactly, as plain decoding's draws from the same generator."""
+    return walk(tree, lambda tokens, row: greedy_choice(tokens, target.sample(row, generator)))
 
 
 def walk(tree: DraftTree, choose: Callable[[list[int], int], Choice]) -> TreeVerdict:

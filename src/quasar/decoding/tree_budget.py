@@ -31,8 +31,8 @@ class TreeBudget:
     PRIOR_HITS = (1.0, 0.4, 0.2, 0.1)
 
     def __init__(self, width: int | str, k: int | str, costs: StepCosts | None, k_min: int = 1) -> None:
-        """costs None: the prior costs, never measured (a seeded sampled request's trees, and so the random numbers
-        it draws, must not depend on how fast the machine ran)."""
+        """costs None: the prior costs, never measured (where the drafts decide which random numbers a seeded
+        request draws, they must not depend on how fast the machine ran)."""
         self.width = MAX_WIDTH if width == AUTO else int(width)
         self.depth = MAX_DRAFT if k == AUTO else int(k)
         self.adaptive = k == AUTO

@@ -5,10 +5,11 @@ earlier prompt + generated text; at the first (longest) n that matches, it propo
 that followed the earliest occurrence of that n-gram. An index from n-gram to its first occurrence,
 updated as tokens are committed, makes each step O(ngram_max) instead of a scan of the context.
 
-At temperature > 0 a copied draft is accepted only with the target's probability of each copied token. The
-index therefore also counts every token that followed each n-gram, and the drafter walks it: each draft
-token is drawn from the continuation counts of the longest matching suffix, and those counts travel with
-the draft as its distribution, so rejection sampling accepts with min(1, target / draft) (quasar.decoding.rejection).
+The draft is the same at every temperature: when sampling, each position's token is drawn as plain decoding draws
+it and a draft token is kept iff it is that draw (quasar.decoding.rejection's `matched_verdict`), so a copied token
+is accepted with the target's probability of it and the output is plain decoding's. The index also counts every
+token that followed each n-gram: a draft tree's siblings (quasar.decoding.drafters.tree_proposal) are the other
+continuations by count.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import torch
 from quasar.decoding.drafters.base import Draft, DrafterOptions
 from quasar.model.loading import LoadedModel
 from quasar.decoding.sampling import SamplingParams
-from quasar.decoding.rejection import SparseDraft
 from quasar.decoding.drafters.tree_proposal import Chance, Copy, grow_tree
 from quasar.decoding.tree import DraftTree
 
@@ -84,10 +84,6 @@ class NgramIndex:
         """Where the longest indexed suffix of tokens occurred: (document, continuation start)."""
         return self.longest_suffix(self.where, tokens)
 
-    def continuations(self, tokens: list[int]) -> dict[int, int] | None:
-        """{token: count} of what followed the longest indexed suffix of tokens."""
-        return self.longest_suffix(self.followers, tokens)
-
     def longest_suffix(self, table: dict[tuple[int, ...], Any], tokens: list[int]) -> Any:
         """table's entry for the longest suffix of tokens (n from ngram_max down to ngram_min) it has."""
         for n in range(min(self.ngram_max, len(tokens)), self.ngram_min - 1, -1):
@@ -128,8 +124,6 @@ class NgramDrafter:
         del self.tokens[len(self.tokens) - n :]
 
     def propose(self, k: int, params: SamplingParams, generator: torch.Generator) -> Draft:
-        if not params.greedy:
-            return self.walk(k, generator)
         found = self.index.lookup(self.tokens) if k > 0 else None
         if found is None:
             return Draft([])
@@ -146,33 +140,6 @@ class NgramDrafter:
         """(the text, where) the copy for the longest indexed suffix of tokens starts, as `propose` finds it."""
         found = self.index.lookup(tokens)
         return None if found is None else (self.tokens, found[1])
-
-    def walk(self, k: int, generator: torch.Generator) -> Draft:
-        """Up to k tokens, each drawn from the continuation counts of the longest matching suffix of the
-        context and the tokens drawn so far; the counts, normalised, are the draft distribution."""
-        context = self.tokens[-self.index.ngram_max :]
-        tokens: list[int] = []
-        rows: list[dict[int, float]] = []
-        for u in torch.rand(k, generator=generator).tolist() if k > 0 else []:
-            found = self.index.continuations(context)
-            if found is None:
-                break
-            total = sum(found.values())
-            row = {token: count / total for token, count in found.items()}
-            tokens.append(pick(row, u))
-            rows.append(row)
-            context = [*context, tokens[-1]][-self.index.ngram_max :]
-        return Draft(tokens, SparseDraft(rows) if tokens else None)
-
-
-def pick(row: dict[int, float], u: float) -> int:
-    """The token whose share of the running sum of row's probabilities holds u in [0, 1)."""
-    running = 0.0
-    for token, prob in row.items():
-        running += prob
-        if u < running:
-            return token
-    return token  # u within rounding of 1
 
 
 def build(arg: str | None, target: LoadedModel, options: DrafterOptions) -> NgramDrafter:

@@ -8,7 +8,7 @@ most `width` in all. A child of rank
 0 goes on copying the same text; a child of a later rank starts a copy where the index finds its own context. A
 copy that reaches the end of its text ends a width-1 tree's branch, as it ends `propose`'s draft, so a width-1
 tree is `propose`'s greedy draft as a chain; in a wider tree the branch goes on with what followed its context
-most often (as the sampled n-gram walk does).
+most often.
 
 The tree grows best-first (as EAGLE-2's dynamic draft trees, Li et al. 2024): each candidate node's estimate of
 being accepted is P(node) = P(parent) * chance(depth, rank) with P(root) = 1, and the candidate with the largest
