@@ -1,4 +1,4 @@
-"""quasar's float-activation kernels (csrc/float/float_dot.cpp): float32 x times float32, bf16 or int8 weights, and
+"""quasar's float-activation kernels (csrc/float/float_dot*.cpp): float32 x times float32, bf16 or int8 weights, and
 bf16 x bf16 as vdpbf16ps sums. Every path this CPU runs gives the same floats (but the amx path's bf16 x bf16,
 which sums as AMX's tdpbf16ps: csrc/float/float_amx.cpp), every row is independent of the other rows, and the fp32
 and bf16 verifiers run on them."""

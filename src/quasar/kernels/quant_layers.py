@@ -294,6 +294,6 @@ class KernelBF16Linear(KernelModule, BF16Linear):
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """w [N, K] -> [N/16, K/2, 16, 2]: 16 channels side by side, each with its pair of inputs (csrc/float/float_dot.cpp)."""
+    """w [N, K] -> [N/16, K/2, 16, 2]: 16 channels side by side, each with its pair of inputs (csrc/float/float_dot.h)."""
     N, K = weight.shape
     return weight.view(N // 16, 16, K // 2, 2).transpose(1, 2).contiguous()

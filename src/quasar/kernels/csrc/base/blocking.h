@@ -1,5 +1,5 @@
-// Loop helpers shared by the linear kernels (w8a8_linear.cpp, norm_quant.cpp, int8_dot.cpp, float_dot.cpp,
-// int8_panel_avx2.cpp, int8_panel_avx512.cpp).
+// Loop helpers shared by the linear kernels (w8a8_linear.cpp, norm_quant.cpp, the int8, float and block kernels of
+// every instruction set).
 #pragma once
 #include "runtime.h"
 #include <immintrin.h>

@@ -70,7 +70,7 @@ int64_t group_size(const at::Tensor& w_scale, int64_t N, int64_t K) {
 
 }  // namespace
 
-// x [M, K] int8 (already quantized), w [N, K] int8 -> exact int32 [M, N], on `path` (see int8_dot.cpp).
+// x [M, K] int8 (already quantized), w [N, K] int8 -> exact int32 [M, N], on `path` (see int8_dot.h).
 // maddubs takes |x| <= 127, so there x = max(x, -127) + d with d in {-1, 0}, and rows holding -128 get a
 // second pass over d; the dpbusd paths take every int8 value.
 at::Tensor int8_mm(at::Tensor x, at::Tensor w, const std::string& path) {

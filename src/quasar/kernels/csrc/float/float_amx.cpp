@@ -1,5 +1,5 @@
 // The bf16 verifier's linears on Intel AMX: x [M, K] bfloat16 times bfloat16 weights packed in panels of 16
-// channels ([N/16][K/2][16][2], float_dot.cpp's layout, which is already AMX's B-tile layout: a panel's 32
+// channels ([N/16][K/2][16][2], float_dot.h's layout, which is already AMX's B-tile layout: a panel's 32
 // inputs are one 16 x 64-byte tile), float32 sums in tiles of up to 16 rows x 16 channels by tdpbf16ps.
 //
 // tdpbf16ps sums differently from vdpbf16ps (most random outputs differ: docs/kernels.md), so this is a path of its own: its floats are not the other float paths' floats. What the verifier needs

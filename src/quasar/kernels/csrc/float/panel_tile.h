@@ -1,4 +1,4 @@
-// The packed-panel tile of float_dot.cpp, included inside each AVX-512 target region so that the template is
+// The packed-panel tile of float_dot_avx512.cpp, included inside each AVX-512 target region so that the template is
 // compiled for that instruction set (see dpbusd_path.h). The includer defines P: the input and weight element
 // types X and T, the weights' register type W, the inputs one step takes (kStep), weights(panel) -> W,
 // input(x) -> the row's inputs broadcast, and madd(acc, inputs, weights). No include guard and no includes of

@@ -1,5 +1,5 @@
-// The dpbusd kernel's loop, included twice by int8_dot.cpp: once for AVX2 (Emulated256) and once inside a
-// `#pragma GCC target` region for AVX-512 (Vnni512), so each copy is compiled for its own instruction set
+// The dpbusd kernel's loop, included twice: by int8_dot_avx2.cpp for AVX2 (Emulated256) and by int8_dot_avx512.cpp
+// inside a `#pragma GCC target` region for AVX-512 (Vnni512), so each copy is compiled for its own instruction set
 // (GCC gives one template one target for all its instantiations). The includer defines V, the register
 // type's traits (kBytes, zero, ones, load, load_tail, dpbusd, sum). No include guard and no includes of
 // its own, on purpose.

@@ -1,5 +1,5 @@
-// The dpbusd paths of the group-wise kernel (int8_group.cpp), included inside each instruction set's
-// namespace so that the template is compiled for that target (GCC gives a template the target of the
+// The dpbusd paths of the group-wise kernel (int8_group_avx2.cpp, int8_group_avx512.cpp), included inside each
+// instruction set's namespace so that the template is compiled for that target (GCC gives a template the target of the
 // region it is defined in; one defined outside the AVX-512 region would pass zmm registers through memory).
 // They share everything but the instruction, which Base supplies: u = q + 128 as unsigned bytes, and each
 // group's lanes start at -128 * (the sum of its weights over the same lanes), so they end at sum q w

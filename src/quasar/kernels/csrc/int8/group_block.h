@@ -1,6 +1,6 @@
-// The group-wise W8A8 loop, included by int8_group.cpp once per instruction set (like dpbusd_block.h):
-// the includer defines V, the path's traits (kBytes, kRows, W, wload, group_start, dot) and F, the float
-// traits of the same register width (zero, cvt, set1, mul, fmadd, sum). No include guard, on purpose.
+// The group-wise W8A8 loop, included once per instruction set by int8_group_avx2.cpp and int8_group_avx512.cpp
+// (like dpbusd_block.h): the includer defines V, the path's traits (kBytes, kRows, W, wload, group_start, dot) and
+// F, the float traits of the same register width (zero, cvt, set1, mul, fmadd, sum). No include guard, on purpose.
 
 // out[m, n] = sum_g (x_scale[m, g] * w_scale[n, g]) * (q[m, gG:(g+1)G] . w[n, gG:(g+1)G]) for rows
 // m0 .. m0 + MB and channels [n0, n1). The dot of a group is exact in int32 lanes; each lane of a row's

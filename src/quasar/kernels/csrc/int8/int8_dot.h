@@ -1,4 +1,20 @@
-// The int8 dot-product kernels (int8_dot.cpp), as w8a8_linear.cpp and bindings.cpp see them.
+// The int8 dot-product kernels, as w8a8_linear.cpp and bindings.cpp see them, and the instruction sets' loops behind
+// them. The exact int8 dot products behind every W8A8 linear (int8_dot.cpp): rows of quantized activations q [M, K]
+// times output channels [n0, n1) of an int8 weight w [N, K], int32 sums. Two instruction sets:
+//
+// - "maddubs" (AVX2, every x86 CPU this package builds for): _mm256_maddubs_epi16(|w|, sign(x, w)) then
+//   _mm256_madd_epi16 by ones, 32 products per instruction pair. Needs |x| <= 127 (pair sums of at most
+//   2 * 128 * 127 < 2^15 never saturate); int8_mm handles x = -128 with a second pass.
+// - "dpbusd" (AVX-512 VNNI: Cascade Lake and newer Xeons, Zen 4 and newer): one vpdpbusd multiplies 64
+//   unsigned bytes by 64 signed bytes and adds each group of 4 products to an int32 lane, without
+//   saturation. The activations go in as u = x + 128 (x ^ 0x80, every int8 value), so
+//   sum_k x[k] w[k] = sum_k u[k] w[k] - 128 * sum_k w[k], the weight sums taken in the same pass.
+//   "dpbusd-emulated" runs the same code with 256-bit registers and vpdpbusd emulated exactly in AVX2:
+//   slower than maddubs, it exists so that the VNNI path's arithmetic is tested on machines without VNNI.
+//
+// All integer arithmetic of these paths is exact, so every path gives the same int32 results bit for bit, and a
+// row never depends on the other rows. The loops: int8_dot_avx2.cpp (maddubs, dpbusd-emulated) and
+// int8_dot_avx512.cpp (dpbusd); int8_dot.cpp picks one.
 #pragma once
 #include "blocking.h"
 #include "cpu.h"
@@ -12,6 +28,14 @@ void prepare_rows(Int8Path path, const int8_t* q, int64_t count, std::vector<uin
 // acc [M, N] int32, channels [n0, n1) = q [M, K] . w [N, K]^T, exactly; q in [-127, 127] for "maddubs".
 void int8_dot(Int8Path path, const int8_t* q, const uint8_t* u, const int8_t* w, int32_t* acc, int64_t M, int64_t N,
               int64_t K, int64_t n0, int64_t n1);
+// int8_dot on one instruction set, rows in blocks of at most 8: maddubs reads q, the dpbusd loops read u and
+// prefetch the weights as `prefetch` says.
+void int8_dot_maddubs(const int8_t* q, const int8_t* w, int32_t* acc, int64_t M, int64_t N, int64_t K, int64_t n0,
+                      int64_t n1);
+void int8_dot_dpbusd_emulated(Prefetch prefetch, const uint8_t* u, const int8_t* w, int32_t* acc, int64_t M, int64_t N,
+                              int64_t K, int64_t n0, int64_t n1);
+void int8_dot_dpbusd(Prefetch prefetch, const uint8_t* u, const int8_t* w, int32_t* acc, int64_t M, int64_t N,
+                     int64_t K, int64_t n0, int64_t n1);
 // out [M, N] float32, channels [n0, n1) = sum over groups g of G inputs of x_scale [M, K/G] * w_scale [N, K/G]
 // times the exact int32 dot of the group (int8_group.cpp); G a multiple of 32 dividing K, |q| <= 127.
 // The same on AVX-512 VNNI with weights packed in panels of 16 channels (int8_panel_avx512.cpp): wp [N/16][K/4][16][4]

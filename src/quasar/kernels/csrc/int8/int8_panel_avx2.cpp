@@ -7,7 +7,7 @@
 //   as |q| <= 127), then madd by ones sums each channel's 4 products into its int32 lane. |w| is taken once
 //   per weight register for all R rows. A group's int32 sums are exact, then each lane takes
 //   fmadd(float(sum), w_scale * x_scale, acc) per group in order: the dpbusd panels' arithmetic, so both give
-//   the same floats. Against the channel-by-channel loop of int8_group.cpp this takes the conversion and the
+//   the same floats. Against the channel-by-channel loop of int8_group_avx2.cpp this takes the conversion and the
 //   scaling once per 8 channels and group instead of once per channel and group: 4 instructions per 32
 //   products and row instead of 6-7, where the AVX2 loop is bound by instructions at 6 rows.
 #include "int8_dot.h"

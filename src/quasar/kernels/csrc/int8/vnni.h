@@ -1,4 +1,5 @@
-// vpdpbusd on 512-bit registers, for the AVX-512 VNNI loops (int8_dot.cpp, int8_group.cpp, int8_panel_avx2.cpp and int8_panel_avx512.cpp).
+// vpdpbusd on 512-bit registers, for the AVX-512 VNNI loops (int8_dot_avx512.cpp, int8_group_avx512.cpp,
+// int8_panel_avx512.cpp, w4a8_avx512.cpp and w6a8_avx512.cpp).
 //
 // Written as inline assembly because GCC 12 compiles _mm512_dpbusd_epi32 in a loop with a register copy of the
 // accumulator before and after each instruction, which cost a large share of the tile's throughput with the
