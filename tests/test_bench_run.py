@@ -116,6 +116,34 @@ def test_runner_interleaves_methods_prompt_by_prompt(tmp_path):
     assert divergences(result.records)[0]["position"] == 1  # the runner's records feed the divergence check
 
 
+class TimedMethod(ScriptedMethod):
+    """A fake method whose answers take the given wall times, one call after another (after its warm-up)."""
+
+    def __init__(self, name: str, times: list[float]) -> None:
+        super().__init__(name, [1, 2])
+        self.times = [0.0, *times]
+
+    def generate(self, messages, params):
+        out = super().generate(messages, params)
+        out.stats.decode_s = self.times[len(self.calls) - 1]
+        return out
+
+
+def test_repeats_keep_each_methods_answer_of_median_time(tmp_path):
+    items = ITEMS[:2]
+    a, b = TimedMethod("ar:x", [3.0, 1.0, 2.0, 5.0, 6.0, 4.0]), TimedMethod("ngram+x", [1.0, 1.0, 9.0, 2.0, 2.0, 2.0])
+    result = run([a, b], items, RunConfig(warmup_tokens=1, repeat=3), tmp_path / "answers.jsonl")
+    assert a.calls[1:] == b.calls[1:] == ["question 0"] * 3 + ["question 1"] * 3  # interleaved, prompt by prompt
+    kept = {(r["model_id"], r["question_id"]): r for r in result.records}
+    assert len(result.records) == 4
+    assert {key: sum(r["choices"][0]["wall_time"]) for key, r in kept.items()} == pytest.approx(
+        {("ar:x", "q0"): 2.0, ("ar:x", "q1"): 5.0, ("ngram+x", "q0"): 1.0, ("ngram+x", "q1"): 2.0})
+    assert kept[("ar:x", "q0")]["wall_times"] == pytest.approx([3.0, 1.0, 2.0])
+    written = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert [(r["model_id"], r["question_id"]) for r in written] == [("ar:x", "q0"), ("ngram+x", "q0"),
+                                                                    ("ar:x", "q1"), ("ngram+x", "q1")]
+
+
 def test_ctrl_c_keeps_finished_prompts(tmp_path, caplog):
     answers = tmp_path / "answers.jsonl"
     result = run([ScriptedMethod("ar:x", [1], stop_at="question 1")], ITEMS, RunConfig(), answers)

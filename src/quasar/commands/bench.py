@@ -56,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="candidates per position of DRAFTER+V's draft trees: 1 (one chain) to 4, or 'auto' as "
                         "generate's (default: %(default)s)")
     parser.add_argument("--seed", type=seed, default=0, help="base seed for sampled runs (default: 0)")
+    parser.add_argument("--repeat", type=positive_int, default=1, metavar="N",
+                        help="answer each prompt N times with every method, interleaved, and keep each method's "
+                             "answer of median time: steadier ratios on a noisy machine (default: 1)")
     parser.add_argument("--out", default="bench-out", help="output directory, replaced as a whole when the run ends "
                         "(default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace the earlier run in a non-empty --out")
@@ -73,7 +76,7 @@ def options(args: argparse.Namespace) -> BenchOptions:
     max_new = args.max_new_tokens or SUITE_TOKENS[args.suite]
     return BenchOptions(
         suite=args.suite, methods=args.methods, out=args.out, per_category=args.limit, categories=args.categories,
-        run=RunConfig(temperatures=args.temperatures, max_new_tokens=max_new, seed=args.seed),
+        run=RunConfig(temperatures=args.temperatures, max_new_tokens=max_new, seed=args.seed, repeat=args.repeat),
         model=MethodOptions(model=args.model, max_context=args.max_context,
                             k=args.k, tree=args.tree, quantized=args.quantized),
         memory_wall=args.memory_wall, plots=args.plots, overwrite=args.overwrite,

@@ -1,5 +1,7 @@
 """Run every method on every prompt in one process: warm-up first, then interleaved prompt by prompt
-(method order rotated from prompt to prompt), same prompts, same token budget, same seeds.
+(method order rotated from prompt to prompt), same prompts, same token budget, same seeds. With `repeat` > 1 every
+method answers each prompt that many times, interleaved (the order rotated each time), and keeps the answer of
+median time: a slow phase of the machine during one answer no longer decides a category's ratio.
 
 Each finished prompt appends one Spec-Bench answer record per method to answers.jsonl in one write, so
 Ctrl-C loses at most the prompt in flight; a prompt is written only when every method has answered it.
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from quasar.tools.bench.base import Method
-from quasar.tools.bench.metrics import Record
+from quasar.tools.bench.metrics import Record, choice
 from quasar.tools.bench.suites import BenchItem
 from quasar.decoding.engine import PromptTooLongError
 from quasar.decoding.sampling import SamplingParams
@@ -33,6 +35,7 @@ class RunConfig:
     max_new_tokens: int = 128
     seed: int = 0
     warmup_tokens: int = 16
+    repeat: int = 1  # answers per method and prompt; the one of median wall time is kept
 
 
 @dataclass
@@ -109,6 +112,22 @@ def answer_all(order: list[Method], item: BenchItem, params: SamplingParams, tem
     return batch
 
 
+def median_answers(rounds: list[list[Record]]) -> list[Record]:
+    """Each method's answer of median wall time (the lower middle one of an even count) over the rounds of one
+    prompt, with every round's wall time (`wall_times`, seconds) beside it; methods in their order of the first
+    round."""
+    by_method: dict[str, list[Record]] = {}
+    for records in rounds:
+        for record in records:
+            by_method.setdefault(record["model_id"], []).append(record)
+    kept = []
+    for records in by_method.values():
+        times = [sum(choice(record)["wall_time"]) for record in records]
+        middle = sorted(range(len(records)), key=times.__getitem__)[(len(records) - 1) // 2]
+        kept.append({**records[middle], "wall_times": times})
+    return kept
+
+
 def run(methods: list[Method], items: list[BenchItem], config: RunConfig, answers: Path) -> RunResult:
     """Benchmark `methods` on `items`; returns what finished (Ctrl-C stops cleanly after writing it)."""
     result = RunResult()
@@ -127,7 +146,10 @@ def run(methods: list[Method], items: list[BenchItem], config: RunConfig, answer
                 params = SamplingParams(temperature=temperature, max_new_tokens=config.max_new_tokens,
                                         seed=config.seed + i)
                 try:
-                    batch = answer_all(rotated(active, i), item, params, temperature, active, result)
+                    rounds = [answer_all(rotated(active, i + r), item, params, temperature, active, result)
+                              for r in range(config.repeat)]
+                    batch = rounds[0] if config.repeat == 1 else median_answers(rounds)
+                    batch = [record for record in batch if any(m.name == record["model_id"] for m in active)]
                 except PromptTooLongError as e:
                     log.warning("skipping %s: %s", item.question_id, e)
                     result.skipped.append(item.question_id)
