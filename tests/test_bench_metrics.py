@@ -99,9 +99,12 @@ def test_divergence_detection_flags_only_greedy_mismatches():
         record("ar:w8a8", "q2", 5, 1.0, token_ids=[[1, 2, 3], [4, 5]]),
         record("ngram+w8a8", "q2", 5, 1.0, token_ids=[[1, 2, 3], [4, 6]]),  # second turn differs at token 1
         record("ar:w8a8", "q3", 3, 1.0, token_ids=[[1, 2, 3]], temperature=1.0),
-        record("ngram+w8a8", "q3", 3, 1.0, token_ids=[[9, 9, 9]], temperature=1.0),  # sampled: not compared
+        record("ngram+w8a8", "q3", 3, 1.0, token_ids=[[1, 9, 9]], temperature=1.0),  # matched: compared sampled too
+        record("layerskip:4+w8a8", "q3", 3, 1.0, token_ids=[[9, 9, 9]], temperature=1.0),  # sampled drafts: not
         record("ngram+bf16", "q1", 5, 1.0, token_ids=[[0]]),  # no ar:bf16 reference in the run
     ]
     found = divergences(rs)
     assert found == [{"method": "ngram+w8a8", "reference": "ar:w8a8", "question_id": "q2", "turn": 1,
+                      "position": 1, "category": "math"},
+                     {"method": "ngram+w8a8", "reference": "ar:w8a8", "question_id": "q3", "turn": 0,
                       "position": 1, "category": "math"}]

@@ -132,14 +132,24 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def matched_when_sampling(method: str) -> bool:
+    """Whether `method`'s sampled answers must be its reference's too: quasar's one-verifier engine with a copying
+    drafter ('ngram', 'suffix'), whose drafts are matched against plain decoding's draws (same seed, same tokens)."""
+    if method.partition(":")[0] in ("hf", "llamacpp"):
+        return False
+    spec = EngineSpec.parse(method)
+    return spec.drafter in ("ngram", "suffix") and spec.middle is None
+
+
 def divergences(records: list[Record]) -> list[dict[str, Any]]:
-    """Greedy (temperature 0) answers whose tokens differ from their plain-decoding reference's."""
+    """Answers whose tokens differ from their plain-decoding reference's: greedy ones (temperature 0), and sampled
+    ones of the methods `matched_when_sampling` names (the bench seeds every method's prompt alike)."""
     by_key = {(r["model_id"], r["temperature"], r["question_id"]): r for r in records}
     found = []
     for (method, temperature, qid), r in by_key.items():
         reference = reference_method(method)
         other = by_key.get((reference, temperature, qid)) if reference else None
-        if temperature != 0 or other is None:
+        if other is None or (temperature != 0 and not matched_when_sampling(method)):
             continue
         for turn, (mine, theirs) in enumerate(zip(choice(r)["token_ids"], choice(other)["token_ids"])):
             position = first_difference(mine, theirs)

@@ -80,12 +80,13 @@ def markdown(rows: list[dict[str, Any]], divergent: list[dict[str, Any]], header
         lines += ["| " + " | ".join(cell(r[k], f) for k, _, f in columns) + " |"
                   for r in rows if r["temperature"] == temperature]
         lines.append("")
-    lines += ["## Greedy divergence (DRAFTER+V vs ar:V)", ""]
+    lines += ["## Divergence from plain decoding (DRAFTER+V vs ar:V)", ""]
     if divergent:
         lines += [f"- **{d['method']}** differs from {d['reference']} on {d['question_id']} turn {d['turn'] + 1} "
                   f"at token {d['position']}" for d in divergent]
     else:
-        lines.append("none: every greedy speculative answer matched its plain-decoding reference token for token")
+        lines.append("none: every greedy speculative answer, and every sampled ngram / suffix one, matched its "
+                     "plain-decoding reference token for token")
     return "\n".join(lines) + "\n"
 
 
