@@ -325,6 +325,8 @@ def test_an_embedding_looked_up_in_blocks_gives_the_tables_rows(qtype):
     ids = torch.tensor([[3, 39, 0], [3, 7, 21]])
     assert torch.equal(table(ids), blocks.dequantize()[ids])
     assert table.kernel_table([5, 5, 9])[0] == [0, 1, 2]
+    for step in ([5, 5, 9], [9, 12], list(range(40))):  # small steps from rows dequantized before, a prefill not
+        assert torch.equal(table.kernel_table(step)[1], blocks.dequantize()[step])
     from quasar.model.gemma3 import ScaledEmbedding  # Gemma's: rows times sqrt(hidden), as its float table's
 
     gemma = ScaledEmbedding(40, 256)
