@@ -91,7 +91,7 @@ def test_first_difference():
     assert first_difference([1, 2], [1, 2, 3]) == 2
 
 
-def test_divergence_detection_flags_only_greedy_mismatches():
+def test_divergence_detection_flags_greedy_and_matched_sampled_mismatches():
     same = [[5, 6, 7], [8, 9]]
     rs = [
         record("ar:w8a8", "q1", 5, 1.0, token_ids=same),

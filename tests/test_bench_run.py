@@ -122,6 +122,10 @@ class TimedMethod(ScriptedMethod):
     def __init__(self, name: str, times: list[float]) -> None:
         super().__init__(name, [1, 2])
         self.times = [0.0, *times]
+        self.forgotten = 0
+
+    def forget(self):
+        self.forgotten += 1
 
     def generate(self, messages, params):
         out = super().generate(messages, params)
@@ -139,9 +143,21 @@ def test_repeats_keep_each_methods_answer_of_median_time(tmp_path):
     assert {key: sum(r["choices"][0]["wall_time"]) for key, r in kept.items()} == pytest.approx(
         {("ar:x", "q0"): 2.0, ("ar:x", "q1"): 5.0, ("ngram+x", "q0"): 1.0, ("ngram+x", "q1"): 2.0})
     assert kept[("ar:x", "q0")]["wall_times"] == pytest.approx([3.0, 1.0, 2.0])
+    assert a.forgotten == b.forgotten == 6  # every round starts from no kept cache
     written = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
     assert [(r["model_id"], r["question_id"]) for r in written] == [("ar:x", "q0"), ("ngram+x", "q0"),
                                                                     ("ar:x", "q1"), ("ngram+x", "q1")]
+
+
+def test_repeats_stop_when_every_method_failed(tmp_path):
+    class Broken(TimedMethod):
+        def generate(self, messages, params):
+            if messages[0]["content"] != "Write one sentence about the sea.":
+                raise RuntimeError("no")
+            return super().generate(messages, params)
+
+    result = run([Broken("ar:x", [1.0] * 6)], ITEMS[:2], RunConfig(warmup_tokens=1, repeat=3), tmp_path / "a.jsonl")
+    assert result.records == [] and "ar:x" in result.failed
 
 
 def test_ctrl_c_keeps_finished_prompts(tmp_path, caplog):

@@ -34,6 +34,23 @@ def test_ngram_prefers_the_longest_match_then_the_earliest_occurrence():
     assert propose(d, k=0) == []
 
 
+@pytest.mark.parametrize("make", [lambda: NgramDrafter(1, 3), lambda: SuffixDrafter(1, 8)])
+def test_a_free_drafters_drafts_are_deterministic(make):
+    """What `free` promises the engine (it matches their sampled drafts against plain decoding's draws): a draft
+    without a distribution, the same at every temperature, and no random number taken from the request's generator,
+    for chains and trees alike."""
+    d = make()
+    d.commit([9, 1, 2, 8, 1, 2, 8, 1, 2, 7, 5, 1, 2])
+    assert d.free
+    g = torch.Generator().manual_seed(0)
+    state = g.get_state()
+    drafts = [d.propose(3, SamplingParams(temperature=t), g) for t in (0.0, 0.7, 1.0)]
+    assert all(draft.probs is None and draft.tokens == drafts[0].tokens for draft in drafts) and drafts[0].tokens
+    tree = d.propose_tree(6, 2, lambda depth, rank: 0.5)
+    assert len(tree) > 0 and d.propose_tree(6, 2, lambda depth, rank: 0.5) == tree
+    assert torch.equal(g.get_state(), state)
+
+
 def test_sampled_ngram_drafts_are_the_greedy_copy_and_draw_nothing():
     """At T > 0 the draft is the copy greedy decoding gets (verified by matching plain decoding's draws), with no
     draft distribution and no random number taken from the request's generator."""

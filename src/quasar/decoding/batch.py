@@ -22,7 +22,8 @@ its expected tokens raise the forward's tokens per second under a cost model fit
 (CostModel). With few requests in the batch nearly every draft pays; in a full batch only the likely ones do. A cut draft is still a
 valid draft (output unchanged at temperature 0, and when sampling a free drafter's deterministic draft, whose
 tokens are matched against plain decoding's draws; a distribution unchanged otherwise), but it changes which
-random numbers a model drafter's sampled request draws, so such a request keeps its whole draft when seeded. Prompt chunks
+random numbers a request draws whose drafts draw them (a model drafter's, a cascade's, a guarded one's), so such a
+request keeps its whole draft when seeded. Prompt chunks
 come before drafts (they are certain work), at least MIN_CHUNK tokens a step. On the torch path (CUDA, fp32)
 rows are not independent of their neighbours, so each request gets a forward of its own, prompts whole: the same
 answers, without the gain.

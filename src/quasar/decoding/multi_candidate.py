@@ -23,7 +23,8 @@ induction from the last residual, which is sampled directly); min(r, q) + max(0,
 Greedy decoding (a one-hot target, the argmax) reduces to: the first candidate equal to the argmax if there is
 one, else the argmax (`greedy_choice`, which draws no random numbers). Deterministic candidates reach the same law
 by matching the row's one draw (`greedy_choice` of the draw): the draft tree's walk (quasar.decoding.tree) does
-that, so its output is plain decoding's; `verify_candidates` is the rule for candidates drawn from a distribution.
+that, so its output is plain decoding's. `verify_candidates` is the rule for candidates drawn from a distribution;
+no drafter samples tree candidates today, so the engine does not call it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Speculative decoding: propose -> one verifier forward over [last, *draft] -> rejection sample -> trim.
+"""Speculative decoding: propose -> one verifier forward over [last, *draft] -> judge -> trim.
 
-The output follows the verifier's distribution exactly, whatever the drafter (see quasar.decoding.rejection);
-with greedy sampling it is the verifier's greedy output token for token.
+The output follows the verifier's distribution exactly, whatever the drafter (see quasar.decoding.rejection); with
+greedy sampling it is the verifier's greedy output token for token, and so is a sampled deterministic draft's
+(n-gram, suffix, every tree: matched against plain decoding's draws) with the same generator.
 """
 
 from __future__ import annotations
@@ -153,9 +154,9 @@ def verify_step(propose: Callable[[int], Draft], k: int, feed: list[int], cache:
 def verify_tree(tree: DraftTree, last: int, cache: KVCache, params: SamplingParams, sampler: Sampler,
                 budget: TreeBudget, stats: GenerationStats, cut: bool = False) -> VerifyStep:
     """verify_step for a draft tree (quasar.decoding.tree): its nodes scored in one forward after `last`, each row
-    attending to its own ancestors, walked by the multi-candidate rule; the accepted path's keys and values moved
-    into place (KVCache.keep). Returns the draft as scored (the accepted path first, then the other nodes), the
-    verdict on it and, when sampling, the verifier's rows."""
+    attending to its own ancestors, walked by matching each row's draw (its argmax when greedy); the accepted path's
+    keys and values moved into place (KVCache.keep). Returns the draft as scored (the accepted path first, then the
+    other nodes), the verdict on it and, when sampling, the verifier's rows."""
     verifying = time.perf_counter()
     base = cache.length + 1  # the first node's slot
     logits = yield Step([last, *tree.tokens], cache, cut=cut, chances=tuple(tree.chances), timed=budget.timed,

@@ -23,8 +23,10 @@ class Draft:
 
 
 class Drafter(Protocol):
-    # proposing costs next to nothing (no model runs): while drafting does not pay, a greedy request still asks for
-    # one token a step and compares it with the verifier's, so that it notices when drafting would pay again
+    # proposing costs next to nothing (no model runs) and the drafts are deterministic (Draft.probs None, no random
+    # number drawn: verified by matching plain decoding's draws when sampling): while drafting does not pay, a request
+    # still asks for one token a step and compares it with the verifier's, so that it notices when drafting would
+    # pay again
     free: bool
 
     def spawn(self) -> Drafter:

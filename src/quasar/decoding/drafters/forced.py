@@ -7,8 +7,8 @@ the draft, while room is left. The verifier still judges every token (each row m
 quasar.decoding.grammar), so the output is the one plain constrained decoding gives; a forced token is a draft
 token that is nearly always accepted.
 
-Cutting is exact only for a deterministic draft (a function of the tokens so far: n-gram at temperature 0, suffix).
-A sampled draft (a model drafter, n-gram at T > 0) is kept whole after the forced tokens: rejection sampling turns a
+Cutting is exact only for a deterministic draft (a function of the tokens so far: n-gram, suffix).
+A sampled draft (a model drafter at T > 0) is kept whole after the forced tokens: rejection sampling turns a
 token the grammar rejects down (its target probability is 0) and draws from the residual, as it must; removing it
 would bias the output toward the tokens such a draft proposes less often.
 """

@@ -33,6 +33,10 @@ class Method(Protocol):
 
     def generate(self, messages: Messages, params: SamplingParams) -> RequestOutput: ...
 
+    def forget(self) -> None:
+        """Drop what earlier answers left for later ones to reuse (kept KV caches): a repeated prompt's rounds
+        then all start alike."""
+
 
 @dataclass(frozen=True)
 class MethodOptions:

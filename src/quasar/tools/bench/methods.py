@@ -48,6 +48,9 @@ class EngineMethod:
         conversation = list(messages)  # the caller goes on appending turns to its list
         return self.engine.generate(self.engine.encode(conversation), params, conversation)
 
+    def forget(self) -> None:
+        self.engine.caches.free.clear()
+
 
 def engine_method(name: str, pool: Pool) -> Method:
     try:

@@ -71,6 +71,9 @@ class HFMethod:
         return {**kwargs, "do_sample": True, "temperature": params.temperature, "top_p": params.top_p,
                 "top_k": params.top_k, "min_p": params.min_p or None}
 
+    def forget(self) -> None:  # transformers' generate keeps nothing between calls
+        pass
+
     @torch.inference_mode()
     def generate(self, messages: Messages, params: SamplingParams) -> RequestOutput:
         ids = encode(self.tokenizer, messages)
@@ -162,6 +165,9 @@ class LlamaCppMethod:
         # score buffer holds n_batch rows and a verify step past position 512 fails with a broadcast error.
         self.llm = Llama(str(path), n_ctx=n_ctx, n_threads=torch.get_num_threads(), draft_model=draft,
                          logits_all=draft is not None, verbose=False)
+
+    def forget(self) -> None:  # every answer evaluates with reset=True
+        pass
 
     def generate(self, messages: Messages, params: SamplingParams) -> RequestOutput:
         ids = encode(self.tokenizer, messages)

@@ -1,7 +1,8 @@
 """Run every method on every prompt in one process: warm-up first, then interleaved prompt by prompt
 (method order rotated from prompt to prompt), same prompts, same token budget, same seeds. With `repeat` > 1 every
-method answers each prompt that many times, interleaved (the order rotated each time), and keeps the answer of
-median time: a slow phase of the machine during one answer no longer decides a category's ratio.
+method answers each prompt that many times, interleaved (the order rotated each time, every round from no kept KV
+cache), and keeps the answer of median time: a slow phase of the machine during one answer no longer decides a
+category's ratio.
 
 Each finished prompt appends one Spec-Bench answer record per method to answers.jsonl in one write, so
 Ctrl-C loses at most the prompt in flight; a prompt is written only when every method has answered it.
@@ -128,6 +129,23 @@ def median_answers(rounds: list[list[Record]]) -> list[Record]:
     return kept
 
 
+def answer_rounds(item: BenchItem, params: SamplingParams, temperature: float, i: int, repeat: int,
+                  active: list[Method], result: RunResult) -> list[Record]:
+    """Every method's answer to question i; with repeat > 1 each method answers it that many times, the order
+    rotated each round, every round from no kept cache (`Method.forget`), and keeps its answer of median time."""
+    if repeat == 1:
+        return answer_all(rotated(active, i), item, params, temperature, active, result)
+    rounds = []
+    for r in range(repeat):
+        if not active:
+            break
+        for method in active:
+            method.forget()
+        rounds.append(answer_all(rotated(active, i + r), item, params, temperature, active, result))
+    names = {method.name for method in active}  # a method that failed in a later round is out of the run
+    return [record for record in median_answers(rounds) if record["model_id"] in names]
+
+
 def run(methods: list[Method], items: list[BenchItem], config: RunConfig, answers: Path) -> RunResult:
     """Benchmark `methods` on `items`; returns what finished (Ctrl-C stops cleanly after writing it)."""
     result = RunResult()
@@ -146,10 +164,7 @@ def run(methods: list[Method], items: list[BenchItem], config: RunConfig, answer
                 params = SamplingParams(temperature=temperature, max_new_tokens=config.max_new_tokens,
                                         seed=config.seed + i)
                 try:
-                    rounds = [answer_all(rotated(active, i + r), item, params, temperature, active, result)
-                              for r in range(config.repeat)]
-                    batch = rounds[0] if config.repeat == 1 else median_answers(rounds)
-                    batch = [record for record in batch if any(m.name == record["model_id"] for m in active)]
+                    batch = answer_rounds(item, params, temperature, i, config.repeat, active, result)
                 except PromptTooLongError as e:
                     log.warning("skipping %s: %s", item.question_id, e)
                     result.skipped.append(item.question_id)
