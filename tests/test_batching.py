@@ -3,6 +3,7 @@ requests join and leave between steps; a cancelled or failing request leaves alo
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import random
 
@@ -254,9 +255,10 @@ def test_a_seeded_request_keeps_its_sampled_drafts_uncut_and_an_unseeded_one_may
     from quasar.decoding.speculative import Speculative
     from quasar.decoding.stats import GenerationStats
 
-    decoder = decoder_for(drafter, tiny_model, k=3)
+    target = copy.deepcopy(tiny_model)  # a layer-skip drafter moves its target onto the kernels: not the shared one
+    decoder = decoder_for(drafter, target, k=3)
     assert isinstance(decoder, Speculative)
-    model, cuts = tiny_model.model, {}
+    model, cuts = target.model, {}
     for name, params in {"greedy": SamplingParams(), "seeded": SamplingParams(temperature=1.0, seed=1),
                          "unseeded": SamplingParams(temperature=1.0)}.items():
         params = dataclasses.replace(params, max_new_tokens=8, ignore_eos=True)
