@@ -220,9 +220,9 @@ class Speculative:
         costs = None if not independent and params.seed is not None else self.costs
         guessing = drafter.free and independent  # may stop drafting and still watch its guesses
         length = DraftLength(self.k, costs, k_min=0 if guessing else 1)
-        # a free drafter's tree may shrink to nothing at any temperature: a plain step's row still says how likely
-        # its candidates were
-        budget = TreeBudget(self.width, self.k, costs, k_min=0 if drafter.free else 1) if trees else None
+        # a free drafter's tree may shrink to nothing at any temperature (trees are independent): a plain step's row
+        # still says how likely its candidates were
+        budget = TreeBudget(self.width, self.k, costs, k_min=0 if guessing else 1) if trees else None
         grammar = grammar_of(processing)
         # A batch may score fewer draft tokens than proposed when it is full, unless that could change the
         # output: a seeded request whose drafts draw random numbers gives the same tokens as alone only with the
